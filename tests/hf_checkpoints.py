@@ -1,0 +1,36 @@
+"""Builds tiny random HF checkpoints with transformers (torch is a test-only dependency)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+import transformers
+
+# Small but with every variant feature: GQA, explicit head_dim, biases, q/k norm, rope scaling.
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+              dict(head_dim=16, tie_word_embeddings=False,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                   rope_theta=500000.0)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32, tie_word_embeddings=False)),
+}
+
+
+def make_checkpoint(family: str, out_dir: pathlib.Path, seed: int = 0) -> transformers.PreTrainedModel:
+    """Saves a random-initialised tiny model of `family` to `out_dir` (fp32) and returns it."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = config_cls(**TINY, **extra)
+    model = model_cls(config).to(torch.float32).eval()
+    with torch.no_grad():  # Random non-trivial norms and biases so every parameter matters.
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return model

@@ -1,0 +1,91 @@
+"""The JAX decoder against transformers' forward, and checkpoint loading edge cases."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+from trace_jax.models.config import ModelConfig
+from trace_jax.models.decoder import forward
+from trace_jax.models.loading import load_params, save_hf_checkpoint
+
+
+def _tokens(seed=0, shape=(2, 40), vocab=128):
+    return np.random.RandomState(seed).randint(0, vocab, shape)
+
+
+def _same_trees(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(np.array_equal(x, y) for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_logits_match_transformers(tiny_checkpoints, family):
+    path, model = tiny_checkpoints[family]
+    cfg = ModelConfig.from_dir(path)
+    tokens = _tokens()
+    with torch.no_grad():
+        ref = model(torch.tensor(tokens)).logits.numpy()
+    ours, _ = forward(load_params(path, cfg), jnp.asarray(tokens), cfg)
+    assert np.abs(np.asarray(ours) - ref).max() <= 1e-4
+
+
+def test_variant_flags_come_from_config(tiny_checkpoints):
+    cfgs = {f: ModelConfig.from_dir(p) for f, (p, _) in tiny_checkpoints.items()}
+    assert cfgs["llama"].rope_scaling is not None and not cfgs["llama"].tie_word_embeddings
+    assert cfgs["qwen2"].qkv_bias and cfgs["qwen2"].tie_word_embeddings
+    assert cfgs["qwen3"].qk_norm and cfgs["qwen3"].head_dim == 32
+
+
+def test_sharded_index_checkpoint_loads_the_same(tiny_checkpoints, tmp_path):
+    path, _ = tiny_checkpoints["qwen3"]
+    cfg = ModelConfig.from_dir(path)
+    tensors = load_file(str(path / "model.safetensors"))
+    names = sorted(tensors)
+    shutil.copy(path / "config.json", tmp_path / "config.json")
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        fname = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(tmp_path / fname))
+        weight_map.update({n: fname for n in part})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert _same_trees(load_params(path, cfg), load_params(tmp_path, cfg))
+
+
+def test_bf16_loading_keeps_logits_close(tiny_checkpoints):
+    path, _ = tiny_checkpoints["llama"]
+    cfg = ModelConfig.from_dir(path)
+    tokens = jnp.asarray(_tokens(shape=(1, 16)))
+    p32, p16 = load_params(path, cfg), load_params(path, cfg, dtype=jnp.bfloat16)
+    assert jax.tree.leaves(p16)[0].dtype == jnp.bfloat16
+    l32, _ = forward(p32, tokens, cfg)
+    l16, _ = forward(p16, tokens, cfg)
+    assert np.abs(np.asarray(l32) - np.asarray(l16)).max() < 0.1
+
+
+def test_save_and_reload_round_trip(tiny_checkpoints, tmp_path):
+    path, _ = tiny_checkpoints["qwen2"]
+    cfg = ModelConfig.from_dir(path)
+    params = load_params(path, cfg)
+    save_hf_checkpoint(params, path, tmp_path, cfg)
+    assert _same_trees(params, load_params(tmp_path, cfg))
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(ValueError, match="MistralForCausalLM.*supports"):
+        ModelConfig.from_hf_dict({"architectures": ["MistralForCausalLM"], "hidden_size": 8})
+
+
+def test_mismatched_config_fails_clearly(tiny_checkpoints, tmp_path):
+    path, _ = tiny_checkpoints["llama"]
+    shutil.copy(path / "model.safetensors", tmp_path / "model.safetensors")
+    hf = json.loads((path / "config.json").read_text())
+    hf["num_hidden_layers"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="unexpected tensors"):
+        load_params(tmp_path, ModelConfig.from_dir(tmp_path))

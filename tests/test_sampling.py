@@ -1,0 +1,169 @@
+"""KV-cache generation: cache equals a full forward, continuation, per-row settings, stops."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from trace_jax.models.config import ModelConfig
+from trace_jax.models.decoder import forward, init_cache
+from trace_jax.models.loading import load_params
+from trace_jax.sampling import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, Sampler, sample_from_logits, truncate_logits
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoints):
+    path, torch_model = tiny_checkpoints["qwen3"]
+    cfg = ModelConfig.from_dir(path)
+    return cfg, load_params(path, cfg), torch_model
+
+
+def _full_logprobs(params, cfg, prompt, generated):
+    logits, _ = forward(params, jnp.asarray([prompt + generated]), cfg)
+    logp = jax.nn.log_softmax(logits[0, len(prompt) - 1 : -1], axis=-1)
+    return np.asarray(logp[jnp.arange(len(generated)), jnp.asarray(generated)])
+
+
+def test_cached_decoding_equals_full_forward(model):
+    cfg, params, _ = model
+    tokens = np.random.RandomState(1).randint(0, cfg.vocab_size, (3, 24))
+    full, _ = forward(params, jnp.asarray(tokens), cfg)
+    cache = init_cache(cfg, 3, 64)
+    # Prefill rows with different lengths, then feed the rest one token at a time.
+    starts = np.array([5, 11, 17])
+    prompt = np.zeros((3, 17), np.int32)
+    for b, s in enumerate(starts):
+        prompt[b, :s] = tokens[b, :s]
+    logits, cache = forward(params, jnp.asarray(prompt), cfg, cache=cache, num_new=jnp.asarray(starts))
+    for b, s in enumerate(starts):
+        assert np.abs(np.asarray(logits[b, s - 1]) - np.asarray(full[b, s - 1])).max() <= 1e-5
+    for b in range(3):
+        for t in range(starts[b], 24):
+            step = np.zeros((3, 1), np.int32)
+            step[b, 0] = tokens[b, t]
+            num_new = jnp.asarray(np.eye(3, dtype=np.int32)[b])
+            logits, cache = forward(params, jnp.asarray(step), cfg, cache=cache, num_new=num_new)
+            assert np.abs(np.asarray(logits[b, 0]) - np.asarray(full[b, t])).max() <= 1e-5
+    assert np.asarray(cache.lengths).tolist() == [24, 24, 24]
+
+
+def test_greedy_matches_transformers_generate_and_logprobs_rescore(model):
+    cfg, params, torch_model = model
+    sampler = Sampler(cfg, params)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10] * 20]
+    outs, _ = sampler.generate(prompts, key=jax.random.key(0), max_new_tokens=12)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = torch_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)[0].tolist()
+        assert prompt + out.token_ids == ref and out.finish_reason == FINISH_LENGTH
+        assert np.abs(_full_logprobs(params, cfg, prompt, out.token_ids) - np.array(out.logprobs)).max() <= 1e-4
+
+
+def test_continuing_a_row_equals_a_fresh_prefill(model):
+    cfg, params, _ = model
+    sampler = Sampler(cfg, params)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [11]]
+    first, cache = sampler.generate(prompts, key=jax.random.key(0), max_new_tokens=6)
+    turn2 = [[20, 21], [22]]
+    cont, cache = sampler.generate(turn2, key=jax.random.key(5), max_new_tokens=7, cache=cache, rows=[2, 0],
+                                   temperature=1.0)
+    for row, extra, out in zip([2, 0], turn2, cont):
+        history = prompts[row] + first[row].token_ids + extra
+        fresh, _ = sampler.generate([history], key=jax.random.key(5), max_new_tokens=7, temperature=1.0)
+        assert np.abs(_full_logprobs(params, cfg, history, out.token_ids) - np.array(out.logprobs)).max() <= 1e-4
+        assert len(fresh[0].token_ids) == 7
+    assert np.asarray(cache.lengths)[[0, 1, 2]].tolist() == [3 + 6 + 1 + 7, 6 + 6, 1 + 6 + 2 + 7]
+    greedy_cont, _ = sampler.generate([[30]], key=jax.random.key(0), max_new_tokens=5, cache=cache, rows=[1])
+    history = prompts[1] + first[1].token_ids + [30]
+    greedy_fresh, _ = sampler.generate([history], key=jax.random.key(0), max_new_tokens=5)
+    assert greedy_cont[0].token_ids == greedy_fresh[0].token_ids
+
+
+def test_sampling_parameters_do_not_recompile_and_key_decides(model):
+    cfg, params, _ = model
+    sampler = Sampler(cfg, params)
+    kwargs = dict(max_new_tokens=20)
+    a, _ = sampler.generate([[1, 2]] * 3, key=jax.random.key(1), temperature=[1.0, 0.7, 0.0], top_p=[1.0, 0.9, 1.0],
+                            top_k=[0, 0, 5], **kwargs)
+    compiled = sampler._decode._cache_size()
+    b, _ = sampler.generate([[1, 2]] * 3, key=jax.random.key(1), temperature=[1.0, 0.7, 0.0], top_p=[1.0, 0.9, 1.0],
+                            top_k=[0, 0, 5], **kwargs)
+    c, _ = sampler.generate([[1, 2]] * 3, key=jax.random.key(2), temperature=[0.5, 1.3, 1.0], top_p=[0.5, 1.0, 0.8],
+                            top_k=[3, 0, 0], **kwargs)
+    assert sampler._decode._cache_size() == compiled
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = jax.random.normal(jax.random.key(0), (4, 50)) * 3
+    greedy = np.asarray(jnp.argmax(logits, -1))
+    for top_p, top_k in (([1.0] * 4, [1] * 4), ([1e-6] * 4, [0] * 4)):
+        tokens, logp = sample_from_logits(logits, jax.random.key(1), jnp.ones(4), jnp.asarray(top_p), jnp.asarray(top_k))
+        assert np.array_equal(np.asarray(tokens), greedy) and np.allclose(np.asarray(logp), 0.0, atol=1e-6)
+
+
+def _sorted_truncation(scaled, top_p, top_k):
+    """Reference top-k / top-p by sorting (what the bisection must reproduce)."""
+    keep = np.zeros(scaled.shape, bool)
+    for b in range(scaled.shape[0]):
+        order = np.argsort(-scaled[b], kind="stable")
+        probs = np.exp(scaled[b][order] - scaled[b].max())
+        probs /= probs.sum()
+        kept = np.cumsum(probs) - probs < top_p[b]
+        if top_k[b] > 0:
+            kept &= np.arange(len(order)) < top_k[b]
+        keep[b, order[kept]] = True
+    return keep
+
+
+def test_truncation_matches_sorting_reference():
+    rng = np.random.RandomState(0)
+    for _ in range(5):
+        scaled = (rng.randn(6, 1000) * rng.uniform(0.5, 5)).astype(np.float32)
+        top_p = rng.uniform(0.05, 1.0, 6).astype(np.float32)
+        top_k = rng.randint(0, 50, 6).astype(np.int32)
+        top_p[0], top_k[1] = 1.0, 0
+        ours = np.isfinite(np.asarray(truncate_logits(jnp.asarray(scaled), jnp.asarray(top_p), jnp.asarray(top_k))))
+        assert np.array_equal(ours, _sorted_truncation(scaled, top_p, top_k))
+
+
+def test_top_k_restricts_support():
+    logits = jax.random.normal(jax.random.key(0), (2, 30))
+    allowed = np.argsort(-np.asarray(logits), -1)[:, :3]
+    for seed in range(20):
+        tokens, _ = sample_from_logits(logits, jax.random.key(seed), jnp.ones(2), jnp.ones(2), jnp.full(2, 3))
+        assert all(t in allowed[b] for b, t in enumerate(np.asarray(tokens)))
+
+
+def test_stop_tokens_stop_strings_and_context(model):
+    cfg, params, _ = model
+    text_of = lambda ids: "".join(chr(65 + i % 26) for i in ids)  # one character per token
+    sampler = Sampler(cfg, params, detokenize=text_of, max_context=40)
+    probe, _ = sampler.generate([[1, 2, 3]], key=jax.random.key(0), max_new_tokens=10)
+    ids = probe[0].token_ids
+    stopped, _ = sampler.generate([[1, 2, 3]], key=jax.random.key(0), max_new_tokens=10, stop_token_ids=[ids[4]])
+    assert stopped[0].token_ids == ids[: ids.index(ids[4]) + 1] and stopped[0].finish_reason == FINISH_STOP
+    stop = text_of(ids[5:7])
+    by_string, cache = sampler.generate([[1, 2, 3]], key=jax.random.key(0), max_new_tokens=10, stop_strings=[stop])
+    cut = text_of(ids).find(stop)
+    assert by_string[0].finish_reason == FINISH_STOP and by_string[0].text == text_of(ids)[:cut]
+    assert by_string[0].token_ids == ids[: cut + 2] and int(cache.lengths[0]) == 3 + cut + 2
+    long, _ = sampler.generate([[1] * 30], key=jax.random.key(0), max_new_tokens=50)
+    assert long[0].finish_reason == FINISH_CONTEXT and len(long[0].token_ids) == 40 - 30
+    too_long, _ = sampler.generate([[1] * 45, [2]], key=jax.random.key(0), max_new_tokens=3)
+    assert too_long[0].finish_reason == FINISH_CONTEXT and too_long[0].token_ids == []
+    assert len(too_long[1].token_ids) == 3
+
+
+def test_bad_arguments_fail_clearly(model):
+    cfg, params, _ = model
+    sampler = Sampler(cfg, params)
+    with pytest.raises(ValueError, match="at least one token"):
+        sampler.generate([[]], key=jax.random.key(0))
+    with pytest.raises(ValueError, match="detokenize"):
+        sampler.generate([[1]], key=jax.random.key(0), stop_strings=["x"])
+    with pytest.raises(ValueError, match="shape"):
+        sampler.generate([[1], [2]], key=jax.random.key(0), temperature=[1.0, 1.0, 1.0])

@@ -1,0 +1,128 @@
+"""Loads HF safetensors checkpoints into the decoder's parameter tree, and writes them back.
+
+One table maps HF tensor names to tree paths; reading stacks the per-layer tensors
+on a leading layer axis and transposes linear weights from [out, in] to [in, out].
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from trace_jax.models.config import ModelConfig
+
+# (HF name with {i} for the layer, path in params["layers"], is a linear weight [out, in]).
+_LAYER_TENSORS = [
+    ("input_layernorm.weight", ("attn_norm",), False),
+    ("post_attention_layernorm.weight", ("mlp_norm",), False),
+    ("self_attn.q_norm.weight", ("q_norm",), False),
+    ("self_attn.k_norm.weight", ("k_norm",), False),
+] + [
+    (f"{module}.{proj}.{kind}", (proj, "kernel" if kind == "weight" else "bias"), kind == "weight")
+    for module, projs in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    for proj in projs
+    for kind in ("weight", "bias")
+]
+_GLOBAL_TENSORS = [
+    ("model.embed_tokens.weight", "embed", False),
+    ("model.norm.weight", "final_norm", False),
+    ("lm_head.weight", "lm_head", True),
+]
+
+
+def _safetensors_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def _iter_tensors(model_dir: pathlib.Path) -> Iterator[tuple[str, np.ndarray]]:
+    for path in _safetensors_files(model_dir):
+        with safe_open(str(path), framework="flax") as f:
+            for name in f.keys():
+                yield name, np.asarray(f.get_tensor(name).astype(jnp.float32))
+
+
+def load_params(model_dir: str | pathlib.Path, cfg: ModelConfig, dtype=jnp.float32) -> dict:
+    """Reads the checkpoint in `model_dir` into the parameter tree, cast to `dtype`."""
+    model_dir = pathlib.Path(model_dir)
+    tensors = dict(_iter_tensors(model_dir))
+    params: dict = {}
+    for hf_name, key, transpose in _GLOBAL_TENSORS:
+        if hf_name in tensors:
+            params[key] = tensors.pop(hf_name).T if transpose else tensors.pop(hf_name)
+    if cfg.tie_word_embeddings:
+        params.pop("lm_head", None)
+    elif "lm_head" not in params:
+        raise ValueError(f"{model_dir}: untied model without lm_head.weight")
+    layers: dict = {}
+    for suffix, path, transpose in _LAYER_TENSORS:
+        names = [f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers)]
+        present = [n in tensors for n in names]
+        if not any(present):
+            continue
+        if not all(present):
+            raise ValueError(f"{model_dir}: '{suffix}' is missing for some layers")
+        stacked = np.stack([tensors.pop(n).T if transpose else tensors.pop(n) for n in names])
+        node = layers
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = stacked
+    params["layers"] = layers
+    leftover = [n for n in tensors if "rotary_emb" not in n]
+    if leftover:
+        raise ValueError(f"{model_dir}: unexpected tensors {leftover[:5]} (is config.json right?)")
+    _check_shapes(params, cfg)
+    return jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+
+
+def _check_shapes(params: dict, cfg: ModelConfig) -> None:
+    q_out = params["layers"]["q_proj"]["kernel"].shape[-1]
+    if params["embed"].shape != (cfg.vocab_size, cfg.hidden_size) or q_out != cfg.num_heads * cfg.head_dim:
+        raise ValueError("checkpoint shapes do not match config.json")
+    missing = {"attn_norm", "mlp_norm", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    missing |= {"q_norm", "k_norm"} if cfg.qk_norm else set()
+    missing -= set(params["layers"])
+    if missing:
+        raise ValueError(f"checkpoint lacks layer tensors {sorted(missing)}")
+
+
+def to_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The parameter tree as HF-named fp32 numpy tensors (inverse of `load_params`)."""
+    out: dict[str, np.ndarray] = {}
+    for hf_name, key, transpose in _GLOBAL_TENSORS:
+        if key in params:
+            value = np.asarray(params[key], np.float32)
+            out[hf_name] = np.ascontiguousarray(value.T if transpose else value)
+    for suffix, path, transpose in _LAYER_TENSORS:
+        node = params["layers"]
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if node is None:
+            continue
+        for i in range(cfg.num_layers):
+            value = np.asarray(node[i], np.float32)
+            out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(value.T if transpose else value)
+    return out
+
+
+def save_hf_checkpoint(params: dict, cfg_dir: str | pathlib.Path, out_dir: str | pathlib.Path, cfg: ModelConfig) -> None:
+    """Writes `params` as an HF folder: config.json (and tokenizer files) copied from `cfg_dir`."""
+    cfg_dir, out_dir = pathlib.Path(cfg_dir), pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in cfg_dir.iterdir():
+        if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".txt", ".model", ".jinja"):
+            (out_dir / f.name).write_bytes(f.read_bytes())
+    save_file(to_hf_tensors(params, cfg), str(out_dir / "model.safetensors"), metadata={"format": "pt"})

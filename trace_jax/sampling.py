@@ -1,0 +1,329 @@
+"""Batched generation with a KV cache: jitted prefill and decode, per-row everything.
+
+Each row keeps its own length in the cache, so rows of different lengths share a
+batch and a row can continue (the next turn of a conversation) by appending new
+tokens without recomputing its prefix. Temperature, top-p and top-k are per-row
+arrays (changing them never recompiles); batch, prompt and cache lengths are
+rounded up to buckets so the number of compiled programs stays small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trace_jax import lora as lora_lib
+from trace_jax.models import decoder
+from trace_jax.models.config import ModelConfig
+from trace_jax.sharding import ShardingPlan
+
+FINISH_STOP = "stop"  # a stop token or stop string
+FINISH_LENGTH = "length"  # max_new_tokens reached
+FINISH_CONTEXT = "context"  # the row reached the model's context limit
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One row's output. `token_ids` include the stop token / the tokens through a stop string;
+    `text` is their decoding with a matched stop string and what follows it removed."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str | None = None
+
+
+def _bucket(n: int, minimum: int) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+
+
+_BISECTION_STEPS = 32  # shrinks a logit range of ~1e2 to ~1e-8
+
+
+def truncate_logits(scaled, top_p, top_k):
+    """Masks to -inf the tokens outside each row's top-k (k > 0) and top-p nucleus (p < 1).
+
+    A token stays in the nucleus when the probability of the tokens more likely than
+    it is below top_p, so the most likely token always stays. Both cut-offs are found
+    by bisection on the logit value: exact up to ties closer than ~1e-8, and no sort
+    (a full-vocabulary sort is very slow on CPU).
+    """
+    finite_min = jnp.min(jnp.where(jnp.isfinite(scaled), scaled, jnp.inf), axis=-1)
+    x = jnp.maximum(scaled, finite_min[:, None])
+    probs = jax.nn.softmax(scaled, axis=-1)
+    k = jnp.where(top_k > 0, top_k, scaled.shape[-1])
+
+    def step(_, bounds):
+        # Invariants: count(x >= k_lo) > k >= count(x >= k_hi); mass(x > p_lo) >= top_p > mass(x > p_hi).
+        k_lo, k_hi, p_lo, p_hi = bounds
+        k_mid, p_mid = (k_lo + k_hi) / 2, (p_lo + p_hi) / 2
+        too_many = jnp.sum(x >= k_mid[:, None], axis=-1) > k
+        too_much = jnp.sum(jnp.where(x > p_mid[:, None], probs, 0.0), axis=-1) >= top_p
+        return (jnp.where(too_many, k_mid, k_lo), jnp.where(too_many, k_hi, k_mid),
+                jnp.where(too_much, p_mid, p_lo), jnp.where(too_much, p_hi, p_mid))
+
+    lo, hi = finite_min - 1.0, jnp.max(x, axis=-1)
+    _, k_hi, p_lo, _ = jax.lax.fori_loop(0, _BISECTION_STEPS, step, (lo, hi, lo, hi))
+    keep = (x >= k_hi[:, None]) & (x > p_lo[:, None])
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def sample_from_logits(logits, key, temperature, top_p, top_k):
+    """Draws one token per row. Returns (tokens [B], logprobs [B]).
+
+    Rows with temperature <= 0 are greedy and report the plain log-softmax of their
+    token; other rows report the log-probability under the distribution they were
+    drawn from (temperature-scaled, truncated by top-k / top-p, renormalised).
+    """
+    greedy = temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    needs_truncation = jnp.any(~greedy & ((top_p < 1.0) | (top_k > 0)))
+    scaled = jax.lax.cond(needs_truncation, lambda s: truncate_logits(s, top_p, top_k), lambda s: s, scaled)
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    tokens = jax.lax.cond(
+        jnp.all(greedy),
+        lambda: jnp.argmax(logits, axis=-1),
+        lambda: jnp.where(greedy, jnp.argmax(logits, axis=-1), jax.random.categorical(key, scaled, axis=-1)),
+    )
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def _prefill(params, adapters, cache, tokens, num_new, adapter_idx, *, cfg, constrain):
+    """Appends each row's first num_new[b] tokens; returns logits after each row's last one."""
+    row_lora = lora_lib.gather_rows(adapters, adapter_idx)
+    hidden, cache = decoder.forward_hidden(
+        params, tokens, cfg, row_lora=row_lora, cache=cache, num_new=num_new, constrain=constrain
+    )
+    last = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)
+    return decoder.logits_from_hidden(params, last, cfg)[:, 0], cache
+
+
+def _decode(params, adapters, cache, logits, key, sampling, stop_ids, remaining, done, adapter_idx,
+            *, cfg, constrain, steps):
+    """Samples up to `steps` tokens for each unfinished row, feeding each back through the cache.
+
+    Every sampled token (stop tokens included) is written to the cache, so a row can
+    later continue after it. Returns tokens and logprobs [B, steps] (-1 / 0 past a
+    row's end), the next logits, the cache, and per row: tokens generated and a
+    finish code (0 running, 1 stop token, 2 length, 3 context full).
+    """
+    temperature, top_p, top_k = sampling
+    row_lora = lora_lib.gather_rows(adapters, adapter_idx)
+    batch = logits.shape[0]
+
+    def cond(state):
+        step, _, _, _, done, *_ = state
+        return (step < steps) & ~jnp.all(done)
+
+    def body(state):
+        step, cache, logits, count, done, out_tokens, out_logp, finish = state
+        tokens, logp = sample_from_logits(logits, jax.random.fold_in(key, step), temperature, top_p, top_k)
+        active = ~done
+        out_tokens = out_tokens.at[:, step].set(jnp.where(active, tokens, -1))
+        out_logp = out_logp.at[:, step].set(jnp.where(active, logp, 0.0))
+        count = count + active
+        hit_stop = jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+        hit_context = cache.lengths + 1 >= cache.max_len
+        code = jnp.where(hit_stop, 1, jnp.where(count >= remaining, 2, jnp.where(hit_context, 3, 0)))
+        finish = jnp.where(active, code, finish)
+        hidden, cache = decoder.forward_hidden(
+            params, tokens[:, None], cfg, row_lora=row_lora, cache=cache,
+            num_new=active.astype(jnp.int32), constrain=constrain,
+        )
+        logits = jnp.where(active[:, None], decoder.logits_from_hidden(params, hidden, cfg)[:, 0], logits)
+        return step + 1, cache, logits, count, done | (finish > 0), out_tokens, out_logp, finish
+
+    init = (
+        jnp.int32(0), cache, logits, jnp.zeros((batch,), jnp.int32), done,
+        jnp.full((batch, steps), -1, jnp.int32), jnp.zeros((batch, steps), jnp.float32),
+        jnp.zeros((batch,), jnp.int32),
+    )
+    _, cache, logits, count, _, out_tokens, out_logp, finish = jax.lax.while_loop(cond, body, init)
+    return out_tokens, out_logp, logits, cache, count, finish
+
+
+_FINISH_NAMES = {1: FINISH_STOP, 2: FINISH_LENGTH, 3: FINISH_CONTEXT}
+
+
+def _per_row(value, n: int, dtype) -> np.ndarray:
+    """Broadcasts a scalar or a length-n sequence to a length-n array."""
+    arr = np.asarray(value, dtype)
+    if arr.ndim == 0:
+        return np.full((n,), arr, dtype)
+    if arr.shape != (n,):
+        raise ValueError(f"per-row sampling parameter has shape {arr.shape}, expected ({n},)")
+    return arr
+
+
+class Sampler:
+    """Generates for many rows at once from one base model and a stack of LoRA adapters.
+
+    `generate` returns the completions and a `KVCache` holding every row's tokens so
+    far; pass it back with `rows=` to append a next turn to those rows and go on.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict,
+        *,
+        adapters: lora_lib.Adapters | None = None,
+        plan: ShardingPlan | None = None,
+        max_context: int | None = None,
+        decode_chunk: int = 32,
+        min_cache: int = 128,
+        detokenize: Callable[[list[int]], str] | None = None,
+    ):
+        self.cfg = cfg
+        self.plan = plan
+        self.max_context = max_context or cfg.max_position_embeddings
+        self.decode_chunk = decode_chunk
+        self.min_cache = min_cache
+        self.detokenize = detokenize
+        self.params = plan.shard_params(params) if plan else params
+        self.adapters = None if adapters is None else (plan.shard_params(adapters) if plan else adapters)
+        constrain = plan.constrain if plan else decoder._no_constraint
+        self._prefill = jax.jit(functools.partial(_prefill, cfg=cfg, constrain=constrain), donate_argnums=(2,))
+        self._decode = jax.jit(
+            functools.partial(_decode, cfg=cfg, constrain=constrain, steps=decode_chunk), donate_argnums=(2,)
+        )
+
+    def set_adapters(self, adapters: lora_lib.Adapters | None) -> None:
+        """Swaps in new adapter weights (same shapes: no recompilation)."""
+        self.adapters = None if adapters is None else (self.plan.shard_params(adapters) if self.plan else adapters)
+
+    def _put(self, x, name: str):
+        x = jnp.asarray(x)
+        return jax.device_put(x, self.plan.activation_sharding(name, x.shape)) if self.plan else x
+
+    def new_cache(self, batch: int, capacity: int | None = None) -> decoder.KVCache:
+        """An empty cache for `batch` rows (rounded up to a bucket)."""
+        multiple = self.plan.batch_multiple if self.plan else 1
+        batch = -(-_bucket(batch, 1) // multiple) * multiple
+        capacity = min(capacity or self.min_cache, self.max_context)
+        dtype = self.params["embed"].dtype
+        cache = decoder.init_cache(self.cfg, batch, capacity, dtype)
+        return decoder.KVCache(self._put(cache.k, "cache"), self._put(cache.v, "cache"), self._put(cache.lengths, "batch"))
+
+    def _grow(self, cache: decoder.KVCache, capacity: int) -> decoder.KVCache:
+        pad = [(0, 0), (0, 0), (0, 0), (0, capacity - cache.max_len), (0, 0)]
+        return decoder.KVCache(
+            self._put(jnp.pad(cache.k, pad), "cache"), self._put(jnp.pad(cache.v, pad), "cache"), cache.lengths
+        )
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        key: jax.Array,
+        max_new_tokens=256,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        adapter_idx=lora_lib.NO_ADAPTER,
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+        cache: decoder.KVCache | None = None,
+        rows: Sequence[int] | None = None,
+    ) -> tuple[list[Completion], decoder.KVCache]:
+        """Appends prompts[i] to row rows[i] (a fresh cache and rows 0..n-1 by default) and samples.
+
+        Sampling arguments are scalars or one value per prompt. Every prompt must be
+        non-empty: a continuing row appends at least the next turn's tokens.
+        """
+        n = len(prompts)
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if stop_strings and self.detokenize is None:
+            raise ValueError("stop_strings need a Sampler built with detokenize=")
+        cache = self.new_cache(n) if cache is None else cache
+        rows = np.arange(n) if rows is None else np.asarray(rows)
+        if len(rows) != n or len(set(rows.tolist())) != n or rows.max(initial=0) >= cache.k.shape[1]:
+            raise ValueError(f"rows {rows.tolist()} must be {n} distinct rows of the cache's {cache.k.shape[1]}")
+        batch = cache.k.shape[1]
+        lengths = np.asarray(cache.lengths)
+        new_len = np.array([len(p) for p in prompts])
+        max_new = _per_row(max_new_tokens, n, np.int32)
+        fits = lengths[rows] + new_len < self.max_context  # room for the prompt and at least one token
+        needed = int(np.max(np.where(fits, lengths[rows] + new_len + max_new, 0), initial=0))
+        if needed > cache.max_len:
+            cache = self._grow(cache, min(_bucket(needed, self.min_cache), self.max_context))
+
+        def full(values, fill, dtype):
+            out = np.full((batch,), fill, dtype)
+            out[rows] = values
+            return self._put(out, "batch")
+
+        tokens = np.zeros((batch, _bucket(int(new_len.max()), 16)), np.int32)
+        for r, p, ok in zip(rows, prompts, fits):
+            if ok:
+                tokens[r, : len(p)] = p
+        num_new = np.zeros((batch,), np.int32)
+        num_new[rows] = np.where(fits, new_len, 0)
+        adapter_rows = full(_per_row(adapter_idx, n, np.int32), lora_lib.NO_ADAPTER, np.int32)
+        logits, cache = self._prefill(
+            self.params, self.adapters, cache, self._put(tokens, "batch"), self._put(num_new, "batch"), adapter_rows
+        )
+        sampling = (
+            full(_per_row(temperature, n, np.float32), 0.0, np.float32),
+            full(_per_row(top_p, n, np.float32), 1.0, np.float32),
+            full(_per_row(top_k, n, np.int32), 0, np.int32),
+        )
+        stop_ids = jnp.asarray(sorted(set(stop_token_ids)) or [-1], jnp.int32)
+        running = np.zeros((batch,), bool)
+        running[rows] = fits & (max_new > 0)
+        start_len = lengths.copy()
+        start_len[rows] = lengths[rows] + np.where(fits, new_len, 0)
+        out_ids = {r: [] for r in rows}
+        out_logp = {r: [] for r in rows}
+        finish = {r: (FINISH_LENGTH if ok else FINISH_CONTEXT) for r, ok in zip(rows, fits)}
+        text_end: dict[int, int] = {}
+        remaining = np.zeros((batch,), np.int32)
+        remaining[rows] = max_new
+        chunk = 0
+        while running.any():
+            step_tokens, step_logp, logits, cache, count, code = self._decode(
+                self.params, self.adapters, cache, logits, jax.random.fold_in(key, chunk), sampling, stop_ids,
+                self._put(remaining, "batch"), self._put(~running, "batch"), adapter_rows,
+            )
+            step_tokens, step_logp, count, code = map(np.asarray, (step_tokens, step_logp, count, code))
+            for r in np.flatnonzero(running):
+                out_ids[r].extend(step_tokens[r, : count[r]].tolist())
+                out_logp[r].extend(step_logp[r, : count[r]].tolist())
+                remaining[r] -= count[r]
+                if code[r]:
+                    finish[r], running[r] = _FINISH_NAMES[int(code[r])], False
+                if stop_strings:
+                    cut = self._find_stop_string(out_ids[r], stop_strings)
+                    if cut is not None:
+                        keep, text_end[r] = cut
+                        del out_ids[r][keep:], out_logp[r][keep:]
+                        finish[r], running[r] = FINISH_STOP, False
+            chunk += 1
+        final_len = start_len.copy()
+        final_len[rows] = [start_len[r] + len(out_ids[r]) for r in rows]
+        cache = decoder.KVCache(cache.k, cache.v, self._put(final_len.astype(np.int32), "batch"))
+        completions = []
+        for r in rows:
+            text = None
+            if self.detokenize is not None:
+                text = self.detokenize(out_ids[r])[: text_end.get(r)]
+            completions.append(Completion(out_ids[r], out_logp[r], finish[r], text))
+        return completions, cache
+
+    def _find_stop_string(self, ids: list[int], stop_strings: Sequence[str]) -> tuple[int, int] | None:
+        """(tokens to keep, text length before the stop string) for the earliest stop string, if any."""
+        text = self.detokenize(ids)
+        hits = [i for i in (text.find(s) for s in stop_strings) if i >= 0]
+        if not hits:
+            return None
+        start = min(hits)
+        end = min(start + len(s) for s in stop_strings if text.find(s) == start)
+        keep = next(k for k in range(1, len(ids) + 1) if len(self.detokenize(ids[:k])) >= end)
+        return keep, start
