@@ -153,7 +153,7 @@ def test_merged_equals_unmerged(models):
     for i in range(stack.num_adapters):
         merged = lora.merge(m.params, stack, i)
         for target in ALL_TARGETS:  # every target's kernel was changed
-            assert max_diff(merged["layers"][target]["kernel"], m.params["layers"][target]["kernel"]) > 1e-4
+            assert max_diff(merged["layers"][0][target]["kernel"], m.params["layers"][0][target]["kernel"]) > 1e-4
         out = logits(m, tokens, params=merged)
         ref = logits(m, tokens, stack, [i] * 4)
         assert max_diff(out, base) > 1e-3

@@ -30,12 +30,13 @@ def test_cached_decoding_equals_full_forward(model):
     tokens = np.random.RandomState(1).randint(0, cfg.vocab_size, (3, 24))
     full, _ = forward(params, jnp.asarray(tokens), cfg)
     cache = init_cache(cfg, 3, 64)
+    cached_forward = jax.jit(lambda p, t, c, n: forward(p, t, cfg, cache=c, num_new=n))
     # Prefill rows with different lengths, then feed the rest one token at a time.
     starts = np.array([5, 11, 17])
     prompt = np.zeros((3, 17), np.int32)
     for b, s in enumerate(starts):
         prompt[b, :s] = tokens[b, :s]
-    logits, cache = forward(params, jnp.asarray(prompt), cfg, cache=cache, num_new=jnp.asarray(starts))
+    logits, cache = cached_forward(params, jnp.asarray(prompt), cache, jnp.asarray(starts))
     for b, s in enumerate(starts):
         assert np.abs(np.asarray(logits[b, s - 1]) - np.asarray(full[b, s - 1])).max() <= 1e-5
     for b in range(3):
@@ -43,7 +44,7 @@ def test_cached_decoding_equals_full_forward(model):
             step = np.zeros((3, 1), np.int32)
             step[b, 0] = tokens[b, t]
             num_new = jnp.asarray(np.eye(3, dtype=np.int32)[b])
-            logits, cache = forward(params, jnp.asarray(step), cfg, cache=cache, num_new=num_new)
+            logits, cache = cached_forward(params, jnp.asarray(step), cache, num_new)
             assert np.abs(np.asarray(logits[b, 0]) - np.asarray(full[b, t])).max() <= 1e-5
     assert np.asarray(cache.lengths).tolist() == [24, 24, 24]
 
@@ -133,8 +134,9 @@ def test_truncation_matches_sorting_reference():
 def test_top_k_restricts_support():
     logits = jax.random.normal(jax.random.key(0), (2, 30))
     allowed = np.argsort(-np.asarray(logits), -1)[:, :3]
+    sample = jax.jit(lambda key: sample_from_logits(logits, key, jnp.ones(2), jnp.ones(2), jnp.full(2, 3)))
     for seed in range(20):
-        tokens, _ = sample_from_logits(logits, jax.random.key(seed), jnp.ones(2), jnp.ones(2), jnp.full(2, 3))
+        tokens, _ = sample(jax.random.key(seed))
         assert all(t in allowed[b] for b, t in enumerate(np.asarray(tokens)))
 
 

@@ -136,11 +136,12 @@ def gather_rows(adapters: Adapters | None, adapter_idx: jax.Array) -> dict | Non
 def merge(params: dict, adapters: Adapters, index: int = 0) -> dict:
     """Base params with adapter `index` folded in: W + scale * A @ B (for single-adapter serving)."""
     _check_index(adapters, index)
-    layers = dict(params["layers"])
+    layers = [dict(layer) for layer in params["layers"]]
     for target, w in adapters.weights.items():
         delta = adapters.scale[index] * jnp.einsum("lir,lro->lio", w["a"][index], w["b"][index])
-        kernel = layers[target]["kernel"]
-        layers[target] = {**layers[target], "kernel": (kernel + delta).astype(kernel.dtype)}
+        for i, layer in enumerate(layers):
+            kernel = layer[target]["kernel"]
+            layer[target] = {**layer[target], "kernel": (kernel + delta[i]).astype(kernel.dtype)}
     return {**params, "layers": layers}
 
 

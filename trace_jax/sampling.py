@@ -39,8 +39,14 @@ class Completion:
 
 
 def _bucket(n: int, minimum: int) -> int:
-    """The smallest power of two >= max(n, minimum)."""
-    return max(minimum, 1 << max(0, int(n) - 1).bit_length())
+    """The smallest size of the form 2^k or 3 * 2^(k-1) that is >= max(n, minimum).
+
+    Steps of at most 1.5x keep padding (attention reads the whole cache) low while the
+    number of distinct shapes, and so of compiled programs, grows only logarithmically.
+    """
+    n = max(int(n), minimum, 1)
+    power = 1 << (n - 1).bit_length()
+    return power * 3 // 4 if power >= 4 and power * 3 // 4 >= n else power
 
 
 _BISECTION_STEPS = 32  # shrinks a logit range of ~1e2 to ~1e-8
@@ -205,17 +211,19 @@ class Sampler:
     def new_cache(self, batch: int, capacity: int | None = None) -> decoder.KVCache:
         """An empty cache for `batch` rows (rounded up to a bucket)."""
         multiple = self.plan.batch_multiple if self.plan else 1
-        batch = -(-_bucket(batch, 1) // multiple) * multiple
+        batch = -(-(1 << (batch - 1).bit_length()) // multiple) * multiple  # powers of two
         capacity = min(capacity or self.min_cache, self.max_context)
-        dtype = self.params["embed"].dtype
-        cache = decoder.init_cache(self.cfg, batch, capacity, dtype)
-        return decoder.KVCache(self._put(cache.k, "cache"), self._put(cache.v, "cache"), self._put(cache.lengths, "batch"))
+        cache = decoder.init_cache(self.cfg, batch, capacity, self.params["embed"].dtype)
+        return self._place(cache)
+
+    def _place(self, cache: decoder.KVCache) -> decoder.KVCache:
+        layers = lambda arrays: tuple(self._put(a, "cache") for a in arrays)
+        return decoder.KVCache(layers(cache.k), layers(cache.v), self._put(cache.lengths, "batch"))
 
     def _grow(self, cache: decoder.KVCache, capacity: int) -> decoder.KVCache:
-        pad = [(0, 0), (0, 0), (0, 0), (0, capacity - cache.max_len), (0, 0)]
-        return decoder.KVCache(
-            self._put(jnp.pad(cache.k, pad), "cache"), self._put(jnp.pad(cache.v, pad), "cache"), cache.lengths
-        )
+        pad = [(0, 0), (0, 0), (0, capacity - cache.max_len), (0, 0)]
+        grown = lambda arrays: tuple(jnp.pad(a, pad) for a in arrays)
+        return self._place(decoder.KVCache(grown(cache.k), grown(cache.v), cache.lengths))
 
     def generate(
         self,
@@ -244,9 +252,9 @@ class Sampler:
             raise ValueError("stop_strings need a Sampler built with detokenize=")
         cache = self.new_cache(n) if cache is None else cache
         rows = np.arange(n) if rows is None else np.asarray(rows)
-        if len(rows) != n or len(set(rows.tolist())) != n or rows.max(initial=0) >= cache.k.shape[1]:
-            raise ValueError(f"rows {rows.tolist()} must be {n} distinct rows of the cache's {cache.k.shape[1]}")
-        batch = cache.k.shape[1]
+        if len(rows) != n or len(set(rows.tolist())) != n or rows.max(initial=0) >= cache.batch:
+            raise ValueError(f"rows {rows.tolist()} must be {n} distinct rows of the cache's {cache.batch}")
+        batch = cache.batch
         lengths = np.asarray(cache.lengths)
         new_len = np.array([len(p) for p in prompts])
         max_new = _per_row(max_new_tokens, n, np.int32)

@@ -18,13 +18,13 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")
 
-# First match wins. Paths are "/"-joined tree keys, e.g. "layers/q_proj/kernel".
+# First match wins. Paths are "/"-joined tree keys, e.g. "layers/3/q_proj/kernel".
 PARAM_RULES: tuple[tuple[str, P], ...] = (
     (r"^embed$", P("tensor", "fsdp")),
     (r"^lm_head$", P("fsdp", "tensor")),
-    (r"^layers/(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P(None, "fsdp", "tensor")),
-    (r"^layers/(o_proj|down_proj)/kernel$", P(None, "tensor", "fsdp")),
-    (r"^layers/(q_proj|k_proj|v_proj)/bias$", P(None, "tensor")),
+    (r"^layers/\d+/(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P("fsdp", "tensor")),
+    (r"^layers/\d+/(o_proj|down_proj)/kernel$", P("tensor", "fsdp")),
+    (r"^layers/\d+/(q_proj|k_proj|v_proj)/bias$", P("tensor")),
     (r".*", P()),  # norms, adapters (small): replicated
 )
 
@@ -33,7 +33,7 @@ ACTIVATION_RULES: dict[str, P] = {
     "hidden": P(BATCH, None, None),  # [B, T, D]
     "mlp": P(BATCH, None, "tensor"),  # [B, T, F]
     "batch": P(BATCH),  # [B, ...]
-    "cache": P(None, BATCH, "tensor", None, None),  # [L, B, KV, S, hd]
+    "cache": P(BATCH, "tensor", None, None),  # one layer's [B, KV, S, hd]
 }
 
 

@@ -1,7 +1,7 @@
 """Loads HF safetensors checkpoints into the decoder's parameter tree, and writes them back.
 
-One table maps HF tensor names to tree paths; reading stacks the per-layer tensors
-on a leading layer axis and transposes linear weights from [out, in] to [in, out].
+One table maps HF tensor names to tree paths; linear weights are transposed from
+HF's [out, in] to [in, out]; `params["layers"]` is a list with one dict per layer.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from trace_jax.models.config import ModelConfig
 
-# (HF name with {i} for the layer, path in params["layers"], is a linear weight [out, in]).
+# (HF name after "model.layers.{i}.", path in a layer's dict, is a linear weight [out, in]).
 _LAYER_TENSORS = [
     ("input_layernorm.weight", ("attn_norm",), False),
     ("post_attention_layernorm.weight", ("mlp_norm",), False),
@@ -67,19 +67,17 @@ def load_params(model_dir: str | pathlib.Path, cfg: ModelConfig, dtype=jnp.float
         params.pop("lm_head", None)
     elif "lm_head" not in params:
         raise ValueError(f"{model_dir}: untied model without lm_head.weight")
-    layers: dict = {}
-    for suffix, path, transpose in _LAYER_TENSORS:
-        names = [f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers)]
-        present = [n in tensors for n in names]
-        if not any(present):
-            continue
-        if not all(present):
-            raise ValueError(f"{model_dir}: '{suffix}' is missing for some layers")
-        stacked = np.stack([tensors.pop(n).T if transpose else tensors.pop(n) for n in names])
-        node = layers
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = stacked
+    layers = []
+    for i in range(cfg.num_layers):
+        layer: dict = {}
+        for suffix, path, transpose in _LAYER_TENSORS:
+            name = f"model.layers.{i}.{suffix}"
+            if name in tensors:
+                node = layer
+                for key in path[:-1]:
+                    node = node.setdefault(key, {})
+                node[path[-1]] = tensors.pop(name).T if transpose else tensors.pop(name)
+        layers.append(layer)
     params["layers"] = layers
     leftover = [n for n in tensors if "rotary_emb" not in n]
     if leftover:
@@ -89,14 +87,14 @@ def load_params(model_dir: str | pathlib.Path, cfg: ModelConfig, dtype=jnp.float
 
 
 def _check_shapes(params: dict, cfg: ModelConfig) -> None:
-    q_out = params["layers"]["q_proj"]["kernel"].shape[-1]
+    q_out = params["layers"][0]["q_proj"]["kernel"].shape[-1] if "q_proj" in params["layers"][0] else None
     if params["embed"].shape != (cfg.vocab_size, cfg.hidden_size) or q_out != cfg.num_heads * cfg.head_dim:
         raise ValueError("checkpoint shapes do not match config.json")
-    missing = {"attn_norm", "mlp_norm", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    missing |= {"q_norm", "k_norm"} if cfg.qk_norm else set()
-    missing -= set(params["layers"])
-    if missing:
-        raise ValueError(f"checkpoint lacks layer tensors {sorted(missing)}")
+    required = {"attn_norm", "mlp_norm", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    required |= {"q_norm", "k_norm"} if cfg.qk_norm else set()
+    for i, layer in enumerate(params["layers"]):
+        if set(layer) != required:
+            raise ValueError(f"layer {i} has tensors {sorted(layer)}, expected {sorted(required)}")
 
 
 def to_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -106,15 +104,14 @@ def to_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
         if key in params:
             value = np.asarray(params[key], np.float32)
             out[hf_name] = np.ascontiguousarray(value.T if transpose else value)
-    for suffix, path, transpose in _LAYER_TENSORS:
-        node = params["layers"]
-        for key in path:
-            node = node.get(key) if isinstance(node, dict) else None
-        if node is None:
-            continue
-        for i in range(cfg.num_layers):
-            value = np.asarray(node[i], np.float32)
-            out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(value.T if transpose else value)
+    for i, layer in enumerate(params["layers"]):
+        for suffix, path, transpose in _LAYER_TENSORS:
+            node = layer
+            for key in path:
+                node = node.get(key) if isinstance(node, dict) else None
+            if node is not None:
+                value = np.asarray(node, np.float32)
+                out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(value.T if transpose else value)
     return out
 
 
