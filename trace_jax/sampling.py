@@ -194,7 +194,7 @@ class Sampler:
         self.detokenize = detokenize
         self.params = plan.shard_params(params) if plan else params
         self.adapters = None if adapters is None else (plan.shard_params(adapters) if plan else adapters)
-        constrain = plan.constrain if plan else decoder._no_constraint
+        constrain = plan.constrain if plan else decoder.no_constraint
         self._prefill = jax.jit(functools.partial(_prefill, cfg=cfg, constrain=constrain), donate_argnums=(2,))
         self._decode = jax.jit(
             functools.partial(_decode, cfg=cfg, constrain=constrain, steps=decode_chunk), donate_argnums=(2,)

@@ -23,7 +23,8 @@ Params = dict
 Constrain = Callable[[jax.Array, str], jax.Array]
 
 
-def _no_constraint(x: jax.Array, _: str) -> jax.Array:
+def no_constraint(x: jax.Array, _: str) -> jax.Array:
+    """The default `Constrain`: leaves placement to XLA (single device, or no rules)."""
     return x
 
 
@@ -144,7 +145,7 @@ def forward_hidden(
     row_lora: Params | None = None,
     cache: KVCache | None = None,
     num_new: jax.Array | None = None,
-    constrain: Constrain = _no_constraint,
+    constrain: Constrain = no_constraint,
     remat: bool = False,
 ) -> tuple[jax.Array, KVCache | None]:
     """Final-norm hidden states [B, T, D] and the updated cache.

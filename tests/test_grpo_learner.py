@@ -1,0 +1,176 @@
+"""The GRPO learner step on the tiny Qwen3 checkpoint with rank-4 adapters."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trace_jax import lora
+from trace_jax.lora import Adapters, LoraSpec
+from trace_jax.models.config import ModelConfig
+from trace_jax.models.loading import load_params
+from trace_jax.rl.learner import make_grad_fn, make_optimizer, make_train_step, reference_logprobs, token_logprobs
+from trace_jax.rl.losses import LossConfig
+from trace_jax.sharding import ShardingPlan, make_mesh
+
+B, T = 8, 12
+LOSS = LossConfig(kl_coef=0.1, tis_cap=2.0)
+
+
+def tree_rel(a, b) -> float:
+    """|a - b| / |b| over whole pytrees (global L2 norms, in float64)."""
+    a, b = (np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(t)]) for t in (a, b))
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_checkpoints):
+    path, _ = tiny_checkpoints["qwen3"]
+    cfg = ModelConfig.from_dir(path)
+    params = load_params(path, cfg)
+    key = jax.random.key(0)
+    k_ad, k_b, k_batch = jax.random.split(key, 3)
+    fresh = lora.init_adapters(k_ad, cfg, LoraSpec(rank=4, alpha=8.0), 2)  # two adapters trained side by side
+    random_b = {t: {"a": w["a"], "b": 0.05 * jax.random.normal(jax.random.fold_in(k_b, i), w["b"].shape)}
+                for i, (t, w) in enumerate(sorted(fresh.weights.items()))}
+    adapters = Adapters(random_b, fresh.scale)
+    return cfg, params, fresh, adapters, make_batch(k_batch, cfg, params, adapters)
+
+
+def make_batch(key, cfg, params, adapters):
+    """Ragged assistant masks, one padding row, old logprobs a little off the current policy."""
+    k_tok, k_len, k_old, k_samp, k_adv = jax.random.split(key, 5)
+    tokens = jax.random.randint(k_tok, (B, T), 0, cfg.vocab_size, jnp.int32)
+    adapter_idx = jnp.array([0, 1] * (B // 2), jnp.int32)
+    start = jax.random.randint(k_len, (B, 1), 0, T // 2)
+    steps = jnp.arange(T - 1)[None, :]
+    loss_mask = ((steps >= start) & (steps < start + 2 + jnp.arange(B)[:, None] % 5)).astype(jnp.float32)
+    loss_mask = loss_mask.at[3].set(0.0)
+    current = jax.jit(token_logprobs, static_argnums=4)(params, adapters, tokens, adapter_idx, cfg)
+    old_logp = current + 0.2 * jax.random.normal(k_old, current.shape)
+    return {
+        "tokens": tokens, "adapter_idx": adapter_idx, "loss_mask": loss_mask,
+        "advantages": jax.random.normal(k_adv, (B,)), "old_logp": old_logp,
+        "sampler_logp": old_logp + 0.1 * jax.random.normal(k_samp, current.shape),
+        "dropped_fraction": jnp.float32(0.25),
+    }
+
+
+@functools.cache
+def grad_fn(cfg, loss_cfg, micro_batches, plan=None):
+    return make_grad_fn(cfg, loss_cfg, micro_batches=micro_batches, plan=plan)
+
+
+@functools.cache
+def train_step(cfg, loss_cfg):
+    """(optimizer, step) with lr 1e-2, so that one update visibly moves the policy."""
+    optimizer = make_optimizer(lr=1e-2)
+    return optimizer, make_train_step(cfg, loss_cfg, optimizer, micro_batches=1)
+
+
+def test_micro_batches_equal_full_batch(setup):
+    cfg, params, _, adapters, batch = setup
+    full, metrics = grad_fn(cfg, LOSS, 1)(params, adapters.weights, adapters.scale, batch)
+    micro, micro_metrics = grad_fn(cfg, LOSS, 4)(params, adapters.weights, adapters.scale, batch)
+    err = tree_rel(micro, full)
+    print(f"\n[learner] 4 micro-batches vs full batch: grad rel diff {err:.2e}; metrics "
+          + ", ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items())))
+    assert err <= 1e-6
+    assert float(metrics["grad_norm"]) > 0 and 0 < float(metrics["clip_fraction"]) < 1
+    assert float(metrics["dropped_fraction"]) == 0.25 and float(metrics["sampler_abs_diff"]) > 0
+    for k, v in metrics.items():
+        assert abs(float(micro_metrics[k]) - float(v)) <= 1e-6 * max(1.0, abs(float(v))), k
+
+
+def test_sharded_gradients_equal_single_device(setup):
+    cfg, params, _, adapters, batch = setup
+    full, _ = grad_fn(cfg, LOSS, 1)(params, adapters.weights, adapters.scale, batch)
+    plan = ShardingPlan(make_mesh(data=2, fsdp=2, tensor=2))
+    rows = {k: jax.device_put(v, plan.activation_sharding("batch", v.shape)) for k, v in batch.items() if v.ndim}
+    sharded, _ = grad_fn(cfg, LOSS, 2, plan)(plan.shard_params(params), plan.shard_params(adapters.weights),
+                                            adapters.scale, {**batch, **rows})
+    err = tree_rel(sharded, full)
+    print(f"\n[learner] data=2 fsdp=2 tensor=2 vs one device: grad rel diff {err:.2e}")
+    assert err <= 1e-6
+
+
+def test_kl_zero_at_base_positive_after_update_and_matches_finite_differences(setup):
+    cfg, params, fresh, adapters, batch = setup
+    fn = grad_fn(cfg, LOSS, 1)
+    # A fresh adapter (B = 0) is the base: the reference KL is exactly zero.
+    _, metrics = fn(params, fresh.weights, fresh.scale, batch)
+    assert float(metrics["kl_ref"]) == 0.0
+    # One AdamW step moves the policy off the base.
+    optimizer, step = train_step(cfg, LOSS)
+    weights = jax.tree.map(jnp.copy, fresh.weights)  # the step donates (consumes) its weights
+    weights, _, _ = step(params, weights, optimizer.init(weights), fresh.scale, batch)
+    _, metrics = fn(params, weights, fresh.scale, batch)
+    assert float(metrics["kl_ref"]) > 0.0
+    # The KL term's gradient along a random unit direction in adapter space vs central differences.
+    # Zero advantages leave only 0.1 * KL in the loss. In fp32 the loss carries ~1e-7 relative
+    # rounding noise (forward pass + sums), so the difference quotient has noise ~1e-7 * |L| / h and
+    # truncation O(h^2 |L'''|); with |d| = 1 and h = 1e-2 both are ~1e-4 of the directional
+    # derivative here, so 2e-3 relative leaves a 10x margin while a wrong gradient (a missing
+    # factor, the k1 estimator, a sign) is off by O(1).
+    kl_batch = {**batch, "advantages": jnp.zeros(B)}
+    g, metrics = fn(params, adapters.weights, adapters.scale, kl_batch)
+    leaves, treedef = jax.tree.flatten(adapters.weights)
+    keys = jax.random.split(jax.random.key(5), len(leaves))
+    direction = [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)]
+    norm = sum(float(jnp.sum(d**2)) for d in direction) ** 0.5
+    direction = jax.tree.unflatten(treedef, [d / norm for d in direction])
+    h = 1e-2
+
+    def loss_at(s: float) -> float:
+        moved = jax.tree.map(lambda w, d: w + s * d, adapters.weights, direction)
+        return float(fn(params, moved, adapters.scale, kl_batch)[1]["loss"])
+
+    fd = (loss_at(h) - loss_at(-h)) / (2 * h)
+    analytic = sum(float(jnp.sum(a * b)) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(direction)))
+    print(f"\n[learner] KL {float(metrics['kl_ref']):.3g}; directional derivative {analytic:.6g} vs FD {fd:.6g}")
+    assert float(metrics["loss"]) > 0 and abs(analytic) > 1e-4
+    assert abs(fd - analytic) <= 2e-3 * abs(analytic), (fd, analytic)
+
+
+def _eqn_shapes(jaxpr):
+    """Output shapes of every equation, sub-jaxprs (scan, jit, custom_vjp) included."""
+    for eqn in jaxpr.eqns:
+        yield from (tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape"))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _eqn_shapes(sub)
+
+
+def test_base_params_are_never_differentiated_nor_changed(setup):
+    cfg, params, _, adapters, batch = setup
+    optimizer, step = train_step(cfg, LOSS)
+    weights = jax.tree.map(jnp.copy, adapters.weights)
+    opt_state = optimizer.init(weights)
+    # No equation of the step makes a value shaped like a base weight matrix (a base gradient
+    # would), while the same check does find them in a gradient w.r.t. the base params.
+    matrix_shapes = {tuple(x.shape) for x in jax.tree.leaves(params) if x.ndim == 2}
+    step_shapes = set(_eqn_shapes(jax.make_jaxpr(step)(params, weights, opt_state, adapters.scale, batch).jaxpr))
+    assert not step_shapes & matrix_shapes
+    base_grad = jax.grad(lambda p: reference_logprobs(p, batch["tokens"], cfg).sum())
+    assert matrix_shapes <= set(_eqn_shapes(jax.make_jaxpr(base_grad)(params).jaxpr))
+    # The optimizer state only holds adapter-shaped slots; the base is bitwise unchanged.
+    adapter_shapes = {x.shape for x in jax.tree.leaves(weights)}
+    assert {x.shape for x in jax.tree.leaves(opt_state) if x.ndim} <= adapter_shapes
+    before = jax.tree.map(np.array, params)
+    new_weights, _, _ = step(params, weights, opt_state, adapters.scale, batch)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(params)))
+    assert tree_rel(new_weights, adapters.weights) > 0
+
+
+def test_bad_batches_are_errors(setup):
+    cfg, params, _, adapters, batch = setup
+    with pytest.raises(ValueError, match="micro-batches"):
+        make_grad_fn(cfg, LOSS, micro_batches=3)(params, adapters.weights, adapters.scale, batch)
+    with pytest.raises(ValueError, match="rewards"):
+        grad_fn(cfg, LOSS, 1)(params, adapters.weights, adapters.scale, {**batch, "rewards": batch["advantages"]})

@@ -1,0 +1,1 @@
+"""GRPO: group advantages, clipped policy losses, and the jitted learner step."""

@@ -1,0 +1,140 @@
+"""The jitted GRPO learner step: adapter-only gradients, exact micro-batch accumulation.
+
+The frozen base `params` is an argument that is never differentiated; gradients are
+taken w.r.t. `Adapters.weights` only. The reference policy is the same base with
+no adapter (no second copy of the model). Each micro-batch contributes gradients
+of loss *sums* and their denominators, summed with `lax.scan` and divided once at
+the end, so the update equals the full-batch gradient of sum / denominator.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from trace_jax import lora
+from trace_jax.lora import NO_ADAPTER, Adapters
+from trace_jax.models import decoder
+from trace_jax.models.config import ModelConfig
+from trace_jax.rl.losses import LossConfig, policy_loss
+from trace_jax.sharding import ShardingPlan
+
+# Per-row batch entries (split into micro-batches); any other entry is a scalar passed through to metrics.
+ROW_KEYS = ("tokens", "loss_mask", "advantages", "old_logp", "sampler_logp", "adapter_idx")
+PASS_THROUGH = ("dropped_fraction",)
+
+
+def _logprobs_and_entropy(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """log p(target) [B, T] and the (stop-gradient) entropy of each next-token distribution [B, T]."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    logp = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - lse
+    log_probs = jax.lax.stop_gradient(logits - lse[..., None])
+    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    return logp, entropy
+
+
+def _forward_logprobs(params, adapters, tokens, adapter_idx, cfg, constrain, remat):
+    """Logprobs and entropies of tokens[:, 1:] (the last position predicts nothing, so it is not run)."""
+    logits, _ = decoder.forward(params, tokens[:, :-1], cfg, row_lora=lora.gather_rows(adapters, adapter_idx),
+                                remat=remat, constrain=constrain)
+    return _logprobs_and_entropy(logits, tokens[:, 1:])
+
+
+def token_logprobs(params: dict, adapters: Adapters | None, tokens: jax.Array, adapter_idx: jax.Array,
+                   cfg: ModelConfig, *, constrain: decoder.Constrain = decoder.no_constraint, remat: bool = False) -> jax.Array:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) [B, T-1] in fp32, row b under adapter adapter_idx[b]."""
+    return _forward_logprobs(params, adapters, tokens, adapter_idx, cfg, constrain, remat)[0]
+
+
+def reference_logprobs(params: dict, tokens: jax.Array, cfg: ModelConfig, *,
+                       constrain: decoder.Constrain = decoder.no_constraint, remat: bool = False) -> jax.Array:
+    """Token logprobs of the frozen base (every row NO_ADAPTER, so no LoRA is computed): the KL reference."""
+    idx = jnp.full(tokens.shape[:1], NO_ADAPTER, jnp.int32)
+    return token_logprobs(params, None, tokens, idx, cfg, constrain=constrain, remat=remat)
+
+
+def make_optimizer(lr: float = 1e-5, weight_decay: float = 0.0, clip_norm: float = 1.0) -> optax.GradientTransformation:
+    """AdamW after global-norm gradient clipping (the paper's settings by default)."""
+    return optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(lr, weight_decay=weight_decay))
+
+
+def _split_micro_batches(x: jax.Array, n: int) -> jax.Array:
+    """[B, ...] -> [n, B/n, ...] with micro-batch m = rows m, m+n, m+2n, ...
+
+    Strided rather than contiguous, so on a batch-sharded mesh each device keeps its own
+    rows in every micro-batch (no resharding between micro-batches).
+    """
+    return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
+
+
+def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, micro_batches: int = 1, plan: ShardingPlan | None = None,
+                 remat: bool = False) -> Callable:
+    """Jitted `grads(params, adapter_weights, scale, batch) -> (grads, metrics)`: the gradient of the
+    batch loss (sum / denominator) w.r.t. the adapter weights, accumulated over micro-batches."""
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    constrain = plan.constrain if plan is not None else decoder.no_constraint
+
+    def micro_loss(weights, scale, params, mb):
+        logp, entropy = _forward_logprobs(params, Adapters(weights, scale), mb["tokens"], mb["adapter_idx"], cfg,
+                                          constrain, remat)
+        ref_logp = None
+        if loss_cfg.kl_coef > 0:
+            ref_logp = jax.lax.stop_gradient(reference_logprobs(params, mb["tokens"], cfg, constrain=constrain,
+                                                                remat=remat))
+        mask = mb["loss_mask"].astype(jnp.float32)
+        loss_sum, denom, diagnostics = policy_loss(logp, mb["old_logp"], mb["advantages"], mask, loss_cfg,
+                                                   ref_logp=ref_logp, sampler_logp=mb.get("sampler_logp"))
+        diagnostics["entropy"] = (jnp.sum(entropy * mask), jnp.sum(mask))
+        return loss_sum, (loss_sum, denom, diagnostics)
+
+    micro_grad = jax.grad(micro_loss, has_aux=True)
+
+    def grads(params, weights, scale, batch):
+        unknown = sorted(set(batch) - set(ROW_KEYS) - set(PASS_THROUGH))
+        if unknown:
+            raise ValueError(f"unknown batch entries {unknown}; expected {ROW_KEYS} (+ {PASS_THROUGH})")
+        size = batch["tokens"].shape[0]
+        if size % micro_batches:
+            raise ValueError(f"batch of {size} rows does not split into {micro_batches} micro-batches")
+        stacked = {k: _split_micro_batches(v, micro_batches) for k, v in batch.items() if k in ROW_KEYS}
+
+        def body(acc, mb):
+            if plan is not None:
+                mb = {k: plan.constrain(v, "batch") for k, v in mb.items()}
+            g, sums = micro_grad(weights, scale, params, mb)
+            return jax.tree.map(jnp.add, acc, (g, sums)), None
+
+        first = {k: v[0] for k, v in stacked.items()}
+        sums_shape = jax.eval_shape(lambda mb: micro_loss(weights, scale, params, mb)[1], first)
+        init = (jax.tree.map(jnp.zeros_like, weights), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
+        (g_sum, (loss_sum, denom, diagnostics)), _ = jax.lax.scan(body, init, stacked)
+        denom = jnp.maximum(denom, 1.0)  # an all-padding batch has sums 0: loss and grads stay 0
+        g = jax.tree.map(lambda x: x / denom, g_sum)
+        metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(g)}
+        metrics.update({k: s / jnp.maximum(n, 1.0) for k, (s, n) in diagnostics.items()})
+        metrics.update({k: batch[k] for k in PASS_THROUGH if k in batch})
+        return g, metrics
+
+    return jax.jit(grads)
+
+
+def make_train_step(cfg: ModelConfig, loss_cfg: LossConfig, optimizer: optax.GradientTransformation, *,
+                    micro_batches: int = 1, plan: ShardingPlan | None = None, remat: bool = False) -> Callable:
+    """Jitted `step(params, adapter_weights, opt_state, scale, batch) -> (adapter_weights, opt_state, metrics)`.
+
+    batch: tokens [B, T] int32, loss_mask [B, T-1], advantages [B], old_logp [B, T-1],
+    adapter_idx [B] int32, optional sampler_logp [B, T-1] and a scalar dropped_fraction.
+    The adapter weights and optimizer state are donated (updated in place).
+    """
+    grad_fn = make_grad_fn(cfg, loss_cfg, micro_batches=micro_batches, plan=plan, remat=remat)
+
+    def step(params, weights, opt_state, scale, batch):
+        g, metrics = grad_fn(params, weights, scale, batch)
+        updates, opt_state = optimizer.update(g, opt_state, weights)
+        return optax.apply_updates(weights, updates), opt_state, metrics
+
+    return jax.jit(step, donate_argnums=(1, 2))
