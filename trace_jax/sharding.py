@@ -20,7 +20,7 @@ BATCH = ("data", "fsdp")
 
 # First match wins. Paths are "/"-joined tree keys, e.g. "layers/3/q_proj/kernel".
 PARAM_RULES: tuple[tuple[str, P], ...] = (
-    (r"^embed$", P("tensor", "fsdp")),
+    (r"^embed$", P(("tensor", "fsdp"), None)),  # vocab-sharded: the token gather needs no reshuffle
     (r"^lm_head$", P("fsdp", "tensor")),
     (r"^layers/\d+/(q_proj|k_proj|v_proj|gate_proj|up_proj)/kernel$", P("fsdp", "tensor")),
     (r"^layers/\d+/(o_proj|down_proj)/kernel$", P("tensor", "fsdp")),
