@@ -1,0 +1,1 @@
+"""Verifiable training tasks: seeded prompt generators with programmatic rewards."""
