@@ -87,14 +87,14 @@ def load_params(model_dir: str | pathlib.Path, cfg: ModelConfig, dtype=jnp.float
 
 
 def _check_shapes(params: dict, cfg: ModelConfig) -> None:
-    q_out = params["layers"][0]["q_proj"]["kernel"].shape[-1] if "q_proj" in params["layers"][0] else None
-    if params["embed"].shape != (cfg.vocab_size, cfg.hidden_size) or q_out != cfg.num_heads * cfg.head_dim:
-        raise ValueError("checkpoint shapes do not match config.json")
     required = {"attn_norm", "mlp_norm", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     required |= {"q_norm", "k_norm"} if cfg.qk_norm else set()
     for i, layer in enumerate(params["layers"]):
         if set(layer) != required:
             raise ValueError(f"layer {i} has tensors {sorted(layer)}, expected {sorted(required)}")
+    q_out = params["layers"][0]["q_proj"]["kernel"].shape[-1]
+    if params["embed"].shape != (cfg.vocab_size, cfg.hidden_size) or q_out != cfg.num_heads * cfg.head_dim:
+        raise ValueError("checkpoint shapes do not match config.json")
 
 
 def to_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
