@@ -20,9 +20,11 @@ $(VENV)/.test: $(VENV)/.runtime
 setup: $(VENV)/.runtime
 setup-test: $(VENV)/.test
 
-# Main job (for now): greedy chat generation with the embedded SmolLM2-135M-Instruct.
+# Main job (for now): GRPO-train a LoRA adapter of the embedded SmolLM2-135M-Instruct on the
+# single-turn tool-call task (about 30 min on a 2-core CPU; rerunning resumes or reports).
+WORKDIR ?= runs/grpo_embedded
 run: setup
-	$(PY) -m launch.generate --chat --prompt="Name three things a customer-service agent should check before cancelling an order." --max_new_tokens=96
+	$(PY) -m launch.grpo --config=configs/grpo_embedded.py --workdir=$(WORKDIR)
 
 # pytest exits 5 when it collects no test: that must fail loudly, not pass.
 test: setup-test

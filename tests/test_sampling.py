@@ -6,10 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from trace_jax import lora
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.decoder import forward, init_cache
 from trace_jax.models.loading import load_params
-from trace_jax.sampling import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, Sampler, sample_from_logits, truncate_logits
+from trace_jax.sampling import (FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, Sampler, common_prefix_length,
+                                sample_from_logits, shared_prefix_length, truncate_logits)
+from trace_jax.sharding import ShardingPlan, make_mesh
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +172,115 @@ def test_bad_arguments_fail_clearly(model):
         sampler.generate([[1]], key=jax.random.key(0), stop_strings=["x"])
     with pytest.raises(ValueError, match="shape"):
         sampler.generate([[1], [2]], key=jax.random.key(0), temperature=[1.0, 1.0, 1.0])
+
+
+def test_common_prefix_length():
+    assert common_prefix_length([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert common_prefix_length([[1, 2], [1, 2, 3]]) == 2
+    assert common_prefix_length([[4, 5, 6]] * 3) == 3
+    assert common_prefix_length([[1, 2], [3, 2]]) == 0
+    assert common_prefix_length([[7, 8]]) == 2
+    assert common_prefix_length([]) == 0
+
+
+def test_shared_prefix_length_keeps_a_prompt_token_per_row():
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3]], 1) == 2
+    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 5]], 1) == 2
+    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 5]], 3) == 0
+    assert shared_prefix_length([[1, 2, 3]], 1) == 0
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3]], None) == 0
+
+
+PREFIX = list(range(3, 43))  # 40 tokens every prompt starts with
+SUFFIXES = [[50], [51, 52, 53], [54, 55, 56, 57, 58, 59, 60], [61, 62], [63, 64, 65, 66, 67]]
+SHARING_CASES = {
+    "suffixes": ([PREFIX + s for s in SUFFIXES], lora.NO_ADAPTER),
+    "mixed_adapters": ([PREFIX + s for s in SUFFIXES], [0, 1, lora.NO_ADAPTER, 0, 1]),
+    "identical": ([PREFIX + [50]] * 4, [1, 0, 1, 0]),
+}
+
+
+def _two_adapters(cfg):
+    ad = lora.init_adapters(jax.random.key(0), cfg, lora.LoraSpec(rank=4, targets=lora.ALL_TARGETS), 2)
+    return lora.Adapters(jax.tree.map(lambda w: w + 0.05, ad.weights), ad.scale)
+
+
+def _recorded_sampler(cfg, params, min_shared_prefix, **options):
+    """A sampler over two adapters whose prefill calls append each call's per-row num_new to `.prefills`."""
+    sampler = Sampler(cfg, params, adapters=_two_adapters(cfg), decode_chunk=4, min_cache=32,
+                      min_shared_prefix=min_shared_prefix, **options)
+    prefill, sampler.prefills = sampler._prefill, []
+
+    def recording(params, adapters, cache, tokens, num_new, adapter_idx):
+        sampler.prefills.append(np.asarray(num_new).tolist())
+        return prefill(params, adapters, cache, tokens, num_new, adapter_idx)
+
+    sampler._prefill = recording
+    return sampler
+
+
+def _assert_same_outputs(shared, plain):
+    assert [o.token_ids for o in shared] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in shared] == [o.finish_reason for o in plain]
+    assert max(np.abs(np.subtract(a.logprobs, b.logprobs)).max() for a, b in zip(shared, plain)) <= 1e-5
+
+
+@pytest.mark.parametrize("case", SHARING_CASES)
+def test_shared_prefix_prefill_equals_per_row_prefill(model, case):
+    cfg, params, _ = model
+    prompts, adapter_idx = SHARING_CASES[case]
+    shared_len = min(common_prefix_length(prompts), min(map(len, prompts)) - 1)
+    groups = len(set(np.broadcast_to(adapter_idx, len(prompts)).tolist()))
+    kwargs = dict(key=jax.random.key(0), max_new_tokens=10, adapter_idx=adapter_idx)
+    sharing, plain = _recorded_sampler(cfg, params, 4), _recorded_sampler(cfg, params, None)
+    shared_out, shared_cache = sharing.generate(prompts, **kwargs)
+    plain_out, plain_cache = plain.generate(prompts, **kwargs)
+    _assert_same_outputs(shared_out, plain_out)
+    assert shared_cache.batch == plain_cache.batch
+    assert np.array_equal(np.asarray(shared_cache.lengths), np.asarray(plain_cache.lengths))
+    # The prefix is prefilled once per adapter, then only the suffixes; without sharing, whole prompts.
+    assert sharing.prefills[0][:groups] == [shared_len] * groups and not any(sharing.prefills[0][groups:])
+    assert sharing.prefills[1][: len(prompts)] == [len(p) - shared_len for p in prompts]
+    assert plain.prefills == [[len(p) for p in prompts] + [0] * (plain_cache.batch - len(prompts))]
+
+    turn2, rows = [[70, 71], [72]], [3, 0]
+    kwargs = dict(key=jax.random.key(1), max_new_tokens=6, rows=rows,
+                  adapter_idx=np.broadcast_to(adapter_idx, len(prompts))[rows])
+    shared_next, shared_cache = sharing.generate(turn2, cache=shared_cache, **kwargs)
+    plain_next, plain_cache = plain.generate(turn2, cache=plain_cache, **kwargs)
+    _assert_same_outputs(shared_next, plain_next)
+    assert np.array_equal(np.asarray(shared_cache.lengths), np.asarray(plain_cache.lengths))
+
+
+def test_shared_prefix_sampling_draws_the_same_tokens(model):
+    cfg, params, _ = model
+    prompts, adapter_idx = SHARING_CASES["mixed_adapters"]
+    kwargs = dict(key=jax.random.key(3), max_new_tokens=12, temperature=1.0, adapter_idx=adapter_idx)
+    sharing = _recorded_sampler(cfg, params, 4)
+    shared, _ = sharing.generate(prompts, **kwargs)
+    plain, _ = _recorded_sampler(cfg, params, None).generate(prompts, **kwargs)
+    assert len(sharing.prefills) == 2
+    _assert_same_outputs(shared, plain)
+    other, _ = sharing.generate(prompts, **{**kwargs, "key": jax.random.key(4)})
+    assert [o.token_ids for o in other] != [o.token_ids for o in shared]  # the key decides, not the sharing
+
+
+def test_shared_prefix_shorter_than_the_threshold_is_prefilled_per_row(model):
+    cfg, params, _ = model
+    prompts, _ = SHARING_CASES["suffixes"]
+    sampler = _recorded_sampler(cfg, params, len(PREFIX) + 1)
+    sampler.generate(prompts, key=jax.random.key(0), max_new_tokens=2)
+    sampler.generate(prompts[:1], key=jax.random.key(0), max_new_tokens=2)  # one prompt: nothing to share
+    assert [calls[: len(prompts)] for calls in sampler.prefills] == [[len(p) for p in prompts], [len(prompts[0])]]
+
+
+def test_shared_prefix_on_a_mesh_equals_per_row_prefill(model):
+    cfg, params, _ = model
+    plan = ShardingPlan(make_mesh(data=2, fsdp=2, tensor=2))
+    prompts, adapter_idx = SHARING_CASES["mixed_adapters"]
+    kwargs = dict(key=jax.random.key(0), max_new_tokens=8, adapter_idx=adapter_idx)
+    sharing = _recorded_sampler(cfg, params, 4, plan=plan)
+    shared, cache = sharing.generate(prompts, **kwargs)
+    plain, _ = _recorded_sampler(cfg, params, None).generate(prompts, **kwargs)
+    assert len(sharing.prefills) == 2 and cache.batch % plan.batch_multiple == 0
+    _assert_same_outputs(shared, plain)

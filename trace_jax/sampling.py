@@ -38,7 +38,7 @@ class Completion:
     text: str | None = None
 
 
-def _bucket(n: int, minimum: int) -> int:
+def bucket_size(n: int, minimum: int) -> int:
     """The smallest size of the form 2^k or 3 * 2^(k-1) that is >= max(n, minimum).
 
     Steps of at most 1.5x keep padding (attention reads the whole cache) low while the
@@ -167,11 +167,35 @@ def _per_row(value, n: int, dtype) -> np.ndarray:
     return arr
 
 
+def common_prefix_length(sequences: Sequence[Sequence[int]]) -> int:
+    """Length of the longest prefix all sequences share (0 for none)."""
+    if not sequences:
+        return 0
+    first, length = sequences[0], min(len(s) for s in sequences)
+    for seq in sequences[1:]:
+        length = next((i for i in range(length) if seq[i] != first[i]), length)
+    return length
+
+
+def shared_prefix_length(prompts: Sequence[Sequence[int]], min_length: int | None) -> int:
+    """How many leading prompt tokens may be run once for all rows (0: do not share).
+
+    Sharing needs >= 2 prompts and at least `min_length` (None: never) common tokens; each
+    row keeps at least its last prompt token, whose position predicts the first new token.
+    """
+    if min_length is None or len(prompts) < 2:
+        return 0
+    length = min(common_prefix_length(prompts), min(len(p) for p in prompts) - 1)
+    return length if length >= max(min_length, 1) else 0
+
+
 class Sampler:
     """Generates for many rows at once from one base model and a stack of LoRA adapters.
 
     `generate` returns the completions and a `KVCache` holding every row's tokens so
     far; pass it back with `rows=` to append a next turn to those rows and go on.
+    A fresh batch whose prompts share at least `min_shared_prefix` leading tokens
+    prefills that prefix once per adapter and copies it to the rows (None: never).
     """
 
     def __init__(
@@ -185,6 +209,7 @@ class Sampler:
         decode_chunk: int = 32,
         min_cache: int = 128,
         detokenize: Callable[[list[int]], str] | None = None,
+        min_shared_prefix: int | None = 64,
     ):
         self.cfg = cfg
         self.plan = plan
@@ -192,6 +217,7 @@ class Sampler:
         self.decode_chunk = decode_chunk
         self.min_cache = min_cache
         self.detokenize = detokenize
+        self.min_shared_prefix = min_shared_prefix
         self.params = plan.shard_params(params) if plan else params
         self.adapters = None if adapters is None else (plan.shard_params(adapters) if plan else adapters)
         constrain = plan.constrain if plan else decoder.no_constraint
@@ -208,12 +234,19 @@ class Sampler:
         x = jnp.asarray(x)
         return jax.device_put(x, self.plan.activation_sharding(name, x.shape)) if self.plan else x
 
+    def _batch_size(self, rows: int) -> int:
+        """`rows` rounded up to a power of two and to a multiple of the mesh's batch multiple."""
+        multiple = self.plan.batch_multiple if self.plan else 1
+        return -(-(1 << (rows - 1).bit_length()) // multiple) * multiple
+
+    def _capacity(self, needed: int) -> int:
+        """The cache length for `needed` positions: a bucket, at most the context limit."""
+        return min(bucket_size(needed, self.min_cache), self.max_context)
+
     def new_cache(self, batch: int, capacity: int | None = None) -> decoder.KVCache:
         """An empty cache for `batch` rows (rounded up to a bucket)."""
-        multiple = self.plan.batch_multiple if self.plan else 1
-        batch = -(-(1 << (batch - 1).bit_length()) // multiple) * multiple  # powers of two
         capacity = min(capacity or self.min_cache, self.max_context)
-        cache = decoder.init_cache(self.cfg, batch, capacity, self.params["embed"].dtype)
+        cache = decoder.init_cache(self.cfg, self._batch_size(batch), capacity, self.params["embed"].dtype)
         return self._place(cache)
 
     def _place(self, cache: decoder.KVCache) -> decoder.KVCache:
@@ -250,7 +283,9 @@ class Sampler:
             raise ValueError("every prompt needs at least one token")
         if stop_strings and self.detokenize is None:
             raise ValueError("stop_strings need a Sampler built with detokenize=")
-        cache = self.new_cache(n) if cache is None else cache
+        if cache is None:
+            cache, prompts = self._fresh_cache(prompts, _per_row(adapter_idx, n, np.int32),
+                                               _per_row(max_new_tokens, n, np.int32))
         rows = np.arange(n) if rows is None else np.asarray(rows)
         if len(rows) != n or len(set(rows.tolist())) != n or rows.max(initial=0) >= cache.batch:
             raise ValueError(f"rows {rows.tolist()} must be {n} distinct rows of the cache's {cache.batch}")
@@ -261,14 +296,14 @@ class Sampler:
         fits = lengths[rows] + new_len < self.max_context  # room for the prompt and at least one token
         needed = int(np.max(np.where(fits, lengths[rows] + new_len + max_new, 0), initial=0))
         if needed > cache.max_len:
-            cache = self._grow(cache, min(_bucket(needed, self.min_cache), self.max_context))
+            cache = self._grow(cache, self._capacity(needed))
 
         def full(values, fill, dtype):
             out = np.full((batch,), fill, dtype)
             out[rows] = values
             return self._put(out, "batch")
 
-        tokens = np.zeros((batch, _bucket(int(new_len.max()), 16)), np.int32)
+        tokens = np.zeros((batch, bucket_size(int(new_len.max()), 16)), np.int32)
         for r, p, ok in zip(rows, prompts, fits):
             if ok:
                 tokens[r, : len(p)] = p
@@ -324,6 +359,42 @@ class Sampler:
                 text = self.detokenize(out_ids[r])[: text_end.get(r)]
             completions.append(Completion(out_ids[r], out_logp[r], finish[r], text))
         return completions, cache
+
+    def _fresh_cache(self, prompts: Sequence[Sequence[int]], adapter_idx: np.ndarray,
+                     max_new: np.ndarray) -> tuple[decoder.KVCache, Sequence[Sequence[int]]]:
+        """A cache for a fresh batch and what of each prompt is left to prefill: the shared
+        prefix already prefilled in every row when it is long enough, else an empty cache."""
+        lengths = [len(p) for p in prompts]
+        shared = shared_prefix_length(prompts, self.min_shared_prefix)
+        if not shared or max(lengths) >= self.max_context:  # a row that cannot fit must stay empty
+            return self.new_cache(len(prompts)), prompts
+        capacity = self._capacity(int(np.max(np.add(lengths, max_new))))
+        groups, group_of_row = np.unique(adapter_idx, return_inverse=True)
+        cache = self._fan_out(self._prefill_prefix(prompts[0][:shared], groups, capacity), group_of_row)
+        return cache, [p[shared:] for p in prompts]
+
+    def _prefill_prefix(self, prefix: Sequence[int], groups: np.ndarray, capacity: int) -> decoder.KVCache:
+        """A cache whose row g holds `prefix` prefilled with adapter groups[g] (its logits are not needed)."""
+        cache = self.new_cache(len(groups), capacity)
+        tokens = np.zeros((cache.batch, bucket_size(len(prefix), 16)), np.int32)
+        tokens[: len(groups), : len(prefix)] = prefix
+        num_new = np.zeros((cache.batch,), np.int32)
+        num_new[: len(groups)] = len(prefix)
+        group_adapter = np.full((cache.batch,), lora_lib.NO_ADAPTER, np.int32)
+        group_adapter[: len(groups)] = groups
+        _, cache = self._prefill(self.params, self.adapters, cache, self._put(tokens, "batch"),
+                                 self._put(num_new, "batch"), self._put(group_adapter, "batch"))
+        return cache
+
+    def _fan_out(self, prefix_cache: decoder.KVCache, source_rows: np.ndarray) -> decoder.KVCache:
+        """A cache for len(source_rows) rows (batch-bucketed) where row i copies prefix row
+        source_rows[i]; the padding rows beyond them are empty."""
+        n, batch = len(source_rows), self._batch_size(len(source_rows))
+        source = np.zeros((batch,), np.int32)
+        source[:n] = source_rows
+        copied = decoder.gather_cache_rows(prefix_cache, jnp.asarray(source))
+        lengths = jnp.where(jnp.arange(batch) < n, copied.lengths, 0)
+        return self._place(decoder.KVCache(copied.k, copied.v, lengths))
 
     def _find_stop_string(self, ids: list[int], stop_strings: Sequence[str]) -> tuple[int, int] | None:
         """(tokens to keep, text length before the stop string) for the earliest stop string, if any."""

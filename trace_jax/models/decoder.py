@@ -57,6 +57,13 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) ->
     return KVCache(zeros(), zeros(), jnp.zeros((batch,), jnp.int32))
 
 
+def gather_cache_rows(cache: KVCache, source_rows: jax.Array) -> KVCache:
+    """A cache whose row b is a copy of `cache` row source_rows[b]: one prefilled shared
+    prefix (or one per group) fanned out to every row that continues from it."""
+    take = lambda arrays: tuple(jnp.take(a, source_rows, axis=0) for a in arrays)
+    return KVCache(take(cache.k), take(cache.v), jnp.take(cache.lengths, source_rows, axis=0))
+
+
 def rope_inverse_frequencies(cfg: ModelConfig) -> jax.Array:
     """Rotary inverse frequencies, with Llama 3 long-context scaling when configured."""
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim))

@@ -22,8 +22,11 @@ from trace_jax.models.config import ModelConfig
 from trace_jax.rl.losses import LossConfig, policy_loss
 from trace_jax.sharding import ShardingPlan
 
-# Per-row batch entries (split into micro-batches); any other entry is a scalar passed through to metrics.
-ROW_KEYS = ("tokens", "loss_mask", "advantages", "old_logp", "sampler_logp", "adapter_idx")
+# Per-row batch entries (split into micro-batches).
+ROW_KEYS = ("tokens", "loss_mask", "advantages", "old_logp", "sampler_logp", "adapter_idx", "prefix_of_row")
+# Shared prefixes, given whole to every micro-batch (see `token_logprobs`).
+PREFIX_KEYS = ("prefix_tokens", "prefix_lengths", "prefix_adapter")
+# Scalars passed through to the metrics.
 PASS_THROUGH = ("dropped_fraction",)
 
 
@@ -36,24 +39,57 @@ def _logprobs_and_entropy(logits: jax.Array, targets: jax.Array) -> tuple[jax.Ar
     return logp, entropy
 
 
-def _forward_logprobs(params, adapters, tokens, adapter_idx, cfg, constrain, remat):
-    """Logprobs and entropies of tokens[:, 1:] (the last position predicts nothing, so it is not run)."""
-    logits, _ = decoder.forward(params, tokens[:, :-1], cfg, row_lora=lora.gather_rows(adapters, adapter_idx),
-                                remat=remat, constrain=constrain)
-    return _logprobs_and_entropy(logits, tokens[:, 1:])
+def _final_hidden(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat):
+    """Final hidden states of `tokens`, each row continuing its shared prefix when `prefix` is given.
+
+    The G prefixes are run once (under their own adapters) into a KV cache that is then
+    copied to the rows using them, so gradients still flow through the prefix: the
+    result equals running every row's full sequence, at a fraction of the cost when many
+    rows share a long system prompt.
+    """
+    row_lora = lora.gather_rows(adapters, adapter_idx)
+    if prefix is None:
+        return decoder.forward_hidden(params, tokens, cfg, row_lora=row_lora, remat=remat, constrain=constrain)[0]
+    groups, prefix_len = prefix["prefix_tokens"].shape
+    cache = decoder.init_cache(cfg, groups, prefix_len + tokens.shape[1], params["embed"].dtype)
+    _, cache = decoder.forward_hidden(params, prefix["prefix_tokens"], cfg, cache=cache,
+                                      num_new=prefix["prefix_lengths"], remat=remat, constrain=constrain,
+                                      row_lora=lora.gather_rows(adapters, prefix["prefix_adapter"]))
+    cache = decoder.gather_cache_rows(cache, prefix["prefix_of_row"])
+    return decoder.forward_hidden(params, tokens, cfg, row_lora=row_lora, cache=cache, remat=remat,
+                                  constrain=constrain)[0]
+
+
+def _forward_logprobs(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat, temperature):
+    """Logprobs and entropies of tokens[:, 1:] under softmax(logits / temperature) (the last position
+    predicts nothing, so it is not run)."""
+    hidden = _final_hidden(params, adapters, tokens[:, :-1], adapter_idx, prefix, cfg, constrain, remat)
+    return _logprobs_and_entropy(decoder.logits_from_hidden(params, hidden, cfg) / temperature, tokens[:, 1:])
 
 
 def token_logprobs(params: dict, adapters: Adapters | None, tokens: jax.Array, adapter_idx: jax.Array,
-                   cfg: ModelConfig, *, constrain: decoder.Constrain = decoder.no_constraint, remat: bool = False) -> jax.Array:
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) [B, T-1] in fp32, row b under adapter adapter_idx[b]."""
-    return _forward_logprobs(params, adapters, tokens, adapter_idx, cfg, constrain, remat)[0]
+                   cfg: ModelConfig, *, prefix: dict | None = None, constrain: decoder.Constrain = decoder.no_constraint,
+                   remat: bool = False, temperature: float = 1.0) -> jax.Array:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) [B, T-1] in fp32, row b under adapter adapter_idx[b].
+
+    p is the policy sampled at `temperature`, softmax(logits / temperature), as the sampler
+    reports it: a job sampling at temperature T trains that tempered policy.
+
+    With `prefix` ({"prefix_tokens": [G, P], "prefix_lengths": [G], "prefix_adapter": [G],
+    "prefix_of_row": [B]}), row b is the continuation of prefix prefix_of_row[b] (its first
+    prefix_lengths[g] tokens, run under adapter prefix_adapter[g]); the prefix tokens are
+    context only and the logprobs are still those of tokens[:, 1:].
+    """
+    return _forward_logprobs(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat, temperature)[0]
 
 
-def reference_logprobs(params: dict, tokens: jax.Array, cfg: ModelConfig, *,
-                       constrain: decoder.Constrain = decoder.no_constraint, remat: bool = False) -> jax.Array:
+def reference_logprobs(params: dict, tokens: jax.Array, cfg: ModelConfig, *, prefix: dict | None = None,
+                       constrain: decoder.Constrain = decoder.no_constraint, remat: bool = False,
+                       temperature: float = 1.0) -> jax.Array:
     """Token logprobs of the frozen base (every row NO_ADAPTER, so no LoRA is computed): the KL reference."""
     idx = jnp.full(tokens.shape[:1], NO_ADAPTER, jnp.int32)
-    return token_logprobs(params, None, tokens, idx, cfg, constrain=constrain, remat=remat)
+    return token_logprobs(params, None, tokens, idx, cfg, prefix=prefix, constrain=constrain, remat=remat,
+                          temperature=temperature)
 
 
 def make_optimizer(lr: float = 1e-5, weight_decay: float = 0.0, clip_norm: float = 1.0) -> optax.GradientTransformation:
@@ -71,20 +107,22 @@ def _split_micro_batches(x: jax.Array, n: int) -> jax.Array:
 
 
 def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, micro_batches: int = 1, plan: ShardingPlan | None = None,
-                 remat: bool = False) -> Callable:
+                 remat: bool = False, temperature: float = 1.0) -> Callable:
     """Jitted `grads(params, adapter_weights, scale, batch) -> (grads, metrics)`: the gradient of the
     batch loss (sum / denominator) w.r.t. the adapter weights, accumulated over micro-batches."""
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     constrain = plan.constrain if plan is not None else decoder.no_constraint
 
-    def micro_loss(weights, scale, params, mb):
-        logp, entropy = _forward_logprobs(params, Adapters(weights, scale), mb["tokens"], mb["adapter_idx"], cfg,
-                                          constrain, remat)
+    def micro_loss(weights, scale, params, mb, shared):
+        prefix = {**shared, "prefix_of_row": mb["prefix_of_row"]} if shared else None
+        logp, entropy = _forward_logprobs(params, Adapters(weights, scale), mb["tokens"], mb["adapter_idx"], prefix,
+                                          cfg, constrain, remat, temperature)
         ref_logp = None
         if loss_cfg.kl_coef > 0:
-            ref_logp = jax.lax.stop_gradient(reference_logprobs(params, mb["tokens"], cfg, constrain=constrain,
-                                                                remat=remat))
+            ref_logp = jax.lax.stop_gradient(reference_logprobs(params, mb["tokens"], cfg, prefix=prefix,
+                                                                constrain=constrain, remat=remat,
+                                                                temperature=temperature))
         mask = mb["loss_mask"].astype(jnp.float32)
         loss_sum, denom, diagnostics = policy_loss(logp, mb["old_logp"], mb["advantages"], mask, loss_cfg,
                                                    ref_logp=ref_logp, sampler_logp=mb.get("sampler_logp"))
@@ -94,9 +132,12 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, micro_batches: int =
     micro_grad = jax.grad(micro_loss, has_aux=True)
 
     def grads(params, weights, scale, batch):
-        unknown = sorted(set(batch) - set(ROW_KEYS) - set(PASS_THROUGH))
+        unknown = sorted(set(batch) - set(ROW_KEYS) - set(PREFIX_KEYS) - set(PASS_THROUGH))
         if unknown:
-            raise ValueError(f"unknown batch entries {unknown}; expected {ROW_KEYS} (+ {PASS_THROUGH})")
+            raise ValueError(f"unknown batch entries {unknown}; expected {ROW_KEYS} (+ {PREFIX_KEYS}, {PASS_THROUGH})")
+        shared = {k: batch[k] for k in PREFIX_KEYS if k in batch}
+        if shared and (set(shared) != set(PREFIX_KEYS) or "prefix_of_row" not in batch):
+            raise ValueError(f"a shared prefix needs all of {PREFIX_KEYS} and prefix_of_row")
         size = batch["tokens"].shape[0]
         if size % micro_batches:
             raise ValueError(f"batch of {size} rows does not split into {micro_batches} micro-batches")
@@ -105,11 +146,11 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, micro_batches: int =
         def body(acc, mb):
             if plan is not None:
                 mb = {k: plan.constrain(v, "batch") for k, v in mb.items()}
-            g, sums = micro_grad(weights, scale, params, mb)
+            g, sums = micro_grad(weights, scale, params, mb, shared)
             return jax.tree.map(jnp.add, acc, (g, sums)), None
 
         first = {k: v[0] for k, v in stacked.items()}
-        sums_shape = jax.eval_shape(lambda mb: micro_loss(weights, scale, params, mb)[1], first)
+        sums_shape = jax.eval_shape(lambda mb: micro_loss(weights, scale, params, mb, shared)[1], first)
         init = (jax.tree.map(jnp.zeros_like, weights), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
         (g_sum, (loss_sum, denom, diagnostics)), _ = jax.lax.scan(body, init, stacked)
         denom = jnp.maximum(denom, 1.0)  # an all-padding batch has sums 0: loss and grads stay 0
@@ -123,14 +164,17 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, micro_batches: int =
 
 
 def make_train_step(cfg: ModelConfig, loss_cfg: LossConfig, optimizer: optax.GradientTransformation, *,
-                    micro_batches: int = 1, plan: ShardingPlan | None = None, remat: bool = False) -> Callable:
+                    micro_batches: int = 1, plan: ShardingPlan | None = None, remat: bool = False,
+                    temperature: float = 1.0) -> Callable:
     """Jitted `step(params, adapter_weights, opt_state, scale, batch) -> (adapter_weights, opt_state, metrics)`.
 
     batch: tokens [B, T] int32, loss_mask [B, T-1], advantages [B], old_logp [B, T-1],
-    adapter_idx [B] int32, optional sampler_logp [B, T-1] and a scalar dropped_fraction.
+    adapter_idx [B] int32, optional sampler_logp [B, T-1], a scalar dropped_fraction and a
+    shared prefix (`PREFIX_KEYS` + prefix_of_row [B], see `token_logprobs`).
     The adapter weights and optimizer state are donated (updated in place).
     """
-    grad_fn = make_grad_fn(cfg, loss_cfg, micro_batches=micro_batches, plan=plan, remat=remat)
+    grad_fn = make_grad_fn(cfg, loss_cfg, micro_batches=micro_batches, plan=plan, remat=remat,
+                           temperature=temperature)
 
     def step(params, weights, opt_state, scale, batch):
         g, metrics = grad_fn(params, weights, scale, batch)

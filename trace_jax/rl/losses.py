@@ -109,8 +109,6 @@ def policy_loss(
         raise ValueError("LossConfig.kl_coef > 0 needs ref_logp")
     if cfg.tis_cap is not None and sampler_logp is None:
         raise ValueError("LossConfig.tis_cap is set but no sampler_logp was given")
-    if cfg.aggregation == "seq_sum_fixed_len" and mask.shape[-1] > cfg.max_len:
-        raise ValueError(f"sequences of {mask.shape[-1]} tokens exceed LossConfig.max_len={cfg.max_len}")
     aggregate = AGGREGATIONS[cfg.aggregation]
     mask = mask.astype(logp_new.dtype)
     # Outside the mask, stored logprobs may be padding (0, -inf, nan): keep every term finite there.

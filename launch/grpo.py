@@ -1,0 +1,39 @@
+"""Trains one LoRA adapter with GRPO on a single-turn verifiable task.
+
+  python -m launch.grpo --config=configs/grpo_embedded.py --workdir=/tmp/grpo [--config.train.steps=40]
+
+Logs progress with rate and ETA, writes TensorBoard metrics and checkpoints to the
+workdir (rerunning with the same workdir resumes), and ends by printing one JSON line:
+base_reward, final_reward, steps, seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from trace_jax.rl.trainer import train
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Job config file (configs/grpo_*.py).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and the summary.", required=True)
+flags.mark_flags_as_required(["config"])
+
+
+def _not_orbax_info(record: logging.LogRecord) -> bool:
+    """Drops orbax's per-save INFO chatter (a dozen lines per checkpoint), keeping its warnings."""
+    return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    absl_logging.get_absl_handler().addFilter(_not_orbax_info)
+    print(json.dumps(train(_CONFIG.value, _WORKDIR.value)), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,131 @@
+"""The GRPO job end to end on the embedded SmolLM2: bad configs fail at start naming the key, the tiny
+config raises the training reward and writes TensorBoard metrics, and a SIGKILLed run resumes exactly.
+
+The job runs as a subprocess (`python -m launch.grpo`), as a user would launch it. The
+processes share a JAX compilation cache so the second one does not compile again.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from configs import grpo_tiny
+from trace_jax.rl.trainer import validate_config
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+STEPS = grpo_tiny.get_config().train.steps
+MIN_RISE = 0.15  # the tiny run's rollout reward must rise at least this much from its first steps to its last
+
+
+def _command(workdir, *overrides):
+    return [sys.executable, "-m", "launch.grpo", "--config=configs/grpo_tiny.py", f"--workdir={workdir}", *overrides]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The user's environment: one CPU device (not the 8 fake ones conftest sets up for sharding tests)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return {**env, "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache"))}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, env):
+    """(workdir, summary, log) of one uninterrupted tiny run."""
+    workdir = tmp_path_factory.mktemp("full_run")
+    out = subprocess.run(_command(workdir), cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return workdir, json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def _adapter_at(workdir: pathlib.Path, step: int) -> dict:
+    arrays = ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(step) / "arrays")
+    return arrays["adapter_weights"]
+
+
+def test_tiny_config_raises_the_reward_and_logs_metrics(full_run):
+    workdir, summary, log = full_run
+    print(f"\n[grpo job] tiny config: {summary}")
+    assert set(summary) == {"base_reward", "final_reward", "steps", "seconds"} and summary["steps"] == STEPS
+    events = EventAccumulator(str(workdir / "tensorboard"))
+    events.Reload()
+    rollout_reward = [e.value for e in events.Scalars("rollout/reward")]
+    print(f"[grpo job] rollout reward per step: {np.round(rollout_reward, 3).tolist()}")
+    assert np.mean(rollout_reward[-2:]) >= np.mean(rollout_reward[:2]) + MIN_RISE
+    held_out = [(e.step, round(e.value, 6)) for e in events.Scalars("eval/reward")]
+    assert held_out[0] == (0, round(summary["base_reward"], 6)) and held_out[-1] == (STEPS, round(summary["final_reward"], 6))
+    assert [e.step for e in events.Scalars("rollout/reward")] == list(range(1, STEPS + 1))
+    assert {"learner/loss", "learner/grad_norm", "learner/clip_fraction", "learner/entropy", "learner/approx_kl",
+            "learner/dropped_fraction"} <= set(events.Tags()["scalars"])
+    assert f"step {STEPS}/{STEPS} (100%)" in log and "ETA" in log
+    assert json.loads((workdir / "summary.json").read_text()) == summary
+
+
+def test_sigkilled_run_resumes_to_the_same_adapter(full_run, env, tmp_path):
+    """Killed once step 1 is logged (its checkpoint written, or the next step under way),
+    restarted on the same workdir for the first 3 steps: the adapter at step 3 equals the
+    uninterrupted run's. (The base evaluation is copied from the full run: not under test.)"""
+    full_dir, _, _ = full_run
+    workdir = tmp_path / "killed"
+    workdir.mkdir()
+    shutil.copy(full_dir / "base_eval.json", workdir)
+    with open(tmp_path / "first.log", "w") as log:
+        child = subprocess.Popen(_command(workdir, "--config.train.steps=3"), cwd=REPO, env=env, stdout=log,
+                                 stderr=subprocess.STDOUT)
+        metrics = workdir / "metrics.jsonl"
+        deadline = time.monotonic() + 1200
+        while child.poll() is None and time.monotonic() < deadline:
+            steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
+            if max(steps, default=0) >= 1:
+                break
+            time.sleep(0.5)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    assert child.returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-3000:]
+    out = subprocess.run(_command(workdir, "--config.train.steps=3"), cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "resumed from step" in out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == 3
+    resumed, uninterrupted = _adapter_at(workdir, 3), _adapter_at(full_dir, 3)
+    diffs = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
+             for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted), strict=True)]
+    print(f"\n[grpo job] resumed vs uninterrupted adapter at step 3: max |diff| {max(diffs):.2e}")
+    assert max(diffs) <= 1e-6
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("rollout.group_size", 1, "config.rollout.group_size = 1 is invalid"),
+    ("advantage", "grpo", "config.advantage = 'grpo' is invalid; it must be one of"),
+    ("loss.aggregation", "mean", "config.loss.aggregation"),
+])
+def test_invalid_setting_fails_naming_the_key(key, value, message):
+    config = grpo_tiny.get_config()
+    section, _, name = key.rpartition(".")
+    (config[section] if section else config)[name] = value
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        validate_config(config)
+
+
+def test_missing_setting_fails_naming_the_key():
+    config = grpo_tiny.get_config()
+    del config.eval["every"]
+    with pytest.raises(ValueError, match="config.eval.every is missing"):
+        validate_config(config)
+
+
+def test_unknown_override_on_the_command_line_names_the_key(tmp_path):
+    out = subprocess.run(_command(tmp_path, "--config.rollout.group_sise=2"), cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode != 0 and "group_sise" in out.stderr
+    assert not (tmp_path / "checkpoints").exists()
