@@ -246,5 +246,5 @@ def test_missing_inputs_are_errors():
         policy_loss(*args, LossConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="sampler_logp"):
         policy_loss(*args, LossConfig(tis_cap=2.0))
-    with pytest.raises(ValueError, match="max_len"):
-        policy_loss(*args, LossConfig(aggregation="seq_sum_fixed_len", max_len=T - 1))
+    with pytest.raises(ValueError, match="max_len is required"):
+        LossConfig(aggregation="seq_sum_fixed_len")
