@@ -44,7 +44,8 @@ def rollout(sampler: Sampler, tokenizer: ChatTokenizer, task_set: ModuleType, ta
             group_size: int = 1, adapter_idx: int, temperature: float, top_p: float = 1.0, max_new_tokens: int,
             batch_size: int | None = None) -> ScoredRollouts:
     """`group_size` samples of every task (rows of one task are adjacent), each scored by `task_set.reward`."""
-    prompts = [tokenizer.apply_chat(task.messages, tools=task.tools) for task in tasks for _ in range(group_size)]
+    rendered = [tokenizer.apply_chat(task.messages, tools=task.tools) for task in tasks]  # once per task
+    prompts = [prompt for prompt in rendered for _ in range(group_size)]
     owners = [task for task in tasks for _ in range(group_size)]
     batch_size = batch_size or len(prompts)
     completions: list[Completion] = []
