@@ -14,6 +14,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.train.steps = 4
     config.train.checkpoint_every = 1
     config.train.keep_checkpoints = 8
+    config.eval.splits = ("heldout",)
     config.eval.num_tasks = 8
     config.eval.every = 4
     config.log_every_s = 0.0

@@ -71,36 +71,43 @@ def test_tiny_config_raises_the_reward_and_logs_metrics(full_run):
     assert json.loads((workdir / "summary.json").read_text()) == summary
 
 
+def _wait_for_step(workdir: pathlib.Path, step: int, child: subprocess.Popen, timeout_s: float) -> None:
+    """Returns once `step` is in the run's metrics.jsonl (its checkpoint is written first) or the child exits."""
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while child.poll() is None and time.monotonic() < deadline:
+        steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        if max(steps, default=0) >= step:
+            return
+        time.sleep(0.5)
+
+
 def test_sigkilled_run_resumes_to_the_same_adapter(full_run, env, tmp_path):
-    """Killed once step 1 is logged (its checkpoint written, or the next step under way),
-    restarted on the same workdir for the first 3 steps: the adapter at step 3 equals the
-    uninterrupted run's. (The base evaluation is copied from the full run: not under test.)"""
+    """A run resumed from the uninterrupted run's step-2 checkpoint is SIGKILLed once step 3 is
+    logged, then restarted on the same workdir: its adapter at the last step equals the
+    uninterrupted run's. Two resumes (from a copied checkpoint, and after the kill) cost two
+    steps of training instead of a whole second run."""
     full_dir, _, _ = full_run
-    workdir = tmp_path / "killed"
-    workdir.mkdir()
-    shutil.copy(full_dir / "base_eval.json", workdir)
+    workdir = tmp_path / "resumed"
+    (workdir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full_dir / "checkpoints" / "2", workdir / "checkpoints" / "2")
+    shutil.copy(full_dir / "base_eval.json", workdir)  # the base evaluation is not under test
     with open(tmp_path / "first.log", "w") as log:
-        child = subprocess.Popen(_command(workdir, "--config.train.steps=3"), cwd=REPO, env=env, stdout=log,
-                                 stderr=subprocess.STDOUT)
-        metrics = workdir / "metrics.jsonl"
-        deadline = time.monotonic() + 1200
-        while child.poll() is None and time.monotonic() < deadline:
-            steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
-            if max(steps, default=0) >= 1:
-                break
-            time.sleep(0.5)
+        child = subprocess.Popen(_command(workdir), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _wait_for_step(workdir, 3, child, timeout_s=1200)
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
-    assert child.returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-3000:]
-    out = subprocess.run(_command(workdir, "--config.train.steps=3"), cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=1800)
+    first_log = (tmp_path / "first.log").read_text()
+    assert child.returncode == -signal.SIGKILL, first_log[-3000:]
+    assert "resumed from step 2" in first_log
+    out = subprocess.run(_command(workdir), cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert "resumed from step" in out.stderr
-    assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == 3
-    resumed, uninterrupted = _adapter_at(workdir, 3), _adapter_at(full_dir, 3)
+    assert "resumed from step 3" in out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == STEPS
+    resumed, uninterrupted = _adapter_at(workdir, STEPS), _adapter_at(full_dir, STEPS)
     diffs = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
              for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted), strict=True)]
-    print(f"\n[grpo job] resumed vs uninterrupted adapter at step 3: max |diff| {max(diffs):.2e}")
+    print(f"\n[grpo job] killed-and-resumed vs uninterrupted adapter at step {STEPS}: max |diff| {max(diffs):.2e}")
     assert max(diffs) <= 1e-6
 
 

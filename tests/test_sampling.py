@@ -85,6 +85,26 @@ def test_continuing_a_row_equals_a_fresh_prefill(model):
     assert greedy_cont[0].token_ids == greedy_fresh[0].token_ids
 
 
+def test_a_row_started_from_a_stored_prefix_equals_a_full_prefill(model):
+    """start_row copies the first `length` positions of a prefilled prefix into a used row;
+    the row then continues exactly as if its whole prompt had been prefilled there."""
+    cfg, params, _ = model
+    sampler = Sampler(cfg, params, min_shared_prefix=None)
+    rng = np.random.RandomState(3)
+    head = rng.randint(0, cfg.vocab_size, 150).tolist()
+    prefix = sampler.prefill_prefix(head + [7, 7], lora.NO_ADAPTER)  # stored from another prompt: shares 150
+    _, cache = sampler.generate([[1, 2, 3], [4, 5]], key=jax.random.key(0), max_new_tokens=4)
+    prompt = head + rng.randint(0, cfg.vocab_size, 9).tolist()
+    cache = sampler.start_row(cache, 1, prefix, 150)
+    assert int(cache.lengths[1]) == 150 and int(cache.lengths[0]) == 3 + 4
+    out, cache = sampler.generate([prompt[150:]], key=jax.random.key(1), max_new_tokens=6, temperature=1.0,
+                                  cache=cache, rows=[1])
+    assert np.abs(_full_logprobs(params, cfg, prompt, out[0].token_ids) - np.array(out[0].logprobs)).max() <= 1e-4
+    assert int(cache.lengths[1]) == len(prompt) + 6
+    emptied = sampler.start_row(cache, 1)
+    assert int(emptied.lengths[1]) == 0
+
+
 def test_sampling_parameters_do_not_recompile_and_key_decides(model):
     cfg, params, _ = model
     sampler = Sampler(cfg, params)

@@ -40,12 +40,20 @@ def test_tasks_are_well_formed_and_cover_every_tool():
 
 
 def test_unknown_split_names_the_valid_ones():
-    with pytest.raises(ValueError, match="train, heldout"):
+    with pytest.raises(ValueError, match="train, heldout, heldout_phrasings"):
         make_tasks("test", 5, seed=0)
 
 
-def test_train_and_heldout_are_disjoint():
-    train, heldout = make_tasks("train", 2000, seed=0), make_tasks("heldout", 2000, seed=0)
+def _request_template(text: str, task) -> str:
+    """The request with its slot values put back as placeholders (the reason as its phrase)."""
+    for key, value in task.expected_arguments.items():
+        text = text.replace(str(value), "{" + key + "}", 1)
+    return text
+
+
+@pytest.mark.parametrize("heldout_split, same_phrasings", [("heldout", True), ("heldout_phrasings", False)])
+def test_train_and_heldout_are_disjoint(heldout_split, same_phrasings):
+    train, heldout = make_tasks("train", 2000, seed=0), make_tasks(heldout_split, 2000, seed=0)
     assert not {t.messages[-1]["content"] for t in train} & {t.messages[-1]["content"] for t in heldout}
     for key in DISJOINT_ARGUMENTS:
         train_values = {t.expected_arguments[key] for t in train if key in t.expected_arguments}
@@ -56,9 +64,13 @@ def test_train_and_heldout_are_disjoint():
     local = lambda tasks: {t.expected_arguments.get("to", t.expected_arguments.get("email", "@")).split("@")[0]
                            for t in tasks} - {""}
     assert not local(train) & local(heldout)
+    # Phrasings: "heldout" reuses the training wordings, "heldout_phrasings" shares none of them.
+    shapes = lambda tasks: {_request_template(t.messages[-1]["content"], t) for t in tasks
+                            if t.expected_name in ("get_order_status", "send_email", "reset_password")}
+    assert (shapes(heldout) <= shapes(train)) if same_phrasings else not shapes(heldout) & shapes(train)
 
 
-@pytest.mark.parametrize("split", ["train", "heldout"])
+@pytest.mark.parametrize("split", ["train", "heldout", "heldout_phrasings"])
 def test_every_expected_call_round_trips_to_full_reward(split):
     for task in make_tasks(split, 200, seed=1):
         score, info = reward(task, _call(task.expected_name, task.expected_arguments))

@@ -225,6 +225,7 @@ class Sampler:
         self._decode = jax.jit(
             functools.partial(_decode, cfg=cfg, constrain=constrain, steps=decode_chunk), donate_argnums=(2,)
         )
+        self._copy_row = jax.jit(decoder.copy_cache_row, donate_argnums=(0,))
 
     def set_adapters(self, adapters: lora_lib.Adapters | None) -> None:
         """Swaps in new adapter weights (same shapes: no recompilation)."""
@@ -359,6 +360,20 @@ class Sampler:
                 text = self.detokenize(out_ids[r])[: text_end.get(r)]
             completions.append(Completion(out_ids[r], out_logp[r], finish[r], text))
         return completions, cache
+
+    def prefill_prefix(self, prefix: Sequence[int], adapter_idx: int) -> decoder.KVCache:
+        """A one-row cache holding `prefix` prefilled with adapter `adapter_idx`, to start rows from."""
+        return self._prefill_prefix(prefix, np.array([adapter_idx]), self._capacity(len(prefix)))
+
+    def start_row(self, cache: decoder.KVCache, row: int, prefix: decoder.KVCache | None = None,
+                  length: int = 0) -> decoder.KVCache:
+        """`cache` with `row` emptied, or holding the first `length` positions of one-row `prefix`
+        (the row then continues after them, as if those tokens had been prefilled in it)."""
+        if prefix is None or length == 0:
+            return decoder.KVCache(cache.k, cache.v, cache.lengths.at[row].set(0))
+        if cache.max_len < prefix.max_len:
+            cache = self._grow(cache, prefix.max_len)
+        return self._copy_row(cache, prefix, jnp.int32(0), jnp.int32(row), jnp.int32(length))
 
     def _fresh_cache(self, prompts: Sequence[Sequence[int]], adapter_idx: np.ndarray,
                      max_new: np.ndarray) -> tuple[decoder.KVCache, Sequence[Sequence[int]]]:

@@ -64,6 +64,23 @@ def gather_cache_rows(cache: KVCache, source_rows: jax.Array) -> KVCache:
     return KVCache(take(cache.k), take(cache.v), jnp.take(cache.lengths, source_rows, axis=0))
 
 
+def copy_cache_row(cache: KVCache, source: KVCache, source_row: jax.Array, row: jax.Array,
+                   length: jax.Array) -> KVCache:
+    """`cache` whose row `row` holds the first `length` positions of `source` row `source_row`.
+
+    Copies the source's whole capacity (a static shape); positions past `length` are
+    ignored, since attention reads a row only up to its length. Needs
+    cache.max_len >= source.max_len.
+    """
+    def put(dst, src):
+        block = jax.lax.dynamic_slice_in_dim(src, source_row, 1, axis=0)
+        return jax.lax.dynamic_update_slice(dst, block.astype(dst.dtype), (row, 0, 0, 0))
+
+    k = tuple(put(d, s) for d, s in zip(cache.k, source.k))
+    v = tuple(put(d, s) for d, s in zip(cache.v, source.v))
+    return KVCache(k, v, cache.lengths.at[row].set(length))
+
+
 def rope_inverse_frequencies(cfg: ModelConfig) -> jax.Array:
     """Rotary inverse frequencies, with Llama 3 long-context scaling when configured."""
     inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim))

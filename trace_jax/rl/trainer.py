@@ -5,7 +5,8 @@ of each with the current adapter, score them, turn rewards into group advantages
 apply one learner update (on-policy: the sampler's logprobs are the old policy's; the
 policy trained is the one sampled, softmax(logits / rollout.temperature)).
 Held-out tasks are evaluated greedily before training (the base reward), every
-`eval.every` steps and at the end.
+`eval.every` steps and at the end, on each split of `eval.splits`: the first is the one
+the summary reports (metrics "eval/..."), the others are logged as "eval_<split>/...".
 
 Everything a resumed run needs is in the checkpoint (adapter, optimizer state, step,
 RNG key, task cursor), and step k's sampling key is folded from the run key and k, so a
@@ -20,7 +21,6 @@ import json
 import pathlib
 import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import ml_collections
@@ -28,6 +28,7 @@ import numpy as np
 from absl import logging
 
 from trace_jax import lora
+from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.metrics import MetricsWriter, Progress
 from trace_jax.models.model import DTYPES, load_model
 from trace_jax.rl.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
@@ -35,7 +36,7 @@ from trace_jax.rl.batching import build_learner_batch
 from trace_jax.rl.checkpoint import Checkpointer, TrainState
 from trace_jax.rl.learner import make_optimizer, make_train_step
 from trace_jax.rl.losses import AGGREGATIONS, LossConfig
-from trace_jax.rl.single_turn import ScoredRollouts, rollout
+from trace_jax.rl.single_turn import rollout
 from trace_jax.sampling import Sampler
 from trace_jax.sharding import ShardingPlan, make_mesh
 from trace_jax.tasks import TASK_SETS
@@ -43,9 +44,8 @@ from trace_jax.tasks import TASK_SETS
 ADAPTER = 0  # the one adapter this job trains
 
 
-def _checks() -> list[tuple[str, Callable[[Any], bool], str]]:
+def _checks() -> list[Check]:
     """(config key, predicate, what it must be) for every setting the job reads."""
-    positive_int = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1
     in_unit = lambda v: isinstance(v, (int, float)) and 0.0 < v <= 1.0
     return [
         ("model", lambda v: isinstance(v, str) and bool(v), "an embedded model name or an HF checkpoint folder"),
@@ -75,6 +75,8 @@ def _checks() -> list[tuple[str, Callable[[Any], bool], str]]:
         ("train.remat", lambda v: isinstance(v, bool), "a bool"),
         ("train.checkpoint_every", positive_int, "a positive int"),
         ("train.keep_checkpoints", positive_int, "a positive int"),
+        ("eval.splits", lambda v: isinstance(v, (tuple, list)) and len(v) >= 1 and all(isinstance(x, str) for x in v),
+         "a non-empty tuple of the task set's held-out split names"),
         ("eval.num_tasks", positive_int, "a positive int"),
         ("eval.every", positive_int, "a positive int"),
         ("eval.batch_size", positive_int, "a positive int"),
@@ -91,15 +93,7 @@ def _checks() -> list[tuple[str, Callable[[Any], bool], str]]:
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Fails at start, naming the key, on a missing or invalid setting."""
-    for key, ok, expected in _checks():
-        node = config
-        try:
-            for part in key.split("."):
-                node = node[part]
-        except (KeyError, AttributeError):
-            raise ValueError(f"config.{key} is missing; it must be {expected}") from None
-        if not ok(node):
-            raise ValueError(f"config.{key} = {node!r} is invalid; it must be {expected}")
+    check_config(config, _checks())
 
 
 def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
@@ -108,18 +102,22 @@ def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
                       max_len=config.rollout.max_new_tokens)
 
 
-def _evaluate(sampler, tokenizer, task_set, tasks, config, adapter_idx: int) -> ScoredRollouts:
-    """One greedy completion per held-out task."""
-    return rollout(sampler, tokenizer, task_set, tasks, key=jax.random.key(0), adapter_idx=adapter_idx,
-                   temperature=0.0, max_new_tokens=config.eval.max_new_tokens, batch_size=config.eval.batch_size)
+def _evaluate(sampler, tokenizer, task_set, heldout: dict[str, list], config, adapter_idx: int) -> dict[str, float]:
+    """Metrics of one greedy completion per held-out task, for each split of `heldout`."""
+    metrics = {}
+    for index, (split, tasks) in enumerate(heldout.items()):
+        scored = rollout(sampler, tokenizer, task_set, tasks, key=jax.random.key(0), adapter_idx=adapter_idx,
+                         temperature=0.0, max_new_tokens=config.eval.max_new_tokens, batch_size=config.eval.batch_size)
+        metrics.update(scored.summary("eval" if index == 0 else f"eval_{split}"))
+    return metrics
 
 
-def _base_eval(workdir: pathlib.Path, evaluate: Callable[[int], ScoredRollouts]) -> dict[str, float]:
+def _base_eval(workdir: pathlib.Path, evaluate: Callable[[int], dict[str, float]]) -> dict[str, float]:
     """The base model's held-out metrics, computed once per workdir (a resumed run reads them back)."""
     path = workdir / "base_eval.json"
     if path.is_file():
         return json.loads(path.read_text())
-    metrics = evaluate(lora.NO_ADAPTER).summary("eval")
+    metrics = evaluate(lora.NO_ADAPTER)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(metrics))
     tmp.replace(path)
@@ -155,7 +153,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         logging.info("resumed from step %d in %s", state.step, workdir)
 
     train_tasks = task_set.make_tasks("train", config.train.steps * config.rollout.tasks_per_step, config.seed)
-    heldout = task_set.make_tasks("heldout", config.eval.num_tasks, config.seed)
+    heldout = {split: task_set.make_tasks(split, config.eval.num_tasks, config.seed) for split in config.eval.splits}
     sampler = Sampler(cfg, params, adapters=lora.Adapters(state.adapter_weights, state.scale), plan=plan,
                       detokenize=tokenizer.decode, min_shared_prefix=config.rollout.min_shared_prefix)
     evaluate = lambda adapter_idx: _evaluate(sampler, tokenizer, task_set, heldout, config, adapter_idx)
@@ -200,16 +198,19 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
                            rng=state.rng, cursor={"next_task": cursor + len(tasks)})
         checkpointer.save(state, force=step + 1 == config.train.steps)
         if (step + 1) % config.eval.every == 0 or step + 1 == config.train.steps:
-            latest_eval = evaluate(ADAPTER).summary("eval")
+            latest_eval = evaluate(ADAPTER)
             metrics.update(latest_eval)
         writer.write(step + 1, metrics)
         progress.update(step + 1, f"reward {metrics['rollout/reward']:.3f}"
                         + (f"  held-out {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""))
     checkpointer.close()
     if latest_eval is None:  # resumed after the last step: evaluate the final adapter again
-        latest_eval = evaluate(ADAPTER).summary("eval")
+        latest_eval = evaluate(ADAPTER)
     writer.close()
     summary = {"base_reward": base["eval/reward"], "final_reward": latest_eval["eval/reward"],
                "steps": int(state.step), "seconds": round(time.monotonic() - start_time, 1)}
+    for split in config.eval.splits[1:]:  # the other held-out splits, reported beside the main one
+        summary[f"base_reward_{split}"] = base[f"eval_{split}/reward"]
+        summary[f"final_reward_{split}"] = latest_eval[f"eval_{split}/reward"]
     (workdir / "summary.json").write_text(json.dumps(summary))
     return summary

@@ -6,11 +6,16 @@ seven tools; the agent should reply with exactly one call in the project's `<too
 format (`trace_jax.agent.tool_calls`). The reward is graded so that GRPO groups see
 variance even while the model is weak (see `reward`).
 
-Requests come from phrasing templates with sampled slot values. The "train" and
-"heldout" splits share the tools but are disjoint by construction: each split has its
-own phrasing templates and its own pools of order ids, cities, restaurants, e-mail
-addresses, subjects and amounts, so held-out reward measures transfer, not recall.
-Small closed sets (enum values, party sizes, times) are shared.
+Requests come from phrasing templates with sampled slot values. Three splits share the
+tools; each draws values from its own pools of order ids, cities, restaurants, e-mail
+addresses, subjects and amounts (small closed sets such as enum values, party sizes and
+times are shared):
+
+- "train": the training phrasings and the training values;
+- "heldout": the training phrasings with held-out values: new requests of the kinds
+  trained on (every held-out prompt differs from every training prompt);
+- "heldout_phrasings": held-out phrasings and held-out values: transfer to wordings
+  never trained on, a harder test a 135M model barely passes.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from typing import Any
 
 from trace_jax.agent.tool_calls import format_tool_call, parse_assistant_output, validate_arguments
 
-SPLITS = ("train", "heldout")
+# split -> (value pools, phrasing templates) it draws from
+SPLITS = {"train": ("train", "train"), "heldout": ("heldout", "train"), "heldout_phrasings": ("heldout", "heldout")}
 
 SYSTEM_PROMPT = (
     "You are a customer-service assistant that acts only through tools. "
@@ -208,15 +214,15 @@ class ToolCallTask:
 
 
 def make_tasks(split: str, num: int, seed: int) -> list[ToolCallTask]:
-    """`num` tasks of `split` ("train" or "heldout"); the same arguments give the same tasks.
+    """`num` tasks of `split` (one of `SPLITS`); the same arguments give the same tasks.
 
-    Tools are drawn uniformly; each task's slot values come from the split's own pools
-    and its wording from the split's own templates.
+    Tools are drawn uniformly; slot values and wordings come from the split's pools and
+    templates (see `SPLITS`).
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; valid splits are {', '.join(SPLITS)}")
     rng = random.Random(f"tool-call-task/{split}/{seed}")  # str seeds are hashed stably (sha512)
-    pools, templates = _POOLS[split], _TEMPLATES[split]
+    pools, templates = _POOLS[SPLITS[split][0]], _TEMPLATES[SPLITS[split][1]]
     tasks = []
     for index in range(num):
         name = rng.choice(sorted(_ARGUMENT_SAMPLERS))

