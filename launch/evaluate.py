@@ -1,0 +1,39 @@
+"""Evaluates an agent on an environment's tasks and prints a per-family table.
+
+  python -m launch.evaluate --config=configs/embedded_retail.py --workdir=runs/eval [--agent=model|gold|noop]
+      [--config.split=heldout] [--config.num_tasks=50] [--config.trials=4] [--json]
+
+Writes episodes.jsonl, summary.json and table.md to the workdir. With --json it ends
+with one JSON line: num_episodes, mean_reward, pass1, pass_k, k and more.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from trace_jax.evaluation import AGENTS, evaluate
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Evaluation config (configs/tau2_*.py, configs/embedded_retail.py).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for episodes.jsonl, summary.json and table.md.",
+                               required=True)
+_AGENT = flags.DEFINE_enum("agent", "model", AGENTS, "model: the (adapted) model; gold: replay gold actions; noop: end at once.")
+_JSON = flags.DEFINE_bool("json", False, "End with one JSON line of the summary.")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    summary = evaluate(_CONFIG.value, _WORKDIR.value, agent=_AGENT.value)
+    print(pathlib.Path(_WORKDIR.value, "table.md").read_text().rstrip(), flush=True)
+    if _JSON.value:
+        print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,55 @@
+"""The rollout engine with scripted agents on the embedded retail environment (τ²'s real tools and evaluator).
+
+The gold agent replays each task's gold calls and states its facts through the engine's
+parsing, tool execution, episode ends and scoring: every task scores 1. The noop agent
+ends at once and scores 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+pytest.importorskip("tau2")
+
+from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine  # noqa: E402
+from trace_jax.agent.scripted import GoldAgent, NoopAgent, StoppingUser  # noqa: E402
+from trace_jax.envs import base  # noqa: E402
+from trace_jax.envs.embedded_retail import EmbeddedRetail  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def env():
+    return EmbeddedRetail(seed=0)
+
+
+def _run(env, agent, tasks):
+    engine = RolloutEngine(env, agent=agent, user=StoppingUser(), config=RolloutConfig(batch_size=4))
+    return engine.run([Job(task) for task in tasks], key=jax.random.key(0))
+
+
+def test_gold_agent_scores_one_on_every_task_through_the_engine(env):
+    tasks = env.tasks("heldout", 12)
+    trajectories = _run(env, GoldAgent(), tasks)
+    assert [t.job.task for t in trajectories] == tasks  # results come back in job order
+    for trajectory in trajectories:
+        assert trajectory.end_reason == base.END_AGENT_STOP
+        assert trajectory.outcome.reward == 1.0, trajectory.record()
+        calls = [m for m in trajectory.messages if m["role"] == "tool"]
+        assert len(calls) == len(env.episode(trajectory.job.task).gold().tool_calls)
+        assert not any(m["content"].startswith("Error") for m in calls)
+    assert len({t.job.task.family for t in trajectories}) >= 3
+
+
+def test_noop_agent_ends_at_once_and_scores_zero(env):
+    trajectories = _run(env, NoopAgent(), env.tasks("heldout", 6))
+    assert all(t.num_turns == 1 and t.end_reason == base.END_AGENT_STOP for t in trajectories)
+    assert all(t.outcome.reward == 0.0 for t in trajectories)
+
+
+def test_max_turns_ends_an_episode_with_its_reason(env):
+    engine = RolloutEngine(env, agent=GoldAgent(), user=StoppingUser(), config=RolloutConfig(max_turns=1))
+    long_tasks = [t for t in env.tasks("heldout", 40) if len(env.episode(t).gold().tool_calls) >= 2][:2]
+    for trajectory in engine.run([Job(task) for task in long_tasks], key=jax.random.key(0)):
+        assert trajectory.end_reason == base.END_MAX_TURNS and trajectory.num_turns == 1
+        assert trajectory.outcome.reward == 0.0

@@ -1,0 +1,47 @@
+"""Incremental chat encoding: the tokens that follow a sampled turn, without re-tokenizing history.
+
+Token in, token out: a conversation's token ids are the first prompt, then alternately
+what the model sampled (kept exactly, end-of-turn token included) and the encoding of
+the next messages. The chat template decides how those messages look; this module
+renders the conversation with and without them and encodes only the difference,
+starting right after the end-of-turn token that closed the sampled turn.
+"""
+
+from __future__ import annotations
+
+from trace_jax.models.tokenizer import ChatTokenizer
+
+
+class ChatCodec:
+    """Encodes one conversation's first prompt and each continuation for `tokenizer` and `tools`."""
+
+    def __init__(self, tokenizer: ChatTokenizer, tools: list[dict] | None = None):
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self._end_texts = sorted({tokenizer.decode([i]) for i in tokenizer.eos_token_ids}, key=len, reverse=True)
+
+    def first_prompt(self, messages: list[dict]) -> list[int]:
+        """The conversation so far, ready for the model's next turn."""
+        return self.tokenizer.apply_chat(messages, tools=self.tools)
+
+    def continuation(self, history: list[dict], new_messages: list[dict]) -> list[int]:
+        """Tokens after `history` (ending with the model's own turn, as sampled) that add
+        `new_messages` and open the model's next turn.
+
+        Raises ValueError if the template renders `history` differently once messages
+        follow it (the incremental encoding would then drift from a full rendering).
+        """
+        before = self.tokenizer.render_chat(history, tools=self.tools, add_generation_prompt=False)
+        after = self.tokenizer.render_chat(history + new_messages, tools=self.tools)
+        cut = self._after_last_turn_end(before)
+        if after[:cut] != before[:cut]:
+            raise ValueError("the chat template re-renders earlier turns when messages are appended")
+        return self.tokenizer.encode(after[cut:])
+
+    def _after_last_turn_end(self, text: str) -> int:
+        """The index just past the last end-of-turn token in `text`."""
+        ends = [(text.rfind(end), end) for end in self._end_texts]
+        index, end = max(ends)
+        if index < 0:
+            raise ValueError("the rendered history has no end-of-turn token")
+        return index + len(end)

@@ -1,0 +1,110 @@
+"""The evaluation job: play an environment's tasks with the model (or a scripted agent) and report.
+
+Writes to the workdir: `episodes.jsonl` (one line per episode: messages, end reason,
+reward and its components), `summary.json` and `table.md` (per family: success with a
+95% interval, pass^1, pass^k). The user simulator, where a task has one, is the base
+model with no adapter for `agent="model"`, and a user who stops at once for the
+scripted agents (so gold and noop runs need no model at all).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from collections import Counter
+
+import jax
+import ml_collections
+
+from trace_jax import lora
+from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Trajectory
+from trace_jax.agent.scripted import GoldAgent, NoopAgent, StoppingUser
+from trace_jax.config_checks import Check, check_config, number, positive_int
+from trace_jax.envs import ENVIRONMENTS, make_environment
+from trace_jax.metrics import Progress
+from trace_jax.models.model import DTYPES, load_model
+from trace_jax.report import format_table, summarize
+from trace_jax.sampling import Sampler
+
+AGENTS = ("model", "gold", "noop")
+
+
+def _checks() -> list[Check]:
+    """(config key, predicate, what it must be) for every setting the job reads."""
+    return [
+        ("model", lambda v: isinstance(v, str) and bool(v), "an embedded model name or an HF checkpoint folder"),
+        ("dtype", lambda v: v in DTYPES, f"one of {sorted(DTYPES)}"),
+        ("adapter", lambda v: isinstance(v, str), '"" (no adapter) or a PEFT adapter folder'),
+        ("seed", lambda v: isinstance(v, int), "an int"),
+        ("env.name", lambda v: v in ENVIRONMENTS, f"one of {sorted(ENVIRONMENTS)}"),
+        ("split", lambda v: isinstance(v, str) and bool(v), "a split name of the environment"),
+        ("num_tasks", lambda v: v is None or positive_int(v), "None (all tasks) or a positive int"),
+        ("trials", positive_int, "a positive int (episodes per task, for pass^k)"),
+        ("rollout.batch_size", lambda v: positive_int(v) and v >= 2, "an int >= 2 (agent and user rows)"),
+        ("rollout.max_turns", positive_int, "a positive int"),
+        ("rollout.max_tokens_per_turn", positive_int, "a positive int"),
+        ("rollout.max_errors", lambda v: isinstance(v, int) and v >= 0, "an int >= 0"),
+        ("rollout.temperature", lambda v: number(v) and v >= 0, ">= 0 (0 is greedy)"),
+        ("rollout.top_p", lambda v: number(v) and 0 < v <= 1, "in (0, 1]"),
+        ("rollout.user_temperature", lambda v: number(v) and v >= 0, ">= 0"),
+        ("log_every_s", lambda v: number(v) and v >= 0, ">= 0"),
+    ]
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """Fails at start, naming the key, on a missing or invalid setting."""
+    check_config(config, _checks())
+
+
+def _engine(config: ml_collections.ConfigDict, env, agent: str) -> tuple[RolloutEngine, int]:
+    """The rollout engine for `agent` and the agent's adapter index."""
+    rollout = RolloutConfig(**config.rollout.to_dict())
+    if agent != "model":
+        scripted = GoldAgent() if agent == "gold" else NoopAgent()
+        return RolloutEngine(env, agent=scripted, user=StoppingUser(), config=rollout), lora.NO_ADAPTER
+    model = load_model(config.model, config.dtype)
+    adapters, adapter_idx = None, lora.NO_ADAPTER
+    if config.adapter:
+        adapters, adapter_idx = lora.stack_adapters([lora.load_peft(config.adapter, model.cfg)]), 0
+    sampler = Sampler(model.cfg, model.params, adapters=adapters, detokenize=model.tokenizer.decode)
+    engine = RolloutEngine(env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=model.tokenizer, config=rollout)
+    return engine, adapter_idx
+
+
+def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, agent: str = "model") -> dict:
+    """Runs the evaluation into `workdir`; returns the summary also written to summary.json."""
+    if agent not in AGENTS:
+        raise ValueError(f"agent {agent!r} is invalid; it must be one of {', '.join(AGENTS)}")
+    validate_config(config)
+    start = time.monotonic()
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = make_environment(config.env)
+    tasks = env.tasks(config.split, config.num_tasks)
+    engine, adapter_idx = _engine(config, env, agent)
+    jobs = [Job(task, trial, adapter_idx) for trial in range(config.trials) for task in tasks]
+    progress = Progress(len(jobs), every_s=config.log_every_s, name="episode")
+    records: list[dict] = []
+    with open(workdir / "episodes.jsonl", "w") as log:
+
+        def on_done(trajectory: Trajectory) -> None:
+            record = trajectory.record()
+            records.append(record)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            successes = sum(r["success"] for r in records)
+            progress.update(len(records), f"success {successes}/{len(records)}")
+
+        engine.run(jobs, key=jax.random.key(config.seed), on_done=on_done)
+    rows = summarize(records, k=config.trials)
+    table = format_table(rows)
+    (workdir / "table.md").write_text(table + "\n")
+    overall = rows[-1]
+    summary = {"num_episodes": overall["episodes"], "mean_reward": overall["mean_reward"], "pass1": overall["pass1"],
+               "pass_k": overall["pass_k"], "k": overall["k"], "agent": agent,
+               "needs_judge": sorted({r["task_id"] for r in records if r["info"].get("needs_judge")}),
+               "end_reasons": dict(sorted(Counter(r["end_reason"] for r in records).items())), "families": rows[:-1],
+               "seconds": round(time.monotonic() - start, 1)}
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
