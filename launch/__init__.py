@@ -1,0 +1,9 @@
+"""absl entry points, one per job (`python -m launch.<job>`).
+
+Importing the package applies the process-wide runtime settings first
+(`trace_jax.runtime.retain_freed_memory`), so every job starts with them.
+"""
+
+from trace_jax.runtime import retain_freed_memory
+
+retain_freed_memory()

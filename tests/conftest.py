@@ -8,6 +8,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pathlib  # noqa: E402
 
+from trace_jax.runtime import retain_freed_memory  # noqa: E402
+
+retain_freed_memory()  # as every launch entry point does (see launch/__init__.py)
+
 import pytest  # noqa: E402
 
 from hf_checkpoints import make_checkpoint  # noqa: E402

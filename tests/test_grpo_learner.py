@@ -221,3 +221,21 @@ def test_incomplete_shared_prefix_is_rejected(setup):
     with pytest.raises(ValueError, match="prefix"):
         grad_fn(cfg, LOSS, 1)(params, adapters.weights, adapters.scale,
                               {**batch, "prefix_tokens": np.zeros((1, 3), np.int32)})
+
+
+def test_fused_logprobs_and_entropy_match_the_plain_formulas():
+    """The one-softmax custom VJP gives log p(target), the entropy and d log p / d logits of the textbook forms."""
+    from trace_jax.rl.learner import _logprobs_and_entropy
+
+    logits = 3.0 * jax.random.normal(jax.random.key(1), (3, 5, 50))
+    targets = jax.random.randint(jax.random.key(2), (3, 5), 0, 50)
+    weights = jax.random.normal(jax.random.key(3), (3, 5))
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    plain_logp = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    logp, entropy = _logprobs_and_entropy(logits, targets)
+    np.testing.assert_allclose(logp, plain_logp, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(entropy, -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1), rtol=1e-5, atol=1e-6)
+    plain = jax.grad(lambda x: jnp.sum(weights * jnp.take_along_axis(
+        jax.nn.log_softmax(x, axis=-1), targets[..., None], axis=-1)[..., 0]))(logits)
+    fused = jax.grad(lambda x: jnp.sum(weights * _logprobs_and_entropy(x, targets)[0]))(logits)
+    np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-6)

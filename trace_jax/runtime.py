@@ -1,0 +1,39 @@
+"""Process-wide settings that make XLA:CPU fast on Linux: call `retain_freed_memory()` first thing.
+
+XLA:CPU allocates one temporary arena per executable run (about 5.5 GB for a GRPO step of
+8 x 256 tokens on SmolLM2-135M) and frees it afterwards. glibc hands such blocks straight
+back to the OS, so every run page-faults gigabytes afresh: measured here, 1.5 million
+faults and 10-14 s of kernel time in a 20 s learner step. Keeping freed memory in the
+process instead (one arena, no mmap for large blocks, never trimmed) takes that step to
+14 s with no faults once the heap has grown. The cost: the process keeps its peak memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+# mallopt(3) parameters from glibc's malloc.h.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_M_ARENA_MAX = -8
+
+
+def retain_freed_memory() -> bool:
+    """Tells glibc malloc to reuse freed memory instead of returning it to the OS.
+
+    Call it before JAX starts its threads (at the top of a program). Returns False, doing
+    nothing, where the C library is not glibc (macOS, musl).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    # One arena, so large blocks come from the main heap; no mmap per block; -1 (as size_t) = never trim.
+    return all(mallopt(param, value) == 1 for param, value in
+               ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
