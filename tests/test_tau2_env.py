@@ -11,12 +11,12 @@ import pytest
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 pytest.importorskip("tau2")
 
-from tau2.data_model.message import AssistantMessage, UserMessage  # noqa: E402
-from tau2.data_model.simulation import NLAssertionCheck, SimulationRun, TerminationReason  # noqa: E402
+from tau2.data_model.simulation import NLAssertionCheck, TerminationReason  # noqa: E402
 from tau2.data_model.tasks import RewardType  # noqa: E402
-from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation  # noqa: E402
+from tau2.evaluator.evaluator import EvaluationType  # noqa: E402
 from tau2.evaluator.evaluator_nl_assertions import NLAssertionsEvaluator  # noqa: E402
 from tau2.user.user_simulator import UserSimulator, get_global_user_sim_guidelines  # noqa: E402
+from tau2_reference import empty_messages, reference, tau2_run  # noqa: E402
 
 from trace_jax.agent.tool_calls import format_tool_call  # noqa: E402
 from trace_jax.envs import base  # noqa: E402
@@ -88,17 +88,6 @@ def play_noop(episode: Tau2Episode) -> None:
     assert episode.user_turn(STOP) == base.StepResult(end_reason=base.END_USER_STOP)
 
 
-def tau2_run(task, messages: list, reason: TerminationReason = TerminationReason.USER_STOP) -> SimulationRun:
-    """A simulation built directly with τ²'s classes."""
-    return SimulationRun(id="reference", task_id=task.id, start_time="", end_time="", duration=0.0,
-                         termination_reason=reason, messages=messages)
-
-
-def reference(domain_name: str, task, run: SimulationRun, kind=EvaluationType.ALL):
-    """τ²'s own evaluation of `run`, its environments built by the constructor registered as `domain_name`."""
-    return evaluate_simulation(run, task, kind, solo_mode=False, domain=domain_name)
-
-
 def assert_same(outcome: base.Outcome, reward_info) -> None:
     """`score`'s outcome says what τ²'s RewardInfo says."""
     assert outcome.reward == reward_info.reward
@@ -134,7 +123,7 @@ def test_gold_agent_scores_one_on_every_base_task(domain):
 @pytest.mark.parametrize("domain", ["airline", "retail"])
 def test_noop_agent_scores_what_tau2_gives_an_empty_trajectory(domain):
     env = environment(domain)
-    empty = [AssistantMessage(role="assistant", content=GREETING), UserMessage(role="user", content=STOP)]
+    empty = empty_messages()
     rewards = []
     for spec in env.tasks("base"):
         episode = env.episode(spec)

@@ -3,8 +3,9 @@
 Writes to the workdir: `episodes.jsonl` (one line per episode: messages, end reason,
 reward and its components), `summary.json` and `table.md` (per family: success with a
 95% interval, pass^1, pass^k). The user simulator, where a task has one, is the base
-model with no adapter for `agent="model"`, and a user who stops at once for the
-scripted agents (so gold and noop runs need no model at all).
+model with no adapter for `agent="model"`, and a scripted user for the scripted agents
+(so gold and noop runs need no model at all): it states the request, makes the task's
+user-side gold calls for the gold agent (telecom), and stops after the agent's next text turn.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import ml_collections
 
 from trace_jax import lora
 from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Trajectory
-from trace_jax.agent.scripted import GoldAgent, NoopAgent, StoppingUser
+from trace_jax.agent.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS, make_environment
 from trace_jax.metrics import Progress
@@ -61,8 +62,9 @@ def _engine(config: ml_collections.ConfigDict, env, agent: str) -> tuple[Rollout
     """The rollout engine for `agent` and the agent's adapter index."""
     rollout = RolloutConfig(**config.rollout.to_dict())
     if agent != "model":
-        scripted = GoldAgent() if agent == "gold" else NoopAgent()
-        return RolloutEngine(env, agent=scripted, user=StoppingUser(), config=rollout), lora.NO_ADAPTER
+        gold = agent == "gold"
+        scripted, user = (GoldAgent() if gold else NoopAgent()), ScriptedUser(user_actions=gold)
+        return RolloutEngine(env, agent=scripted, user=user, config=rollout), lora.NO_ADAPTER
     model = load_model(config.model, config.dtype)
     adapters, adapter_idx = None, lora.NO_ADAPTER
     if config.adapter:

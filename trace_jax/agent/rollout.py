@@ -77,6 +77,7 @@ class Trajectory:
     num_turns: int
     num_errors: int
     generated_tokens: int
+    user_messages: list[base.Message] | None = None  # the user simulator's side (None: solo task)
 
     def record(self) -> dict[str, Any]:
         """A JSON-ready summary for episode logs (messages and outcome; no token arrays)."""
@@ -173,7 +174,8 @@ class RolloutEngine:
         user_messages = episode.user_simulator_messages()
         user = None
         if user_messages is not None:
-            user = _Speaker(ChatCodec(self.tokenizer) if self.user == MODEL else None, list(user_messages))
+            codec = ChatCodec(self.tokenizer, episode.user_tools or None) if self.user == MODEL else None
+            user = _Speaker(codec, list(user_messages))
             if self.user == MODEL:
                 user.row = free_rows.pop()
         first = "user" if messages[-1]["role"] == "assistant" else "agent"
@@ -290,14 +292,18 @@ class RolloutEngine:
             item.end_reason = base.END_MAX_ERRORS
 
     def _route(self, item: _Live, result: base.StepResult) -> None:
-        """Gives the observations to the agent, or the agent's words to the user, or ends the episode."""
+        """Gives the observations to the agent, or the agent's words (or the results of the user's own
+        tool calls) to the user, or ends the episode."""
         if result.done:
             item.end_reason = result.end_reason
             return
         if result.awaiting_user:
             if item.user is None:
                 raise ValueError(f"episode {item.job.task.task_id} awaits a user but has no user simulator")
-            item.user.messages.append({"role": "user", "content": item.agent.messages[-1]["content"]})
+            if item.next_speaker == "user":  # the user ran tools (dual control): it sees their results
+                item.user.messages.extend(result.observations)
+            else:
+                item.user.messages.append({"role": "user", "content": item.agent.messages[-1]["content"]})
             item.next_speaker = "user"
             return
         item.agent.messages.extend(result.observations)
@@ -313,4 +319,5 @@ class RolloutEngine:
         free_rows.extend(s.row for s in (item.agent, item.user) if s is not None and s.row is not None)
         agent = item.agent
         return Trajectory(item.job, agent.messages, agent.token_ids, agent.loss_mask, agent.logprobs,
-                          item.end_reason, outcome, item.turns, item.errors, item.generated)
+                          item.end_reason, outcome, item.turns, item.errors, item.generated,
+                          None if item.user is None else item.user.messages)

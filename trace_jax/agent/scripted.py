@@ -1,4 +1,4 @@
-"""Scripted actors for conformance checks and baselines: the gold agent, the noop agent, a user who stops.
+"""Scripted actors for conformance checks and baselines: the gold agent, the noop agent, scripted users.
 
 They speak through the same rollout engine and evaluation path as the model, as raw
 assistant text (tool calls in the project's `<tool_call>` format), so a gold run tests
@@ -7,35 +7,54 @@ parsing, tool execution, episode ends and scoring together.
 
 from __future__ import annotations
 
+import re
+
 from trace_jax.agent.tool_calls import format_tool_call
 from trace_jax.envs.base import Episode
 
 USER_STOP = "###STOP###"
+REQUEST = "Hi, I need help with my request."
+USER_DONE = "Done."
+_SCENARIO = re.compile(r"<scenario>\s*(.*?)\s*</scenario>", re.DOTALL)  # τ²'s user-simulator prompt
+
+
+def _by_user(call: dict) -> bool:
+    """Whether a gold call is the user's to make (telecom's dual control); calls name no requestor elsewhere."""
+    return call.get("requestor", "assistant") == "user"
 
 
 class GoldAgent:
-    """Replays the task's gold tool calls one per turn, then states its required facts in one text turn."""
+    """Replays the task's gold tool calls one per turn, then states its required facts in one text turn.
+
+    A run of consecutive user-side gold calls (telecom) is one text turn asking the user to make them;
+    `ScriptedUser(user_actions=True)` makes them on its next turns."""
 
     def __init__(self):
-        self._turns: dict[int, int] = {}
+        self._next: dict[int, int] = {}  # id(episode) -> index of its next gold call
 
     def reply(self, episode: Episode) -> str:
         """The next turn for `episode` (after the facts, each further turn repeats them)."""
         gold = episode.gold()
-        turn = self._turns.get(id(episode), 0)
-        self._turns[id(episode)] = turn + 1
-        if turn < len(gold.tool_calls):
-            call = gold.tool_calls[turn]
-            return format_tool_call(call["name"], call["arguments"])
+        calls = gold.tool_calls
+        at = self._next.get(id(episode), 0)
+        if at < len(calls) and _by_user(calls[at]):
+            end = at
+            while end < len(calls) and _by_user(calls[end]):
+                end += 1
+            self._next[id(episode)] = end
+            return "Please do this on your phone: " + ", ".join(c["name"] for c in calls[at:end]) + "."
+        if at < len(calls):
+            self._next[id(episode)] = at + 1
+            return format_tool_call(calls[at]["name"], calls[at]["arguments"])
         return "Here is what I found: " + "; ".join(gold.facts) if gold.facts else "Your request is complete."
 
     def forget(self, episode: Episode) -> None:
         """Drops the episode's turn counter once it has ended."""
-        self._turns.pop(id(episode), None)
+        self._next.pop(id(episode), None)
 
 
 class NoopAgent:
-    """Ends at once: one empty text turn."""
+    """Does nothing: every turn is an empty text turn."""
 
     def reply(self, episode: Episode) -> str:
         return ""
@@ -52,3 +71,42 @@ class StoppingUser:
 
     def forget(self, episode: Episode) -> None:
         pass
+
+
+class ScriptedUser:
+    """The user for scripted agents. Where the conversation opens with the agent's words (τ²'s
+    greeting), its first turn states the request: the task's scenario from the user-simulator
+    prompt (or a fixed sentence). With `user_actions`, it then makes the task's user-side gold
+    calls (telecom), each run of them one call per turn followed by "Done.", on its turns after
+    the agent's text turns, in order (as `GoldAgent` asks for them). Its every further turn, which
+    follows an agent text turn, is ###STOP###, so every conversation ends after finitely many turns.
+    """
+
+    def __init__(self, user_actions: bool = False):
+        self.user_actions = user_actions
+        self._plans: dict[int, list[str]] = {}  # id(episode) -> its remaining turns before the stop
+
+    def reply(self, episode: Episode) -> str:
+        if id(episode) not in self._plans:
+            self._plans[id(episode)] = self._plan(episode)
+        plan = self._plans[id(episode)]
+        return plan.pop(0) if plan else USER_STOP
+
+    def _plan(self, episode: Episode) -> list[str]:
+        plan = []
+        opening = episode.user_simulator_messages() or []
+        if opening and opening[-1]["role"] == "user":  # the agent spoke last (as "user" to the simulator)
+            scenario = _SCENARIO.search(str(opening[0].get("content", "")))
+            plan.append(f"{REQUEST}\n\n{scenario.group(1)}" if scenario else REQUEST)
+        if self.user_actions:
+            calls = episode.gold().tool_calls
+            for i, call in enumerate(calls):
+                if _by_user(call):
+                    plan.append(format_tool_call(call["name"], call["arguments"]))
+                    if i + 1 == len(calls) or not _by_user(calls[i + 1]):
+                        plan.append(USER_DONE)
+        return plan
+
+    def forget(self, episode: Episode) -> None:
+        """Drops the episode's remaining turns once it has ended."""
+        self._plans.pop(id(episode), None)

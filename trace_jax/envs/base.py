@@ -90,6 +90,7 @@ class Episode(Protocol):
 
     task: TaskSpec
     tools: list[dict]  # OpenAI JSON-schema tools offered to the agent
+    user_tools: list[dict]  # tools of the user simulator (τ² telecom's dual control); empty elsewhere
 
     def reset(self) -> list[Message]:
         """The agent's first messages: system prompt (policy and tools), then the ticket or greeting."""

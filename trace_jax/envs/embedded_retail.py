@@ -79,6 +79,7 @@ class RetailEpisode:
     def __init__(self, task: RetailTask, state: DomainState, prompt: str, tools: list[dict]):
         self.task = task.spec
         self.tools = tools
+        self.user_tools: list[dict] = []  # solo tickets: no user
         self._retail_task = task
         self._state = state
         self._prompt = prompt

