@@ -1,0 +1,85 @@
+"""Token fidelity of recorded trajectories: the ids are what the model saw, and they say what the messages say.
+
+SmolLM2 plays a few embedded-retail tickets (τ²'s real retail tools) through the rollout
+engine at temperature 1. Re-scoring each trajectory's token ids with one full forward pass
+of the learner must reproduce the sampler's logprobs on every sampled token, and decoding
+the ids must give back the conversation: each sampled span is its assistant message, and
+the whole is the chat rendering of the messages.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("tau2")
+
+from trace_jax import lora  # noqa: E402
+from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine  # noqa: E402
+from trace_jax.envs.embedded_retail import EmbeddedRetail  # noqa: E402
+from trace_jax.rl.learner import token_logprobs  # noqa: E402
+from trace_jax.sampling import Sampler  # noqa: E402
+
+TEMPERATURE = 1.0
+
+
+@pytest.fixture(scope="module")
+def env():
+    return EmbeddedRetail(seed=0)
+
+
+@pytest.fixture(scope="module")
+def trajectories(smollm2, env):
+    sampler = Sampler(smollm2.cfg, smollm2.params, detokenize=smollm2.tokenizer.decode)
+    config = RolloutConfig(batch_size=2, max_turns=3, max_tokens_per_turn=40, temperature=TEMPERATURE)
+    engine = RolloutEngine(env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=smollm2.tokenizer, config=config)
+    return engine.run([Job(task) for task in env.tasks("heldout", 2)], key=jax.random.key(3))
+
+
+def _sampled_spans(mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of 1s in the loss mask: one per sampled assistant turn."""
+    spans, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans
+
+
+def test_rescoring_the_ids_reproduces_the_sampler_logprobs(smollm2, trajectories):
+    for trajectory in trajectories:
+        ids = jnp.asarray([trajectory.token_ids], jnp.int32)
+        rescored = np.asarray(token_logprobs(smollm2.params, None, ids, jnp.array([lora.NO_ADAPTER]), smollm2.cfg,
+                                             temperature=TEMPERATURE))[0]
+        mask = np.asarray(trajectory.loss_mask[1:], bool)  # rescored[t] is the logprob of token t + 1
+        sampled = np.asarray(trajectory.logprobs[1:])[mask]
+        assert mask.sum() == trajectory.generated_tokens > 0
+        diff = np.abs(rescored[mask] - sampled).max()
+        print(f"\n[token fidelity] {trajectory.job.task.task_id}: {len(trajectory.token_ids)} ids, "
+              f"{int(mask.sum())} sampled, max |logprob diff| {diff:.2e}")
+        assert diff <= 1e-4
+
+
+def test_decoding_the_ids_gives_back_the_messages(smollm2, env, trajectories):
+    tokenizer = smollm2.tokenizer
+    for trajectory in trajectories:
+        replies = [m["content"] for m in trajectory.messages if m["role"] == "assistant"]
+        spans = _sampled_spans(trajectory.loss_mask)
+        assert len(spans) == len(replies) >= 1
+        for (start, end), reply in zip(spans, replies):
+            ids = trajectory.token_ids[start:end]
+            if ids[-1] in tokenizer.eos_token_ids:  # the end-of-turn token is kept in the ids, not in the text
+                ids = ids[:-1]
+            assert tokenizer.decode(ids) == reply
+        # The whole: the rendering of the conversation through its last assistant turn (observations
+        # after it were never fed to the model); a turn cut at max_tokens lacks only the end-of-turn tag.
+        last = max(i for i, m in enumerate(trajectory.messages) if m["role"] == "assistant")
+        rendered = tokenizer.render_chat(trajectory.messages[: last + 1], tools=env.episode(trajectory.job.task).tools,
+                                         add_generation_prompt=False)
+        decoded = tokenizer.decode(trajectory.token_ids)
+        assert rendered.startswith(decoded)
+        assert rendered[len(decoded):] in ("\n", "<|im_end|>\n"), rendered[len(decoded):][:200]
