@@ -83,3 +83,17 @@ def test_decoding_the_ids_gives_back_the_messages(smollm2, env, trajectories):
         decoded = tokenizer.decode(trajectory.token_ids)
         assert rendered.startswith(decoded)
         assert rendered[len(decoded):] in ("\n", "<|im_end|>\n"), rendered[len(decoded):][:200]
+
+
+def test_a_turn_cut_at_max_tokens_is_closed_before_the_next_messages(smollm2):
+    """The continuation after a cut turn starts with the end-of-turn token its sampled ids lack."""
+    from trace_jax.agent.chat_codec import ChatCodec
+
+    codec = ChatCodec(smollm2.tokenizer)
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am cut"}]
+    new = [{"role": "user", "content": "Go on"}]
+    closed = codec.continuation(history, new)
+    cut = codec.continuation(history, new, closed=False)
+    assert cut == smollm2.tokenizer.encode("<|im_end|>") + closed
+    full = smollm2.tokenizer.apply_chat(history + new)
+    assert full[-len(cut):] == cut  # the first prompt + sampled ids + cut continuation = a full rendering

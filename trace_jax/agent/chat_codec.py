@@ -24,24 +24,24 @@ class ChatCodec:
         """The conversation so far, ready for the model's next turn."""
         return self.tokenizer.apply_chat(messages, tools=self.tools)
 
-    def continuation(self, history: list[dict], new_messages: list[dict]) -> list[int]:
+    def continuation(self, history: list[dict], new_messages: list[dict], closed: bool = True) -> list[int]:
         """Tokens after `history` (ending with the model's own turn, as sampled) that add
-        `new_messages` and open the model's next turn.
+        `new_messages` and open the model's next turn. A turn cut off before its end-of-turn
+        token (`closed=False`) gets that token first.
 
         Raises ValueError if the template renders `history` differently once messages
         follow it (the incremental encoding would then drift from a full rendering).
         """
         before = self.tokenizer.render_chat(history, tools=self.tools, add_generation_prompt=False)
         after = self.tokenizer.render_chat(history + new_messages, tools=self.tools)
-        cut = self._after_last_turn_end(before)
-        if after[:cut] != before[:cut]:
+        start, end = self._last_turn_end(before)
+        if after[:end] != before[:end]:
             raise ValueError("the chat template re-renders earlier turns when messages are appended")
-        return self.tokenizer.encode(after[cut:])
+        return self.tokenizer.encode(after[end if closed else start:])
 
-    def _after_last_turn_end(self, text: str) -> int:
-        """The index just past the last end-of-turn token in `text`."""
-        ends = [(text.rfind(end), end) for end in self._end_texts]
-        index, end = max(ends)
+    def _last_turn_end(self, text: str) -> tuple[int, int]:
+        """Where the last end-of-turn token in `text` starts and ends."""
+        index, end = max((text.rfind(end), end) for end in self._end_texts)
         if index < 0:
             raise ValueError("the rendered history has no end-of-turn token")
-        return index + len(end)
+        return index, index + len(end)

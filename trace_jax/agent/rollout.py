@@ -11,7 +11,8 @@ sampled turn as sampled, then the encoded observations), a loss mask (1 on sampl
 tokens), the sampler's logprobs, and its messages with assistant turns as raw text.
 Model output never crashes the engine: malformed tool calls become error observations,
 and max turns, max tokens per turn, too many errors and a full context end the episode
-with a recorded reason.
+with a recorded reason. A user simulator's turn cut at max tokens is passed on as written
+(its end-of-turn token added to the user's tokens); only the agent's is a failure.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ class _Speaker:
         """Tokens to feed before this speaker's next turn: its messages not yet encoded."""
         if not self.token_ids:
             return self.codec.first_prompt(self.messages)
-        return self.codec.continuation(self.messages[: self.encoded], self.messages[self.encoded :])
+        closed = self.token_ids[-1] in self.codec.tokenizer.eos_token_ids  # a user turn may be cut at max tokens
+        return self.codec.continuation(self.messages[: self.encoded], self.messages[self.encoded :], closed)
 
 
 @dataclasses.dataclass
@@ -267,7 +269,7 @@ class RolloutEngine:
         speaker.encoded = len(speaker.messages)
         if finish == FINISH_CONTEXT:
             item.end_reason = base.END_CONTEXT
-        elif finish == FINISH_LENGTH:
+        elif finish == FINISH_LENGTH and item.next_speaker == "agent":  # the agent's failure
             item.end_reason = base.END_TURN_TOO_LONG
         elif item.next_speaker == "agent":
             self._agent_turn(item, text)
