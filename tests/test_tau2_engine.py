@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 
@@ -17,6 +18,7 @@ from configs import tau2_airline, tau2_retail
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
 from trace_jax.agent.scripted import GoldAgent, ScriptedUser
 from trace_jax.envs import base
+from trace_jax.envs.tau2_bridge import domain_state
 from trace_jax.envs.tau2_domains import Tau2Environment
 from trace_jax.evaluation import evaluate
 
@@ -47,6 +49,9 @@ def test_gold_agent_scores_one_on_every_base_task(domain, tmp_path):
         assert messages[-1]["role"] == "assistant" and "<tool_call>" not in messages[-1]["content"]
     if domain == "telecom":  # dual control: the user made its gold calls (the agent only asked for them)
         assert any("Please do this on your phone" in m["content"] for r in records for m in r["messages"])
+    # Nothing an episode did reached the DB every episode copies.
+    pristine = importlib.import_module(f"tau2.domains.{domain}.environment").get_environment()
+    assert domain_state(domain).db.get_hash() == pristine.get_db_hash()
 
 
 def test_noop_agent_scores_what_tau2_gives_an_empty_trajectory(tmp_path):
