@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 from tau2.data_model.message import AssistantMessage, UserMessage
 from tau2.data_model.simulation import SimulationRun, TerminationReason
 from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
@@ -9,6 +11,11 @@ from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
 from trace_jax.agent.scripted import USER_STOP
 from trace_jax.envs.tau2_bridge import cached_domain_name
 from trace_jax.envs.tau2_domains import GREETING
+
+
+def tau2_environment(domain: str):
+    """A τ² environment built by τ²'s own constructor (parsing the DB files)."""
+    return importlib.import_module(f"tau2.domains.{domain}.environment").get_environment()
 
 
 def tau2_run(task, messages: list, reason: TerminationReason = TerminationReason.USER_STOP) -> SimulationRun:

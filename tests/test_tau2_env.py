@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 
 import pytest
@@ -16,7 +15,7 @@ from tau2.data_model.tasks import RewardType  # noqa: E402
 from tau2.evaluator.evaluator import EvaluationType  # noqa: E402
 from tau2.evaluator.evaluator_nl_assertions import NLAssertionsEvaluator  # noqa: E402
 from tau2.user.user_simulator import UserSimulator, get_global_user_sim_guidelines  # noqa: E402
-from tau2_reference import empty_messages, reference, tau2_run  # noqa: E402
+from tau2_reference import empty_messages, reference, tau2_environment, tau2_run  # noqa: E402
 
 from trace_jax.agent.tool_calls import format_tool_call  # noqa: E402
 from trace_jax.envs import base  # noqa: E402
@@ -40,11 +39,6 @@ NOOP_SUCCESSES = {"airline": 19, "retail": 7}
 def environment(domain: str) -> Tau2Environment:
     """One environment per domain for the whole file (building one parses the domain's DB)."""
     return Tau2Environment(domain)
-
-
-def tau2_environment(domain: str):
-    """A τ² environment built by τ²'s own constructor (parsing the DB files)."""
-    return importlib.import_module(f"tau2.domains.{domain}.environment").get_environment()
 
 
 def _agent_calls(i: int, *calls: dict) -> base.Message:
