@@ -86,23 +86,26 @@ def test_continuing_a_row_equals_a_fresh_prefill(model):
 
 
 def test_a_row_started_from_a_stored_prefix_equals_a_full_prefill(model):
-    """start_row copies the first `length` positions of a prefilled prefix into a used row;
-    the row then continues exactly as if its whole prompt had been prefilled there."""
+    """start_row points a used row at the first `length` positions of a prefix slot; the row
+    then continues exactly as if its whole prompt had been prefilled there, and the other
+    rows are untouched."""
     cfg, params, _ = model
     sampler = Sampler(cfg, params, min_shared_prefix=None)
     rng = np.random.RandomState(3)
     head = rng.randint(0, cfg.vocab_size, 150).tolist()
-    prefix = sampler.prefill_prefix(head + [7, 7], lora.NO_ADAPTER)  # stored from another prompt: shares 150
     _, cache = sampler.generate([[1, 2, 3], [4, 5]], key=jax.random.key(0), max_new_tokens=4)
+    cache, slot = sampler.add_prefix(cache, [9] * 40, lora.NO_ADAPTER)
+    cache, slot = sampler.add_prefix(cache, head + [7, 7], lora.NO_ADAPTER)  # stored from another prompt: shares 150
+    assert slot == 1 and cache.num_slots == 2
     prompt = head + rng.randint(0, cfg.vocab_size, 9).tolist()
-    cache = sampler.start_row(cache, 1, prefix, 150)
-    assert int(cache.lengths[1]) == 150 and int(cache.lengths[0]) == 3 + 4
+    cache = sampler.start_row(cache, 1, slot, 150)
+    assert int(cache.lengths[1]) == 0 and int(cache.prefix_len[1]) == 150 and int(cache.lengths[0]) == 3 + 4
     out, cache = sampler.generate([prompt[150:]], key=jax.random.key(1), max_new_tokens=6, temperature=1.0,
                                   cache=cache, rows=[1])
     assert np.abs(_full_logprobs(params, cfg, prompt, out[0].token_ids) - np.array(out[0].logprobs)).max() <= 1e-4
-    assert int(cache.lengths[1]) == len(prompt) + 6
+    assert int(cache.lengths[1]) == len(prompt) - 150 + 6
     emptied = sampler.start_row(cache, 1)
-    assert int(emptied.lengths[1]) == 0
+    assert int(emptied.lengths[1]) == 0 and int(emptied.prefix_len[1]) == 0
 
 
 def test_sampling_parameters_do_not_recompile_and_key_decides(model):
@@ -257,7 +260,7 @@ def test_shared_prefix_prefill_equals_per_row_prefill(model, case):
     plain_out, plain_cache = plain.generate(prompts, **kwargs)
     _assert_same_outputs(shared_out, plain_out)
     assert shared_cache.batch == plain_cache.batch
-    assert np.array_equal(np.asarray(shared_cache.lengths), np.asarray(plain_cache.lengths))
+    assert np.array_equal(np.asarray(shared_cache.sequence_lengths), np.asarray(plain_cache.sequence_lengths))
     # The prefix is prefilled once per adapter, then only the suffixes; without sharing, whole prompts.
     assert sharing.prefills[0][:groups] == [shared_len] * groups and not any(sharing.prefills[0][groups:])
     assert sharing.prefills[1][: len(prompts)] == [len(p) - shared_len for p in prompts]
@@ -269,7 +272,7 @@ def test_shared_prefix_prefill_equals_per_row_prefill(model, case):
     shared_next, shared_cache = sharing.generate(turn2, cache=shared_cache, **kwargs)
     plain_next, plain_cache = plain.generate(turn2, cache=plain_cache, **kwargs)
     _assert_same_outputs(shared_next, plain_next)
-    assert np.array_equal(np.asarray(shared_cache.lengths), np.asarray(plain_cache.lengths))
+    assert np.array_equal(np.asarray(shared_cache.sequence_lengths), np.asarray(plain_cache.sequence_lengths))
 
 
 def test_shared_prefix_sampling_draws_the_same_tokens(model):

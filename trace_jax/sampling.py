@@ -111,7 +111,7 @@ def _prefill(params, adapters, cache, tokens, num_new, adapter_idx, *, cfg, cons
 
 
 def _decode(params, adapters, cache, logits, key, sampling, stop_ids, remaining, done, adapter_idx,
-            *, cfg, constrain, steps):
+            *, cfg, constrain, steps, max_context):
     """Samples up to `steps` tokens for each unfinished row, feeding each back through the cache.
 
     Every sampled token (stop tokens included) is written to the cache, so a row can
@@ -135,7 +135,7 @@ def _decode(params, adapters, cache, logits, key, sampling, stop_ids, remaining,
         out_logp = out_logp.at[:, step].set(jnp.where(active, logp, 0.0))
         count = count + active
         hit_stop = jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
-        hit_context = cache.lengths + 1 >= cache.max_len
+        hit_context = cache.sequence_lengths + 1 >= max_context
         code = jnp.where(hit_stop, 1, jnp.where(count >= remaining, 2, jnp.where(hit_context, 3, 0)))
         finish = jnp.where(active, code, finish)
         hidden, cache = decoder.forward_hidden(
@@ -195,7 +195,9 @@ class Sampler:
     `generate` returns the completions and a `KVCache` holding every row's tokens so
     far; pass it back with `rows=` to append a next turn to those rows and go on.
     A fresh batch whose prompts share at least `min_shared_prefix` leading tokens
-    prefills that prefix once per adapter and copies it to the rows (None: never).
+    prefills that prefix once per adapter into a prefix slot of the cache that the rows
+    continue from (None: never); `add_prefix` and `start_row` do the same for rows
+    started one by one.
     """
 
     def __init__(
@@ -223,9 +225,9 @@ class Sampler:
         constrain = plan.constrain if plan else decoder.no_constraint
         self._prefill = jax.jit(functools.partial(_prefill, cfg=cfg, constrain=constrain), donate_argnums=(2,))
         self._decode = jax.jit(
-            functools.partial(_decode, cfg=cfg, constrain=constrain, steps=decode_chunk), donate_argnums=(2,)
+            functools.partial(_decode, cfg=cfg, constrain=constrain, steps=decode_chunk, max_context=self.max_context),
+            donate_argnums=(2,),
         )
-        self._copy_row = jax.jit(decoder.copy_cache_row, donate_argnums=(0,))
 
     def set_adapters(self, adapters: lora_lib.Adapters | None) -> None:
         """Swaps in new adapter weights (same shapes: no recompilation)."""
@@ -251,13 +253,16 @@ class Sampler:
         return self._place(cache)
 
     def _place(self, cache: decoder.KVCache) -> decoder.KVCache:
-        layers = lambda arrays: tuple(self._put(a, "cache") for a in arrays)
-        return decoder.KVCache(layers(cache.k), layers(cache.v), self._put(cache.lengths, "batch"))
+        layers = lambda arrays, name: tuple(self._put(a, name) for a in arrays)
+        return decoder.KVCache(layers(cache.k, "cache"), layers(cache.v, "cache"), self._put(cache.lengths, "batch"),
+                               layers(cache.prefix_k, "prefix_cache"), layers(cache.prefix_v, "prefix_cache"),
+                               self._put(cache.prefix_slot, "batch"), self._put(cache.prefix_len, "batch"))
 
     def _grow(self, cache: decoder.KVCache, capacity: int) -> decoder.KVCache:
+        """`cache` with room for `capacity` positions in each row's own buffer."""
         pad = [(0, 0), (0, 0), (0, capacity - cache.max_len), (0, 0)]
         grown = lambda arrays: tuple(jnp.pad(a, pad) for a in arrays)
-        return self._place(decoder.KVCache(grown(cache.k), grown(cache.v), cache.lengths))
+        return self._place(cache.replace(k=grown(cache.k), v=grown(cache.v)))
 
     def generate(
         self,
@@ -294,7 +299,7 @@ class Sampler:
         lengths = np.asarray(cache.lengths)
         new_len = np.array([len(p) for p in prompts])
         max_new = _per_row(max_new_tokens, n, np.int32)
-        fits = lengths[rows] + new_len < self.max_context  # room for the prompt and at least one token
+        fits = np.asarray(cache.sequence_lengths)[rows] + new_len < self.max_context  # room for the prompt and a token
         needed = int(np.max(np.where(fits, lengths[rows] + new_len + max_new, 0), initial=0))
         if needed > cache.max_len:
             cache = self._grow(cache, self._capacity(needed))
@@ -352,7 +357,7 @@ class Sampler:
             chunk += 1
         final_len = start_len.copy()
         final_len[rows] = [start_len[r] + len(out_ids[r]) for r in rows]
-        cache = decoder.KVCache(cache.k, cache.v, self._put(final_len.astype(np.int32), "batch"))
+        cache = cache.replace(lengths=self._put(final_len.astype(np.int32), "batch"))
         completions = []
         for r in rows:
             text = None
@@ -361,55 +366,49 @@ class Sampler:
             completions.append(Completion(out_ids[r], out_logp[r], finish[r], text))
         return completions, cache
 
-    def prefill_prefix(self, prefix: Sequence[int], adapter_idx: int) -> decoder.KVCache:
-        """A one-row cache holding `prefix` prefilled with adapter `adapter_idx`, to start rows from."""
-        return self._prefill_prefix(prefix, np.array([adapter_idx]), self._capacity(len(prefix)))
+    def add_prefix(self, cache: decoder.KVCache, prefix: Sequence[int], adapter_idx: int) -> tuple[decoder.KVCache, int]:
+        """`cache` with `prefix` prefilled with adapter `adapter_idx` in a new prefix slot, and the slot."""
+        slot = cache.num_slots
+        return self._add_slots(cache, prefix, np.array([adapter_idx])), slot
 
-    def start_row(self, cache: decoder.KVCache, row: int, prefix: decoder.KVCache | None = None,
-                  length: int = 0) -> decoder.KVCache:
-        """`cache` with `row` emptied, or holding the first `length` positions of one-row `prefix`
-        (the row then continues after them, as if those tokens had been prefilled in it)."""
-        if prefix is None or length == 0:
-            return decoder.KVCache(cache.k, cache.v, cache.lengths.at[row].set(0))
-        if cache.max_len < prefix.max_len:
-            cache = self._grow(cache, prefix.max_len)
-        return self._copy_row(cache, prefix, jnp.int32(0), jnp.int32(row), jnp.int32(length))
+    def start_row(self, cache: decoder.KVCache, row: int, slot: int = 0, length: int = 0) -> decoder.KVCache:
+        """`cache` with `row` emptied to start a new sequence: after the first `length` positions of
+        prefix slot `slot` (as if those tokens had been prefilled in it), or from scratch (length 0)."""
+        return cache.replace(lengths=cache.lengths.at[row].set(0), prefix_slot=cache.prefix_slot.at[row].set(slot),
+                             prefix_len=cache.prefix_len.at[row].set(length))
 
     def _fresh_cache(self, prompts: Sequence[Sequence[int]], adapter_idx: np.ndarray,
                      max_new: np.ndarray) -> tuple[decoder.KVCache, Sequence[Sequence[int]]]:
-        """A cache for a fresh batch and what of each prompt is left to prefill: the shared
-        prefix already prefilled in every row when it is long enough, else an empty cache."""
+        """A cache for a fresh batch and what of each prompt is left to prefill: rows continuing
+        the shared prefix (prefilled once per adapter, in prefix slots) when it is long enough,
+        else empty rows."""
         lengths = [len(p) for p in prompts]
         shared = shared_prefix_length(prompts, self.min_shared_prefix)
         if not shared or max(lengths) >= self.max_context:  # a row that cannot fit must stay empty
             return self.new_cache(len(prompts)), prompts
-        capacity = self._capacity(int(np.max(np.add(lengths, max_new))))
+        capacity = self._capacity(int(np.max(np.add(lengths, max_new))) - shared)
         groups, group_of_row = np.unique(adapter_idx, return_inverse=True)
-        cache = self._fan_out(self._prefill_prefix(prompts[0][:shared], groups, capacity), group_of_row)
+        cache = self._add_slots(self.new_cache(len(prompts), capacity), prompts[0][:shared], groups)
+        slot = np.zeros((cache.batch,), np.int32)
+        slot[: len(prompts)] = group_of_row.reshape(-1)
+        length = np.zeros((cache.batch,), np.int32)
+        length[: len(prompts)] = shared
+        cache = self._place(cache.replace(prefix_slot=jnp.asarray(slot), prefix_len=jnp.asarray(length)))
         return cache, [p[shared:] for p in prompts]
 
-    def _prefill_prefix(self, prefix: Sequence[int], groups: np.ndarray, capacity: int) -> decoder.KVCache:
-        """A cache whose row g holds `prefix` prefilled with adapter groups[g] (its logits are not needed)."""
-        cache = self.new_cache(len(groups), capacity)
-        tokens = np.zeros((cache.batch, bucket_size(len(prefix), 16)), np.int32)
+    def _add_slots(self, cache: decoder.KVCache, prefix: Sequence[int], groups: np.ndarray) -> decoder.KVCache:
+        """`cache` with one new prefix slot per adapter of `groups`, each holding `prefix` prefilled with it."""
+        prefilled = self.new_cache(len(groups), self._capacity(len(prefix)))
+        tokens = np.zeros((prefilled.batch, bucket_size(len(prefix), 16)), np.int32)
         tokens[: len(groups), : len(prefix)] = prefix
-        num_new = np.zeros((cache.batch,), np.int32)
+        num_new = np.zeros((prefilled.batch,), np.int32)
         num_new[: len(groups)] = len(prefix)
-        group_adapter = np.full((cache.batch,), lora_lib.NO_ADAPTER, np.int32)
+        group_adapter = np.full((prefilled.batch,), lora_lib.NO_ADAPTER, np.int32)
         group_adapter[: len(groups)] = groups
-        _, cache = self._prefill(self.params, self.adapters, cache, self._put(tokens, "batch"),
-                                 self._put(num_new, "batch"), self._put(group_adapter, "batch"))
-        return cache
-
-    def _fan_out(self, prefix_cache: decoder.KVCache, source_rows: np.ndarray) -> decoder.KVCache:
-        """A cache for len(source_rows) rows (batch-bucketed) where row i copies prefix row
-        source_rows[i]; the padding rows beyond them are empty."""
-        n, batch = len(source_rows), self._batch_size(len(source_rows))
-        source = np.zeros((batch,), np.int32)
-        source[:n] = source_rows
-        copied = decoder.gather_cache_rows(prefix_cache, jnp.asarray(source))
-        lengths = jnp.where(jnp.arange(batch) < n, copied.lengths, 0)
-        return self._place(decoder.KVCache(copied.k, copied.v, lengths))
+        _, prefilled = self._prefill(self.params, self.adapters, prefilled, self._put(tokens, "batch"),
+                                     self._put(num_new, "batch"), self._put(group_adapter, "batch"))
+        rows = lambda arrays: tuple(a[: len(groups)] for a in arrays)  # the mesh may have padded the batch
+        return self._place(decoder.add_prefix_slots(cache, prefilled.replace(k=rows(prefilled.k), v=rows(prefilled.v))))
 
     def _find_stop_string(self, ids: list[int], stop_strings: Sequence[str]) -> tuple[int, int] | None:
         """(tokens to keep, text length before the stop string) for the earliest stop string, if any."""

@@ -34,6 +34,7 @@ ACTIVATION_RULES: dict[str, P] = {
     "mlp": P(BATCH, None, "tensor"),  # [B, T, F]
     "batch": P(BATCH),  # [B, ...]
     "cache": P(BATCH, "tensor", None, None),  # one layer's [B, KV, S, hd]
+    "prefix_cache": P(None, "tensor", None, None),  # one layer's prefix slots [G, KV, P, hd]: read by every row
 }
 
 

@@ -139,7 +139,7 @@ class RolloutEngine:
         self.sampler, self.tokenizer, self.config = sampler, tokenizer, config
         self._uses_model = uses_model
         self._rows_per_episode = (agent == MODEL) + (user == MODEL)  # at most; solo tasks use no user row
-        self._prefixes: dict[tuple[int, bool], tuple[list[int], object]] = {}  # see _start_row
+        self._prefixes: dict[tuple[int, bool], tuple[list[int], int]] = {}  # (tokens, cache slot): see _start_row
 
     def run(self, jobs: Sequence[Job], *, key: jax.Array,
             on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
@@ -255,12 +255,13 @@ class RolloutEngine:
             return self.sampler.start_row(cache, row), 0
         if prefix_key not in self._prefixes:
             tokens = prompt[:-1]  # the row must feed at least its last prompt token
-            self._prefixes[prefix_key] = (tokens, self.sampler.prefill_prefix(tokens, prefix_key[0]))
-        tokens, prefix = self._prefixes[prefix_key]
+            cache, slot = self.sampler.add_prefix(cache, tokens, prefix_key[0])
+            self._prefixes[prefix_key] = (tokens, slot)
+        tokens, slot = self._prefixes[prefix_key]
         shared = min(common_prefix_length([tokens, prompt]), len(prompt) - 1)
         if shared < minimum:
             return self.sampler.start_row(cache, row), 0
-        return self.sampler.start_row(cache, row, prefix, shared), shared
+        return self.sampler.start_row(cache, row, slot, shared), shared
 
     def _take_turn(self, item: _Live, text: str, finish: str | None) -> None:
         """Applies one speaker's turn to the episode and routes what comes back."""

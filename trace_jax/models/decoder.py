@@ -30,16 +30,25 @@ def no_constraint(x: jax.Array, _: str) -> jax.Array:
 
 @flax.struct.dataclass
 class KVCache:
-    """Keys and values of every layer for each row, plus how many positions are filled.
+    """Keys and values of every layer for each row, plus the shared prefixes rows continue from.
 
     k, v: one [batch, kv_heads, max_len, head_dim] array per layer (head-major, so
-    attention reads each head's keys contiguously); lengths: [batch] int32.
-    Row b holds a contiguous sequence at positions 0 .. lengths[b] - 1.
+    attention reads each head's keys contiguously): each row's own positions;
+    lengths: [batch] int32, how many of them are filled.
+    prefix_k, prefix_v: one [slots, kv_heads, prefix_len, head_dim] array per layer: shared
+    prefixes (system prompts) stored once; row b continues the first prefix_len[b] positions
+    of slot prefix_slot[b] (prefix_len 0: no prefix), so its own position j is absolute
+    position prefix_len[b] + j. Attention reads a slot once for all its rows ("cascade"
+    attention) instead of once per row from per-row copies.
     """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     lengths: jax.Array
+    prefix_k: tuple[jax.Array, ...]
+    prefix_v: tuple[jax.Array, ...]
+    prefix_slot: jax.Array
+    prefix_len: jax.Array
 
     @property
     def max_len(self) -> int:
@@ -49,36 +58,34 @@ class KVCache:
     def batch(self) -> int:
         return self.k[0].shape[0]
 
+    @property
+    def num_slots(self) -> int:
+        return self.prefix_k[0].shape[0]
+
+    @property
+    def sequence_lengths(self) -> jax.Array:
+        """Each row's whole length: its prefix and its own positions."""
+        return self.prefix_len + self.lengths
+
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    """An empty cache (all rows of length 0)."""
-    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # distinct buffers (donated)
-    return KVCache(zeros(), zeros(), jnp.zeros((batch,), jnp.int32))
+    """An empty cache (all rows of length 0) with no prefix slots."""
+    def zeros(shape):
+        return tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # distinct buffers (donated)
+
+    own = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+    none = (0, cfg.num_kv_heads, 0, cfg.head_dim)
+    rows = lambda: jnp.zeros((batch,), jnp.int32)
+    return KVCache(zeros(own), zeros(own), rows(), zeros(none), zeros(none), rows(), rows())
 
 
-def gather_cache_rows(cache: KVCache, source_rows: jax.Array) -> KVCache:
-    """A cache whose row b is a copy of `cache` row source_rows[b]: one prefilled shared
-    prefix (or one per group) fanned out to every row that continues from it."""
-    take = lambda arrays: tuple(jnp.take(a, source_rows, axis=0) for a in arrays)
-    return KVCache(take(cache.k), take(cache.v), jnp.take(cache.lengths, source_rows, axis=0))
-
-
-def copy_cache_row(cache: KVCache, source: KVCache, source_row: jax.Array, row: jax.Array,
-                   length: jax.Array) -> KVCache:
-    """`cache` whose row `row` holds the first `length` positions of `source` row `source_row`.
-
-    Copies the source's whole capacity (a static shape); positions past `length` are
-    ignored, since attention reads a row only up to its length. Needs
-    cache.max_len >= source.max_len.
-    """
-    def put(dst, src):
-        block = jax.lax.dynamic_slice_in_dim(src, source_row, 1, axis=0)
-        return jax.lax.dynamic_update_slice(dst, block.astype(dst.dtype), (row, 0, 0, 0))
-
-    k = tuple(put(d, s) for d, s in zip(cache.k, source.k))
-    v = tuple(put(d, s) for d, s in zip(cache.v, source.v))
-    return KVCache(k, v, cache.lengths.at[row].set(length))
+def add_prefix_slots(cache: KVCache, prefixes: KVCache) -> KVCache:
+    """`cache` with the rows of `prefixes` (prefilled, with no prefix of their own) appended as
+    prefix slots (numbered after the existing ones); the slot length is the longest of both."""
+    length = max(cache.prefix_k[0].shape[2], prefixes.max_len)
+    pad = lambda a: jnp.pad(a, [(0, 0), (0, 0), (0, length - a.shape[2]), (0, 0)])
+    join = lambda old, new: tuple(jnp.concatenate([pad(o), pad(n)]) for o, n in zip(old, new))
+    return cache.replace(prefix_k=join(cache.prefix_k, prefixes.k), prefix_v=join(cache.prefix_v, prefixes.v))
 
 
 def rope_inverse_frequencies(cfg: ModelConfig) -> jax.Array:
@@ -128,29 +135,50 @@ def _linear(x: jax.Array, layer: Params, name: str, row_lora: Params | None) -> 
     return y
 
 
-def _attention(q, k, v, q_pos, k_pos, k_valid):
+def _attention(q, k, v, q_pos, k_pos, k_valid, prefix=None):
     """Grouped-query attention. q: [B,T,H,hd]; k, v: [B,KV,S,hd]; masks by absolute position.
 
-    Batch and kv-head dims are merged into one dot batch dim: XLA:CPU runs that far
-    faster than a dot with two batch dims.
+    `prefix` (pk, pv [G,KV,P,hd], valid [B, G*P]) adds keys every row may attend to where
+    `valid`: the shared prefix slots, all before the rows' own positions. Their scores are
+    one matmul of all rows' queries against the G slots (read once, not once per row) and
+    share one softmax with the row's own keys. Batch and kv-head dims are merged into one
+    dot batch dim: XLA:CPU runs that far faster than a dot with two batch dims.
     """
     batch, t, num_heads, hd = q.shape
     kv_heads, s = k.shape[1], k.shape[2]
     groups = num_heads // kv_heads
-    q = q.reshape(batch, t, kv_heads, groups, hd).transpose(0, 2, 3, 1, 4).reshape(batch * kv_heads, groups * t, hd)
-    k = k.reshape(batch * kv_heads, s, hd)
-    v = v.reshape(batch * kv_heads, s, hd)
-    scores = jax.lax.dot_general(q, k, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)
-    scores = scores.reshape(batch, kv_heads, groups, t, s) * (hd**-0.5)
+    q = q.reshape(batch, t, kv_heads, groups, hd).transpose(0, 2, 3, 1, 4)  # [B, KV, g, T, hd]
+    rows = lambda x: x.reshape(batch * kv_heads, -1, x.shape[-1])
+    heads = lambda x: x.swapaxes(0, 1).reshape(kv_heads, -1, x.shape[-1])  # [KV, B*..., last]
+    dot = lambda a, b, contract: jax.lax.dot_general(a, b, (((2,), (contract,)), ((0,), (0,))),
+                                                     preferred_element_type=jnp.float32)
+    scores = dot(rows(q), rows(k), 2).reshape(batch, kv_heads, groups, t, s) * (hd**-0.5)
     mask = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(batch * kv_heads, groups * t, s)
-    out = jax.lax.dot_general(probs, v, (((2,), (1,)), ((0,), (0,))))
-    return out.reshape(batch, kv_heads, groups, t, hd).transpose(0, 3, 1, 2, 4).reshape(batch, t, num_heads * hd)
+    if prefix is not None:
+        pk, pv, valid = prefix
+        slots = pk.shape[0] * pk.shape[2]
+        p_scores = dot(heads(q), heads(pk), 2).reshape(kv_heads, batch, groups, t, slots).swapaxes(0, 1) * (hd**-0.5)
+        p_scores = jnp.where(valid[:, None, None, None, :], p_scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.concatenate([p_scores, scores], axis=-1)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = dot(rows(probs[..., -s:]), rows(v), 1).reshape(batch, kv_heads, groups, t, hd)
+    if prefix is not None:
+        p_out = dot(heads(probs[..., :slots]), heads(pv), 1)
+        out = out + p_out.reshape(kv_heads, batch, groups, t, hd).swapaxes(0, 1)
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, t, num_heads * hd)
+
+
+def _prefix_valid(cache: KVCache) -> jax.Array:
+    """[B, slots * prefix_len]: which prefix positions each row continues (its slot, up to its length)."""
+    slots, length = cache.num_slots, cache.prefix_k[0].shape[2]
+    slot = jnp.arange(slots * length) // length
+    position = jnp.arange(slots * length) % length
+    return (slot[None, :] == cache.prefix_slot[:, None]) & (position[None, :] < cache.prefix_len[:, None])
 
 
 def _write_cache(layer_cache, new, positions, write_mask):
-    """Scatters new [B,T,KV,hd] into one layer's cache [B,KV,S,hd] at (row, :, position).
+    """Scatters new [B,T,KV,hd] into one layer's cache [B,KV,S,hd] at (row, :, position in the row's buffer).
 
     Masked entries get an out-of-range position and are dropped.
     """
@@ -176,21 +204,25 @@ def forward_hidden(
 
     Without a cache, row b's tokens sit at `positions` (default 0..T-1) and attend
     causally among themselves. With a cache, row b's first `num_new[b]` tokens are
-    appended after its `cache.lengths[b]` cached ones; the rest of the row is padding.
+    appended after its prefix and its `cache.lengths[b]` cached ones; the rest of the row
+    is padding.
     `row_lora` maps target names to per-row {"a": [L,B,in,r], "b": [L,B,r,out]}.
     """
     batch, t = tokens.shape
     inv_freq = rope_inverse_frequencies(cfg)
     if cache is not None:
         num_new = jnp.full((batch,), t, jnp.int32) if num_new is None else num_new
-        positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        buffer_pos = jnp.arange(cache.max_len, dtype=jnp.int32)  # in each row's own buffer
+        write_pos = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        positions = cache.prefix_len[:, None] + write_pos  # absolute: after the row's prefix
         write_mask = jnp.arange(t)[None, :] < num_new[:, None]
-        k_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (batch, cache.max_len))
-        k_valid = k_pos < (cache.lengths + num_new)[:, None]
+        k_pos = cache.prefix_len[:, None] + buffer_pos[None, :]
+        k_valid = buffer_pos[None, :] < (cache.lengths + num_new)[:, None]
+        prefix_valid = _prefix_valid(cache) if cache.num_slots else None
     elif positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
 
-    def layer_fn(x, layer, lora, layer_k, layer_v):
+    def layer_fn(x, layer, lora, layer_k, layer_v, prefix_k, prefix_v):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
         q = _linear(h, layer, "q_proj", lora).reshape(batch, t, cfg.num_heads, cfg.head_dim)
         k = _linear(h, layer, "k_proj", lora).reshape(batch, t, cfg.num_kv_heads, cfg.head_dim)
@@ -204,9 +236,10 @@ def forward_hidden(
             attn = _attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions, positions,
                               jnp.ones((batch, t), bool))
         else:
-            layer_k = _write_cache(layer_k, k, positions, write_mask)
-            layer_v = _write_cache(layer_v, v, positions, write_mask)
-            attn = _attention(q, layer_k, layer_v, positions, k_pos, k_valid)
+            layer_k = _write_cache(layer_k, k, write_pos, write_mask)
+            layer_v = _write_cache(layer_v, v, write_pos, write_mask)
+            attn = _attention(q, layer_k, layer_v, positions, k_pos, k_valid,
+                              None if prefix_valid is None else (prefix_k, prefix_v, prefix_valid))
         x = constrain(x + _linear(attn, layer, "o_proj", lora), "hidden")
         h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
         gated = jax.nn.silu(_linear(h, layer, "gate_proj", lora)) * _linear(h, layer, "up_proj", lora)
@@ -219,12 +252,13 @@ def forward_hidden(
     new_k, new_v = [], []
     for i, layer in enumerate(params["layers"]):
         lora = None if row_lora is None else jax.tree.map(lambda w: w[i], row_lora)
-        x, layer_k, layer_v = layer_fn(x, layer, lora, *((None, None) if cache is None else (cache.k[i], cache.v[i])))
+        layer_cache = (None,) * 4 if cache is None else (cache.k[i], cache.v[i], cache.prefix_k[i], cache.prefix_v[i])
+        x, layer_k, layer_v = layer_fn(x, layer, lora, *layer_cache)
         new_k.append(layer_k)
         new_v.append(layer_v)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if cache is not None:
-        cache = KVCache(tuple(new_k), tuple(new_v), cache.lengths + num_new)
+        cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + num_new)
     return x, cache
 
 

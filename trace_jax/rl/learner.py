@@ -63,20 +63,23 @@ _logprobs_and_entropy.defvjp(_logprobs_and_entropy_fwd, _logprobs_and_entropy_bw
 def _final_hidden(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat):
     """Final hidden states of `tokens`, each row continuing its shared prefix when `prefix` is given.
 
-    The G prefixes are run once (under their own adapters) into a KV cache that is then
-    copied to the rows using them, so gradients still flow through the prefix: the
-    result equals running every row's full sequence, at a fraction of the cost when many
-    rows share a long system prompt.
+    The G prefixes are run once (under their own adapters) into a KV cache whose rows
+    become the prefix slots the rows attend to, so gradients still flow through the
+    prefix: the result equals running every row's full sequence, at a fraction of the
+    cost when many rows share a long system prompt.
     """
     row_lora = lora.gather_rows(adapters, adapter_idx)
     if prefix is None:
         return decoder.forward_hidden(params, tokens, cfg, row_lora=row_lora, remat=remat, constrain=constrain)[0]
     groups, prefix_len = prefix["prefix_tokens"].shape
-    cache = decoder.init_cache(cfg, groups, prefix_len + tokens.shape[1], params["embed"].dtype)
-    _, cache = decoder.forward_hidden(params, prefix["prefix_tokens"], cfg, cache=cache,
-                                      num_new=prefix["prefix_lengths"], remat=remat, constrain=constrain,
-                                      row_lora=lora.gather_rows(adapters, prefix["prefix_adapter"]))
-    cache = decoder.gather_cache_rows(cache, prefix["prefix_of_row"])
+    dtype = params["embed"].dtype
+    _, prefixes = decoder.forward_hidden(params, prefix["prefix_tokens"], cfg,
+                                         cache=decoder.init_cache(cfg, groups, prefix_len, dtype),
+                                         num_new=prefix["prefix_lengths"], remat=remat, constrain=constrain,
+                                         row_lora=lora.gather_rows(adapters, prefix["prefix_adapter"]))
+    cache = decoder.add_prefix_slots(decoder.init_cache(cfg, tokens.shape[0], tokens.shape[1], dtype), prefixes)
+    cache = cache.replace(prefix_slot=prefix["prefix_of_row"],
+                          prefix_len=jnp.take(prefix["prefix_lengths"], prefix["prefix_of_row"]))
     return decoder.forward_hidden(params, tokens, cfg, row_lora=row_lora, cache=cache, remat=remat,
                                   constrain=constrain)[0]
 
