@@ -36,10 +36,20 @@ def test_rows_hold_prompt_tail_then_completion_and_the_mask_covers_the_completio
         scored = np.flatnonzero(batch["loss_mask"][i])
         assert row[scored + 1].tolist() == c  # logprob j scores token j + 1
         np.testing.assert_allclose(batch["old_logp"][i, scored], lp, rtol=1e-6)
-    if min_shared_prefix:
-        assert batch["prefix_tokens"].tolist() == [prompts[0][:20]] and batch["prefix_lengths"].tolist() == [20]
+    if min_shared_prefix:  # padded to a bucket (24), so a step whose prompts share a token more does not recompile
+        assert batch["prefix_tokens"].tolist() == [prompts[0][:20] + [0] * 4] and batch["prefix_lengths"].tolist() == [20]
     else:
         assert not set(PREFIX_KEYS) & set(batch)
+
+
+def test_rows_are_never_narrower_than_min_width():
+    prompts, completions, logprobs = _rollouts()
+    narrow = build_learner_batch(prompts, completions, logprobs, np.ones(5), [0] * 5, min_shared_prefix=8)
+    wide = build_learner_batch(prompts, completions, logprobs, np.ones(5), [0] * 5, min_shared_prefix=8,
+                               min_width=narrow["tokens"].shape[1] + 1)
+    assert narrow["tokens"].shape[1] == 16 and wide["tokens"].shape[1] == 24
+    np.testing.assert_array_equal(wide["tokens"][:, :16], narrow["tokens"])
+    assert wide["loss_mask"].sum() == narrow["loss_mask"].sum()
 
 
 def test_mixed_adapters_get_one_prefix_each_and_logprobs_equal_full_rows(tiny_checkpoints):

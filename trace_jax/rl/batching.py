@@ -26,6 +26,7 @@ def build_learner_batch(
     num_rows: int | None = None,
     row_multiple: int = 1,
     completion_budget: int = 0,
+    min_width: int = 0,
     min_shared_prefix: int | None = 64,
     pad_id: int = 0,
 ) -> dict[str, np.ndarray]:
@@ -36,7 +37,9 @@ def build_learner_batch(
     shapes and so its compiled program the same from step to step, then up to a multiple
     of `row_multiple`) have an empty loss mask: they change neither the loss nor its
     denominator. The row length is bucketed from the longest prompt tail plus at least
-    `completion_budget` tokens (pass max_new_tokens to keep it the same across steps).
+    `completion_budget` tokens (pass max_new_tokens), and is at least `min_width` (pass
+    the last batch's width): the learner's shapes, and so its compiled program, then stay
+    the same from step to step. The shared prefix is padded to a bucket for the same reason.
     """
     n = len(prompts)
     if not n == len(completions) == len(completion_logprobs) == len(advantages) == len(adapter_idx):
@@ -48,7 +51,7 @@ def build_learner_batch(
         raise ValueError(f"{n} rows do not fit num_rows={num_rows}")
     rows = -(-max(n, num_rows or 0) // row_multiple) * row_multiple
     longest = max(len(p) - cut + max(len(c), completion_budget) for p, c in zip(prompts, completions))
-    width = bucket_size(longest, 16)
+    width = bucket_size(max(longest, min_width), 16)
     tokens = np.full((rows, width), pad_id, np.int32)
     loss_mask = np.zeros((rows, width - 1), np.float32)
     old_logp = np.zeros((rows, width - 1), np.float32)
@@ -70,7 +73,9 @@ def build_learner_batch(
     }
     if cut:
         groups, prefix_of_row = np.unique(row_adapter, return_inverse=True)
-        batch["prefix_tokens"] = np.tile(np.asarray(prompts[0][:cut], np.int32), (len(groups), 1))
+        prefix = np.full((bucket_size(cut, 16),), pad_id, np.int32)
+        prefix[:cut] = prompts[0][:cut]
+        batch["prefix_tokens"] = np.tile(prefix, (len(groups), 1))
         batch["prefix_lengths"] = np.full((len(groups),), cut, np.int32)
         batch["prefix_adapter"] = groups.astype(np.int32)
         batch["prefix_of_row"] = prefix_of_row.reshape(-1).astype(np.int32)

@@ -9,7 +9,7 @@ Held-out tasks are evaluated greedily before training (the base reward), every
 the summary reports (metrics "eval/..."), the others are logged as "eval_<split>/...".
 
 Everything a resumed run needs is in the checkpoint (adapter, optimizer state, step,
-RNG key, task cursor), and step k's sampling key is folded from the run key and k, so a
+RNG key, task cursor, learner row width), and step k's sampling key is folded from the run key and k, so a
 run killed after any checkpoint and restarted on the same workdir continues exactly as
 if it had never stopped. Files in the workdir: checkpoints/, tensorboard/, metrics.jsonl,
 base_eval.json, summary.json.
@@ -145,7 +145,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     weights = plan.shard_params(adapters.weights) if plan else adapters.weights
     optimizer = make_optimizer(config.optimizer.lr, config.optimizer.weight_decay, config.optimizer.clip_norm)
     state = TrainState(step=0, adapter_weights=weights, scale=adapters.scale, opt_state=optimizer.init(weights),
-                       rng=run_key, cursor={"next_task": 0})
+                       rng=run_key, cursor={"next_task": 0, "learner_width": 0})
     checkpointer = Checkpointer(workdir / "checkpoints", keep=config.train.keep_checkpoints,
                                 save_every=config.train.checkpoint_every)
     if checkpointer.latest_step() is not None:
@@ -170,7 +170,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     weights, opt_state = state.adapter_weights, state.opt_state
     for step in range(state.step, config.train.steps):
         t0 = time.monotonic()
-        cursor = state.cursor["next_task"]
+        cursor, width = state.cursor["next_task"], state.cursor["learner_width"]
         tasks = train_tasks[cursor : cursor + config.rollout.tasks_per_step]
         rollouts = rollout(sampler, tokenizer, task_set, tasks, key=jax.random.fold_in(state.rng, step),
                            group_size=config.rollout.group_size, adapter_idx=ADAPTER,
@@ -185,7 +185,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
                 [rollouts.prompts[i] for i in kept], [rollouts.completions[i].token_ids for i in kept],
                 [rollouts.completions[i].logprobs for i in kept], advantages[kept], [ADAPTER] * kept.size,
                 num_rows=num_rows, row_multiple=row_multiple, completion_budget=config.rollout.max_new_tokens,
-                min_shared_prefix=config.rollout.min_shared_prefix, pad_id=tokenizer.pad_token_id)
+                min_width=width, min_shared_prefix=config.rollout.min_shared_prefix, pad_id=tokenizer.pad_token_id)
+            width = batch["tokens"].shape[1]  # rows never get narrower: no recompiling for a shorter batch
             batch["dropped_fraction"] = np.float32(advantage_stats["dropped_fraction"])
             weights, opt_state, learner_metrics = train_step(params, weights, opt_state, state.scale, batch)
             sampler.set_adapters(lora.Adapters(weights, state.scale))
@@ -195,7 +196,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         metrics.update({"time/sample_s": t_sampled - t0, "time/learn_s": t_learned - t_sampled,
                         "time/step_s": t_learned - t0, "rollout/rows": float(num_rows)})
         state = TrainState(step=step + 1, adapter_weights=weights, scale=state.scale, opt_state=opt_state,
-                           rng=state.rng, cursor={"next_task": cursor + len(tasks)})
+                           rng=state.rng, cursor={"next_task": cursor + len(tasks), "learner_width": width})
         checkpointer.save(state, force=step + 1 == config.train.steps)
         if (step + 1) % config.eval.every == 0 or step + 1 == config.train.steps:
             latest_eval = evaluate(ADAPTER)
