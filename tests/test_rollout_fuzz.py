@@ -83,6 +83,7 @@ def _check(trajectories: list) -> int:
             assert following or i == len(messages) - 1
             if following:
                 assert following[0]["role"] in ("tool", "user")
+                assert not str(following[0]["content"]).startswith("Error: Error")  # each error is said once
         assert json.dumps(trajectory.record())  # episode logs can always be written
     return turns
 

@@ -284,7 +284,7 @@ class RolloutEngine:
             calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]
             result = (item.episode.step({"role": "assistant", "content": parsed.content, "tool_calls": calls})
                       if calls else base.StepResult())
-            errors = tuple({"role": "tool", "name": "error", "content": f"Error: {error}"} for error in parsed.errors)
+            errors = tuple({"role": "tool", "name": "error", "content": error} for error in parsed.errors)  # "Error: ..."
             result = dataclasses.replace(result, observations=result.observations + errors)
         else:
             result = item.episode.step({"role": "assistant", "content": text})
