@@ -9,10 +9,10 @@ Held-out tasks are evaluated greedily before training (the base reward), every
 the summary reports (metrics "eval/..."), the others are logged as "eval_<split>/...".
 
 Everything a resumed run needs is in the checkpoint (adapter, optimizer state, step,
-RNG key, task cursor, learner row width), and step k's sampling key is folded from the run key and k, so a
-run killed after any checkpoint and restarted on the same workdir continues exactly as
-if it had never stopped. Files in the workdir: checkpoints/, tensorboard/, metrics.jsonl,
-base_eval.json, summary.json.
+RNG key, task cursor, learner row width), and step k's sampling key is folded from the
+run key and k, so a run killed after any checkpoint and restarted on the same workdir
+continues exactly as if it had never stopped. Files in the workdir: checkpoints/,
+tensorboard/, metrics.jsonl, base_eval.json, summary.json.
 """
 
 from __future__ import annotations
