@@ -393,7 +393,7 @@ class Sampler:
         slot[: len(prompts)] = group_of_row.reshape(-1)
         length = np.zeros((cache.batch,), np.int32)
         length[: len(prompts)] = shared
-        cache = self._place(cache.replace(prefix_slot=jnp.asarray(slot), prefix_len=jnp.asarray(length)))
+        cache = cache.replace(prefix_slot=self._put(slot, "batch"), prefix_len=self._put(length, "batch"))
         return cache, [p[shared:] for p in prompts]
 
     def _add_slots(self, cache: decoder.KVCache, prefix: Sequence[int], groups: np.ndarray) -> decoder.KVCache:
