@@ -13,7 +13,8 @@ from trace_jax import lora
 from trace_jax.lora import Adapters, LoraSpec
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.loading import load_params
-from trace_jax.rl.learner import make_grad_fn, make_optimizer, make_train_step, reference_logprobs, token_logprobs
+from trace_jax.rl.learner import (ROW_KEYS, make_grad_fn, make_optimizer, make_train_step, reference_logprobs,
+                                   token_logprobs)
 from trace_jax.rl.losses import LossConfig
 from trace_jax.sharding import ShardingPlan, make_mesh
 
@@ -86,15 +87,20 @@ def test_micro_batches_equal_full_batch(setup):
         assert abs(float(micro_metrics[k]) - float(v)) <= 1e-6 * max(1.0, abs(float(v))), k
 
 
-def test_sharded_gradients_equal_single_device(setup):
+@pytest.mark.parametrize("shared_prefix", [False, True], ids=["rows", "shared_prefix"])
+def test_sharded_gradients_equal_single_device(setup, shared_prefix):
     cfg, params, _, adapters, batch = setup
+    if shared_prefix:
+        batch = _with_shared_prefixes(cfg, batch)[1]
     full, _ = grad_fn(cfg, LOSS, 1)(params, adapters.weights, adapters.scale, batch)
     plan = ShardingPlan(make_mesh(data=2, fsdp=2, tensor=2))
-    rows = {k: jax.device_put(v, plan.activation_sharding("batch", v.shape)) for k, v in batch.items() if v.ndim}
+    rows = {k: jax.device_put(v, plan.activation_sharding("batch", v.shape)) for k, v in batch.items()
+            if k in ROW_KEYS}
     sharded, _ = grad_fn(cfg, LOSS, 2, plan)(plan.shard_params(params), plan.shard_params(adapters.weights),
                                             adapters.scale, {**batch, **rows})
     err = tree_rel(sharded, full)
-    print(f"\n[learner] data=2 fsdp=2 tensor=2 vs one device: grad rel diff {err:.2e}")
+    print(f"\n[learner] data=2 fsdp=2 tensor=2 vs one device ({'shared prefix' if shared_prefix else 'rows'}): "
+          f"grad rel diff {err:.2e}")
     assert err <= 1e-6
 
 
@@ -176,10 +182,9 @@ def test_bad_batches_are_errors(setup):
         grad_fn(cfg, LOSS, 1)(params, adapters.weights, adapters.scale, {**batch, "rewards": batch["advantages"]})
 
 
-def test_shared_prefix_equals_full_sequences(setup):
-    """Rows continuing one of two prefixes (run once each) give the same logprobs and gradients
-    as the same rows written out in full; the prefixes have different lengths and adapters."""
-    cfg, params, _, adapters, batch = setup
+def _with_shared_prefixes(cfg, batch) -> tuple[dict, dict, list[int]]:
+    """(full_batch, split_batch, prefix length of each row): the batch's rows continuing one of two
+    random prefixes of different lengths and adapters, written out in full and as a shared-prefix batch."""
     rng = np.random.RandomState(3)
     prefixes = [rng.randint(0, cfg.vocab_size, 7), rng.randint(0, cfg.vocab_size, 5)]
     prefix_of_row = np.array([0, 1, 1, 0, 0, 1, 0, 1], np.int32)
@@ -188,18 +193,27 @@ def test_shared_prefix_equals_full_sequences(setup):
     # The full rows: prefix, then the batch's tokens; padding after the shorter prefix's rows.
     width = 7 + T
     full_tokens = np.zeros((B, width), np.int32)
-    full_mask, full_old = np.zeros((B, width - 1), np.float32), np.zeros((B, width - 1), np.float32)
+    per_token = [k for k in ("loss_mask", "old_logp", "sampler_logp") if k in batch]  # [B, T-1] entries
+    full = {k: np.zeros((B, width - 1), np.float32) for k in per_token}
     for b, g in enumerate(prefix_of_row):
         p = len(prefixes[g])
         full_tokens[b, :p], full_tokens[b, p : p + T] = prefixes[g], batch["tokens"][b]
-        full_mask[b, p : p + T - 1] = batch["loss_mask"][b]
-        full_old[b, p : p + T - 1] = batch["old_logp"][b]
-    full_batch = {"tokens": full_tokens, "loss_mask": full_mask, "old_logp": full_old,
-                  "advantages": batch["advantages"], "adapter_idx": adapter_idx}
-    split_batch = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"], "old_logp": batch["old_logp"],
+        for k in per_token:
+            full[k][b, p : p + T - 1] = batch[k][b]
+    full_batch = {"tokens": full_tokens, **full, "advantages": batch["advantages"], "adapter_idx": adapter_idx}
+    split_batch = {"tokens": batch["tokens"], **{k: batch[k] for k in per_token},
                    "advantages": batch["advantages"], "adapter_idx": adapter_idx, "prefix_of_row": prefix_of_row,
                    "prefix_tokens": np.stack([prefixes[0], np.pad(prefixes[1], (0, 2))]).astype(np.int32),
                    "prefix_lengths": np.array([7, 5], np.int32), "prefix_adapter": prefix_adapter}
+    return full_batch, split_batch, [len(prefixes[g]) for g in prefix_of_row]
+
+
+def test_shared_prefix_equals_full_sequences(setup):
+    """Rows continuing one of two prefixes (run once each) give the same logprobs and gradients
+    as the same rows written out in full; the prefixes have different lengths and adapters, and
+    the two micro-batches share the prefixes' one forward and backward pass."""
+    cfg, params, _, adapters, batch = setup
+    full_batch, split_batch, prefix_lengths = _with_shared_prefixes(cfg, batch)
     loss = LossConfig(kl_coef=0.1)
     full_g, full_metrics = grad_fn(cfg, loss, 1)(params, adapters.weights, adapters.scale, full_batch)
     split_g, split_metrics = grad_fn(cfg, loss, 2)(params, adapters.weights, adapters.scale, split_batch)
@@ -209,10 +223,11 @@ def test_shared_prefix_equals_full_sequences(setup):
     for k in ("loss", "kl_ref", "clip_fraction", "entropy"):
         assert abs(float(split_metrics[k]) - float(full_metrics[k])) <= 1e-5 * max(1.0, abs(float(full_metrics[k]))), k
     prefix = {k: split_batch[k] for k in ("prefix_tokens", "prefix_lengths", "prefix_adapter", "prefix_of_row")}
-    split_logp = token_logprobs(params, adapters, jnp.asarray(batch["tokens"]), adapter_idx, cfg, prefix=prefix)
-    whole_logp = token_logprobs(params, adapters, jnp.asarray(full_tokens), adapter_idx, cfg)
-    for b, g in enumerate(prefix_of_row):
-        p = len(prefixes[g])
+    adapter_idx = split_batch["adapter_idx"]
+    logprobs = jax.jit(token_logprobs, static_argnames="cfg")
+    split_logp = logprobs(params, adapters, jnp.asarray(batch["tokens"]), adapter_idx, cfg=cfg, prefix=prefix)
+    whole_logp = logprobs(params, adapters, jnp.asarray(full_batch["tokens"]), adapter_idx, cfg=cfg)
+    for b, p in enumerate(prefix_lengths):
         assert np.abs(np.asarray(split_logp[b]) - np.asarray(whole_logp[b, p : p + T - 1])).max() <= 1e-5
 
 

@@ -4,7 +4,10 @@ The frozen base `params` is an argument that is never differentiated; gradients 
 taken w.r.t. `Adapters.weights` only. The reference policy is the same base with
 no adapter (no second copy of the model). Each micro-batch contributes gradients
 of loss *sums* and their denominators, summed with `lax.scan` and divided once at
-the end, so the update equals the full-batch gradient of sum / denominator.
+the end, so the update equals the full-batch gradient of sum / denominator. A shared
+prefix (system prompt) runs forward once per step, not once per micro-batch: the
+micro-batches sum their gradients w.r.t. its keys and values, and one backward pass
+through the prefix turns that sum into adapter gradients.
 """
 
 from __future__ import annotations
@@ -60,34 +63,43 @@ def _logprobs_and_entropy_bwd(residuals, cotangents):
 _logprobs_and_entropy.defvjp(_logprobs_and_entropy_fwd, _logprobs_and_entropy_bwd)
 
 
-def _final_hidden(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat):
+def _prefix_kv(params, adapters, prefix, cfg, constrain, remat) -> tuple[tuple, tuple]:
+    """Keys and values (one [G, KV, P, hd] array per layer) of the G shared prefixes, each run
+    once under its own adapter (prefix_adapter[g])."""
+    groups, prefix_len = prefix["prefix_tokens"].shape
+    _, cache = decoder.forward_hidden(params, prefix["prefix_tokens"], cfg,
+                                      cache=decoder.init_cache(cfg, groups, prefix_len, params["embed"].dtype),
+                                      num_new=prefix["prefix_lengths"], remat=remat, constrain=constrain,
+                                      row_lora=lora.gather_rows(adapters, prefix["prefix_adapter"]))
+    return cache.k, cache.v
+
+
+def _final_hidden(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat, prefix_kv=None):
     """Final hidden states of `tokens`, each row continuing its shared prefix when `prefix` is given.
 
-    The G prefixes are run once (under their own adapters) into a KV cache whose rows
-    become the prefix slots the rows attend to, so gradients still flow through the
-    prefix: the result equals running every row's full sequence, at a fraction of the
-    cost when many rows share a long system prompt.
+    The prefixes' keys and values (`prefix_kv`, computed here when not given) become the
+    prefix slots the rows attend to, so gradients still flow through the prefix: the result
+    equals running every row's full sequence, at a fraction of the cost when many rows share
+    a long system prompt.
     """
     row_lora = lora.gather_rows(adapters, adapter_idx)
     if prefix is None:
         return decoder.forward_hidden(params, tokens, cfg, row_lora=row_lora, remat=remat, constrain=constrain)[0]
-    groups, prefix_len = prefix["prefix_tokens"].shape
-    dtype = params["embed"].dtype
-    _, prefixes = decoder.forward_hidden(params, prefix["prefix_tokens"], cfg,
-                                         cache=decoder.init_cache(cfg, groups, prefix_len, dtype),
-                                         num_new=prefix["prefix_lengths"], remat=remat, constrain=constrain,
-                                         row_lora=lora.gather_rows(adapters, prefix["prefix_adapter"]))
-    cache = decoder.add_prefix_slots(decoder.init_cache(cfg, tokens.shape[0], tokens.shape[1], dtype), prefixes)
-    cache = cache.replace(prefix_slot=prefix["prefix_of_row"],
+    if prefix_kv is None:
+        prefix_kv = _prefix_kv(params, adapters, prefix, cfg, constrain, remat)
+    prefix_k, prefix_v = prefix_kv
+    cache = decoder.init_cache(cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
+    cache = cache.replace(prefix_k=prefix_k, prefix_v=prefix_v, prefix_slot=prefix["prefix_of_row"],
                           prefix_len=jnp.take(prefix["prefix_lengths"], prefix["prefix_of_row"]))
     return decoder.forward_hidden(params, tokens, cfg, row_lora=row_lora, cache=cache, remat=remat,
                                   constrain=constrain)[0]
 
 
-def _forward_logprobs(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat, temperature):
+def _forward_logprobs(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat, temperature,
+                      prefix_kv=None):
     """Logprobs and entropies of tokens[:, 1:] under softmax(logits / temperature) (the last position
     predicts nothing, so it is not run)."""
-    hidden = _final_hidden(params, adapters, tokens[:, :-1], adapter_idx, prefix, cfg, constrain, remat)
+    hidden = _final_hidden(params, adapters, tokens[:, :-1], adapter_idx, prefix, cfg, constrain, remat, prefix_kv)
     return _logprobs_and_entropy(decoder.logits_from_hidden(params, hidden, cfg) / temperature, tokens[:, 1:])
 
 
@@ -109,11 +121,11 @@ def token_logprobs(params: dict, adapters: Adapters | None, tokens: jax.Array, a
 
 def reference_logprobs(params: dict, tokens: jax.Array, cfg: ModelConfig, *, prefix: dict | None = None,
                        constrain: decoder.Constrain = decoder.no_constraint, remat: bool = False,
-                       temperature: float = 1.0) -> jax.Array:
-    """Token logprobs of the frozen base (every row NO_ADAPTER, so no LoRA is computed): the KL reference."""
+                       temperature: float = 1.0, prefix_kv: tuple | None = None) -> jax.Array:
+    """Token logprobs of the frozen base (every row NO_ADAPTER, so no LoRA is computed): the KL reference.
+    `prefix_kv`: the prefixes' keys and values under the base, when already computed."""
     idx = jnp.full(tokens.shape[:1], NO_ADAPTER, jnp.int32)
-    return token_logprobs(params, None, tokens, idx, cfg, prefix=prefix, constrain=constrain, remat=remat,
-                          temperature=temperature)
+    return _forward_logprobs(params, None, tokens, idx, prefix, cfg, constrain, remat, temperature, prefix_kv)[0]
 
 
 def make_optimizer(lr: float = 1e-5, weight_decay: float = 0.0, clip_norm: float = 1.0) -> optax.GradientTransformation:
@@ -138,22 +150,22 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, micro_batches: int =
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     constrain = plan.constrain if plan is not None else decoder.no_constraint
 
-    def micro_loss(weights, scale, params, mb, shared):
+    def micro_loss(weights, prefix_kv, scale, params, mb, shared, ref_kv):
         prefix = {**shared, "prefix_of_row": mb["prefix_of_row"]} if shared else None
         logp, entropy = _forward_logprobs(params, Adapters(weights, scale), mb["tokens"], mb["adapter_idx"], prefix,
-                                          cfg, constrain, remat, temperature)
+                                          cfg, constrain, remat, temperature, prefix_kv)
         ref_logp = None
         if loss_cfg.kl_coef > 0:
             ref_logp = jax.lax.stop_gradient(reference_logprobs(params, mb["tokens"], cfg, prefix=prefix,
                                                                 constrain=constrain, remat=remat,
-                                                                temperature=temperature))
+                                                                temperature=temperature, prefix_kv=ref_kv))
         mask = mb["loss_mask"].astype(jnp.float32)
         loss_sum, denom, diagnostics = policy_loss(logp, mb["old_logp"], mb["advantages"], mask, loss_cfg,
                                                    ref_logp=ref_logp, sampler_logp=mb.get("sampler_logp"))
         diagnostics["entropy"] = (jnp.sum(entropy * mask), jnp.sum(mask))
         return loss_sum, (loss_sum, denom, diagnostics)
 
-    micro_grad = jax.grad(micro_loss, has_aux=True)
+    micro_grad = jax.grad(micro_loss, argnums=(0, 1), has_aux=True)
 
     def grads(params, weights, scale, batch):
         unknown = sorted(set(batch) - set(ROW_KEYS) - set(PREFIX_KEYS) - set(PASS_THROUGH))
@@ -166,17 +178,29 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, micro_batches: int =
         if size % micro_batches:
             raise ValueError(f"batch of {size} rows does not split into {micro_batches} micro-batches")
         stacked = {k: _split_micro_batches(v, micro_batches) for k, v in batch.items() if k in ROW_KEYS}
+        # The shared prefixes run forward once; every micro-batch adds its gradient w.r.t. their keys
+        # and values, and one backward pass through the prefixes turns the sum into adapter gradients.
+        prefix_kv, prefix_vjp, ref_kv = None, None, None
+        if shared:
+            prefix_kv, prefix_vjp = jax.vjp(
+                lambda w: _prefix_kv(params, Adapters(w, scale), shared, cfg, constrain, remat), weights)
+            if loss_cfg.kl_coef > 0:
+                ref_kv = _prefix_kv(params, None, shared, cfg, constrain, remat)
 
         def body(acc, mb):
             if plan is not None:
                 mb = {k: plan.constrain(v, "batch") for k, v in mb.items()}
-            g, sums = micro_grad(weights, scale, params, mb, shared)
+            g, sums = micro_grad(weights, prefix_kv, scale, params, mb, shared, ref_kv)
             return jax.tree.map(jnp.add, acc, (g, sums)), None
 
         first = {k: v[0] for k, v in stacked.items()}
-        sums_shape = jax.eval_shape(lambda mb: micro_loss(weights, scale, params, mb, shared)[1], first)
-        init = (jax.tree.map(jnp.zeros_like, weights), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
-        (g_sum, (loss_sum, denom, diagnostics)), _ = jax.lax.scan(body, init, stacked)
+        sums_shape = jax.eval_shape(lambda mb: micro_loss(weights, prefix_kv, scale, params, mb, shared, ref_kv)[1],
+                                    first)
+        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+        init = ((zeros(weights), zeros(prefix_kv)), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
+        ((g_sum, g_prefix_kv), (loss_sum, denom, diagnostics)), _ = jax.lax.scan(body, init, stacked)
+        if shared:
+            g_sum = jax.tree.map(jnp.add, g_sum, prefix_vjp(g_prefix_kv)[0])
         denom = jnp.maximum(denom, 1.0)  # an all-padding batch has sums 0: loss and grads stay 0
         g = jax.tree.map(lambda x: x / denom, g_sum)
         metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(g)}
