@@ -12,6 +12,8 @@ from trace_jax.rl.batching import build_learner_batch
 from trace_jax.sampling import Sampler
 from trace_jax.rl.learner import PREFIX_KEYS, token_logprobs
 
+_logprobs = jax.jit(token_logprobs, static_argnames=("cfg", "temperature"))
+
 
 def _rollouts(seed=0, n=5, prefix_len=20):
     rng = np.random.RandomState(seed)
@@ -65,12 +67,14 @@ def test_mixed_adapters_get_one_prefix_each_and_logprobs_equal_full_rows(tiny_ch
     assert batch["prefix_adapter"].tolist() == [-1, 0, 1]
     assert batch["prefix_adapter"][batch["prefix_of_row"]].tolist() == adapter_idx
     prefix = {k: jnp.asarray(batch[k]) for k in (*PREFIX_KEYS, "prefix_of_row")}
-    split = np.asarray(token_logprobs(params, adapters, jnp.asarray(batch["tokens"]),
-                                      jnp.asarray(batch["adapter_idx"]), cfg, prefix=prefix))
+    split = np.asarray(_logprobs(params, adapters, jnp.asarray(batch["tokens"]), jnp.asarray(batch["adapter_idx"]),
+                                 cfg=cfg, prefix=prefix))
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions))  # full rows, right-padded (causal: exact)
+    full_rows = [p + c + [0] * (width - len(p) - len(c)) for p, c in zip(prompts, completions)]
+    full = np.asarray(_logprobs(params, adapters, jnp.asarray(full_rows), jnp.asarray(adapter_idx), cfg=cfg))
     for i, (p, c) in enumerate(zip(prompts, completions)):
-        full = np.asarray(token_logprobs(params, adapters, jnp.asarray([p + c]), jnp.asarray([adapter_idx[i]]), cfg))
         scored = np.flatnonzero(batch["loss_mask"][i])
-        np.testing.assert_allclose(split[i, scored], full[0, len(p) - 1 :], atol=1e-5)
+        np.testing.assert_allclose(split[i, scored], full[i, len(p) - 1 : len(p) + len(c) - 1], atol=1e-5)
 
 
 def test_mismatched_inputs_are_rejected():
@@ -99,11 +103,11 @@ def test_sampler_logprobs_equal_learner_logprobs_of_the_built_batch(tiny_checkpo
                                 [0] * 4, completion_budget=10, min_shared_prefix=8)
     assert batch["prefix_lengths"].tolist() == [30]
     prefix = {k: jnp.asarray(batch[k]) for k in (*PREFIX_KEYS, "prefix_of_row")}
-    learner = np.asarray(token_logprobs(params, adapters, jnp.asarray(batch["tokens"]),
-                                        jnp.asarray(batch["adapter_idx"]), cfg, prefix=prefix, temperature=0.7))
+    learner = np.asarray(_logprobs(params, adapters, jnp.asarray(batch["tokens"]), jnp.asarray(batch["adapter_idx"]),
+                                   cfg=cfg, prefix=prefix, temperature=0.7))
     mask = batch["loss_mask"] > 0
     assert mask.sum() == sum(len(o.token_ids) for o in outs)
     np.testing.assert_allclose(learner[mask], batch["old_logp"][mask], atol=1e-5)
-    plain = np.asarray(token_logprobs(params, adapters, jnp.asarray(batch["tokens"]),
-                                      jnp.asarray(batch["adapter_idx"]), cfg, prefix=prefix))
+    plain = np.asarray(_logprobs(params, adapters, jnp.asarray(batch["tokens"]), jnp.asarray(batch["adapter_idx"]),
+                                 cfg=cfg, prefix=prefix))
     assert np.abs(plain[mask] - batch["old_logp"][mask]).max() > 1e-2  # the temperature matters

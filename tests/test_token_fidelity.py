@@ -51,15 +51,20 @@ def _sampled_spans(mask: list[int]) -> list[tuple[int, int]]:
 
 
 def test_rescoring_the_ids_reproduces_the_sampler_logprobs(smollm2, trajectories):
-    for trajectory in trajectories:
-        ids = jnp.asarray([trajectory.token_ids], jnp.int32)
-        rescored = np.asarray(token_logprobs(smollm2.params, None, ids, jnp.array([lora.NO_ADAPTER]), smollm2.cfg,
-                                             temperature=TEMPERATURE))[0]
-        mask = np.asarray(trajectory.loss_mask[1:], bool)  # rescored[t] is the logprob of token t + 1
+    # All trajectories in one jitted forward pass: each row is right-padded, and padding after
+    # a row's last id cannot change the logprobs before it (attention is causal).
+    width = max(len(t.token_ids) for t in trajectories)
+    ids = jnp.asarray([t.token_ids + [0] * (width - len(t.token_ids)) for t in trajectories], jnp.int32)
+    no_adapter = jnp.full((len(trajectories),), lora.NO_ADAPTER)
+    rescore = jax.jit(token_logprobs, static_argnames=("cfg", "temperature"))
+    rescored = np.asarray(rescore(smollm2.params, None, ids, no_adapter, cfg=smollm2.cfg, temperature=TEMPERATURE))
+    for row, trajectory in zip(rescored, trajectories):
+        n = len(trajectory.token_ids)
+        mask = np.asarray(trajectory.loss_mask[1:], bool)  # row[t] is the logprob of token t + 1
         sampled = np.asarray(trajectory.logprobs[1:])[mask]
         assert mask.sum() == trajectory.generated_tokens > 0
-        diff = np.abs(rescored[mask] - sampled).max()
-        print(f"\n[token fidelity] {trajectory.job.task.task_id}: {len(trajectory.token_ids)} ids, "
+        diff = np.abs(row[: n - 1][mask] - sampled).max()
+        print(f"\n[token fidelity] {trajectory.job.task.task_id}: {n} ids, "
               f"{int(mask.sum())} sampled, max |logprob diff| {diff:.2e}")
         assert diff <= 1e-4
 
