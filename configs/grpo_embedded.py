@@ -19,15 +19,15 @@ def get_config() -> ml_collections.ConfigDict:
     config.lora = ml_collections.ConfigDict(dict(
         rank=16, alpha=32.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")))
     config.rollout = ml_collections.ConfigDict(dict(
-        tasks_per_step=4, group_size=4, temperature=0.7, top_p=1.0, max_new_tokens=64, batch_size=32,
+        tasks_per_step=8, group_size=4, temperature=0.7, top_p=1.0, max_new_tokens=64, batch_size=32,
         min_shared_prefix=config_dict.placeholder(int)))
     config.rollout.min_shared_prefix = 64
     config.loss = ml_collections.ConfigDict(dict(aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.28,
                                                  kl_coef=0.0))
-    config.optimizer = ml_collections.ConfigDict(dict(lr=3e-4, weight_decay=0.0, clip_norm=1.0))
-    config.train = ml_collections.ConfigDict(dict(steps=20, micro_batches=4, remat=False, checkpoint_every=5,
+    config.optimizer = ml_collections.ConfigDict(dict(lr=5e-4, weight_decay=0.0, clip_norm=1.0))
+    config.train = ml_collections.ConfigDict(dict(steps=16, micro_batches=8, remat=False, checkpoint_every=5,
                                                   keep_checkpoints=2))
-    config.eval = ml_collections.ConfigDict(dict(splits=("heldout", "heldout_phrasings"), num_tasks=64, every=10,
+    config.eval = ml_collections.ConfigDict(dict(splits=("heldout",), num_tasks=64, every=16,
                                                  batch_size=32, max_new_tokens=64))
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     return config

@@ -10,8 +10,10 @@ from configs import grpo_embedded
 
 def get_config() -> ml_collections.ConfigDict:
     config = grpo_embedded.get_config()
+    config.rollout.tasks_per_step = 4
     config.optimizer.lr = 1e-3
     config.train.steps = 4
+    config.train.micro_batches = 4
     config.train.checkpoint_every = 1
     config.train.keep_checkpoints = 8
     config.eval.splits = ("heldout",)
