@@ -38,8 +38,8 @@ def test_rows_hold_prompt_tail_then_completion_and_the_mask_covers_the_completio
         scored = np.flatnonzero(batch["loss_mask"][i])
         assert row[scored + 1].tolist() == c  # logprob j scores token j + 1
         np.testing.assert_allclose(batch["old_logp"][i, scored], lp, rtol=1e-6)
-    if min_shared_prefix:  # padded to a bucket (24), so a step whose prompts share a token more does not recompile
-        assert batch["prefix_tokens"].tolist() == [prompts[0][:20] + [0] * 4] and batch["prefix_lengths"].tolist() == [20]
+    if min_shared_prefix:  # padded to a multiple of 64, so a step whose prompts share a token more does not recompile
+        assert batch["prefix_tokens"].tolist() == [prompts[0][:20] + [0] * 44] and batch["prefix_lengths"].tolist() == [20]
     else:
         assert not set(PREFIX_KEYS) & set(batch)
 

@@ -66,7 +66,7 @@ def logits(model: Model, tokens, adapters: Adapters | None = None, idx=None, par
     row_lora = None
     if adapters is not None:
         idx = [0] * tokens.shape[0] if idx is None else idx
-        row_lora = lora.gather_rows(adapters, jnp.asarray(idx, jnp.int32))
+        row_lora = lora.for_rows(adapters, jnp.asarray(idx, jnp.int32))
     return np.asarray(_logits(model.params if params is None else params, tokens, model.cfg, row_lora))
 
 

@@ -44,11 +44,11 @@ def test_sharded_logits_and_greedy_samples_equal_single_device(model, layout):
     plan = ShardingPlan(make_mesh(**layout))
     tokens = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (8, 24)))
     adapter_idx = jnp.asarray([0, 1, -1, 0, 1, -1, 0, 1])
-    row_lora = lora.gather_rows(adapters, adapter_idx)
+    row_lora = lora.for_rows(adapters, adapter_idx)
     single, _ = forward(params, tokens, cfg, row_lora=row_lora)
     sharded_params = plan.shard_params(params)
     assert any(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(sharded_params))
-    fn = jax.jit(lambda p, a, t, i: forward(p, t, cfg, row_lora=lora.gather_rows(a, i), constrain=plan.constrain)[0])
+    fn = jax.jit(lambda p, a, t, i: forward(p, t, cfg, row_lora=lora.for_rows(a, i), constrain=plan.constrain)[0])
     sharded = fn(sharded_params, plan.shard_params(adapters), jax.device_put(tokens, plan.activation_sharding("batch", tokens.shape)), adapter_idx)
     assert np.abs(np.asarray(sharded) - np.asarray(single)).max() <= 1e-5
 

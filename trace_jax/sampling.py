@@ -4,7 +4,8 @@ Each row keeps its own length in the cache, so rows of different lengths share a
 batch and a row can continue (the next turn of a conversation) by appending new
 tokens without recomputing its prefix. Temperature, top-p and top-k are per-row
 arrays (changing them never recompiles); batch, prompt and cache lengths are
-rounded up to buckets so the number of compiled programs stays small.
+rounded up to buckets, and shared prefixes to a multiple of 64 tokens, so the number of
+compiled programs stays small.
 """
 
 from __future__ import annotations
@@ -47,6 +48,20 @@ def bucket_size(n: int, minimum: int) -> int:
     n = max(int(n), minimum, 1)
     power = 1 << (n - 1).bit_length()
     return power * 3 // 4 if power >= 4 and power * 3 // 4 >= n else power
+
+
+PREFIX_MULTIPLE = 64
+
+
+def prefix_capacity(n: int) -> int:
+    """The padded length of a shared prefix of n tokens: the next multiple of `PREFIX_MULTIPLE`.
+
+    A shared prefix (a system prompt) keeps its length for a whole job, so a fine step adds
+    few compiled shapes, while every row attends over all of its padding: padded to a
+    `bucket_size` (1062 -> 1536 tokens for the tool-call task's prompt) the GRPO learner step
+    took 1.6x as long and the sampler's decode read 1.4x the prefix slots it needed.
+    """
+    return -(-max(int(n), 1) // PREFIX_MULTIPLE) * PREFIX_MULTIPLE
 
 
 _BISECTION_STEPS = 32  # shrinks a logit range of ~1e2 to ~1e-8
@@ -102,7 +117,7 @@ def sample_from_logits(logits, key, temperature, top_p, top_k):
 
 def _prefill(params, adapters, cache, tokens, num_new, adapter_idx, *, cfg, constrain):
     """Appends each row's first num_new[b] tokens; returns logits after each row's last one."""
-    row_lora = lora_lib.gather_rows(adapters, adapter_idx)
+    row_lora = lora_lib.for_rows(adapters, adapter_idx)
     hidden, cache = decoder.forward_hidden(
         params, tokens, cfg, row_lora=row_lora, cache=cache, num_new=num_new, constrain=constrain
     )
@@ -120,7 +135,7 @@ def _decode(params, adapters, cache, logits, key, sampling, stop_ids, remaining,
     finish code (0 running, 1 stop token, 2 length, 3 context full).
     """
     temperature, top_p, top_k = sampling
-    row_lora = lora_lib.gather_rows(adapters, adapter_idx)
+    row_lora = lora_lib.for_rows(adapters, adapter_idx)
     batch = logits.shape[0]
 
     def cond(state):
@@ -398,8 +413,9 @@ class Sampler:
 
     def _add_slots(self, cache: decoder.KVCache, prefix: Sequence[int], groups: np.ndarray) -> decoder.KVCache:
         """`cache` with one new prefix slot per adapter of `groups`, each holding `prefix` prefilled with it."""
-        prefilled = self.new_cache(len(groups), self._capacity(len(prefix)))
-        tokens = np.zeros((prefilled.batch, bucket_size(len(prefix), 16)), np.int32)
+        width = min(prefix_capacity(len(prefix)), self.max_context)
+        prefilled = self.new_cache(len(groups), width)
+        tokens = np.zeros((prefilled.batch, width), np.int32)
         tokens[: len(groups), : len(prefix)] = prefix
         num_new = np.zeros((prefilled.batch,), np.int32)
         num_new[: len(groups)] = len(prefix)

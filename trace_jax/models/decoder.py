@@ -3,8 +3,8 @@
 Parameters are a plain pytree with one dict per layer (`params["layers"]` is a
 list), and each layer has its own KV-cache buffers: a layer reads and updates its
 cache in place, with no slicing of stacked arrays (which XLA:CPU copies, and which
-cost a quarter of the decode time here). LoRA adapters come in already gathered
-per batch row (see `lora.gather_rows`).
+cost a quarter of the decode time here). Each row's LoRA adapter is picked by a
+per-row mix over the stacked adapters (see `lora.for_rows`).
 """
 
 from __future__ import annotations
@@ -123,15 +123,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
-def _linear(x: jax.Array, layer: Params, name: str, row_lora: Params | None) -> jax.Array:
-    """x @ W (+ bias) (+ the row's LoRA delta: (x @ A) @ B, with the scale folded into B)."""
+def _linear(x: jax.Array, layer: Params, name: str, lora: tuple | None) -> jax.Array:
+    """x @ W (+ bias) (+ each row's LoRA delta: ((x @ A) * the row's mix) @ B, over the N stacked adapters)."""
     proj = layer[name]
     y = x @ proj["kernel"]
     if "bias" in proj:
         y = y + proj["bias"]
-    if row_lora is not None and name in row_lora:
-        a, b = row_lora[name]["a"], row_lora[name]["b"]  # [B, in, r], [B, r, out]
-        y = y + jnp.einsum("btr,bro->bto", jnp.einsum("bti,bir->btr", x, a), b)
+    if lora is not None and name in lora[1]:
+        mix, weights = lora  # [B, N]; {"a": [N, in, r], "b": [N, r, out]} of this layer
+        xa = jnp.einsum("bti,nir->btnr", x, weights[name]["a"]) * mix[:, None, :, None].astype(x.dtype)
+        y = y + jnp.einsum("btnr,nro->bto", xa, weights[name]["b"])
     return y
 
 
@@ -206,7 +207,8 @@ def forward_hidden(
     causally among themselves. With a cache, row b's first `num_new[b]` tokens are
     appended after its prefix and its `cache.lengths[b]` cached ones; the rest of the row
     is padding.
-    `row_lora` maps target names to per-row {"a": [L,B,in,r], "b": [L,B,r,out]}.
+    `row_lora` is `lora.for_rows(adapters, adapter_idx)`: {"mix": [B, N], "weights": {target:
+    {"a": [L, N, in, r], "b": [L, N, r, out]}}}.
     """
     batch, t = tokens.shape
     inv_freq = rope_inverse_frequencies(cfg)
@@ -251,7 +253,7 @@ def forward_hidden(
     x = constrain(params["embed"][tokens], "hidden")
     new_k, new_v = [], []
     for i, layer in enumerate(params["layers"]):
-        lora = None if row_lora is None else jax.tree.map(lambda w: w[i], row_lora)
+        lora = None if row_lora is None else (row_lora["mix"], jax.tree.map(lambda w: w[i], row_lora["weights"]))
         layer_cache = (None,) * 4 if cache is None else (cache.k[i], cache.v[i], cache.prefix_k[i], cache.prefix_v[i])
         x, layer_k, layer_v = layer_fn(x, layer, lora, *layer_cache)
         new_k.append(layer_k)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from trace_jax.sampling import bucket_size, shared_prefix_length
+from trace_jax.sampling import bucket_size, prefix_capacity, shared_prefix_length
 
 
 def build_learner_batch(
@@ -39,7 +39,8 @@ def build_learner_batch(
     denominator. The row length is bucketed from the longest prompt tail plus at least
     `completion_budget` tokens (pass max_new_tokens), and is at least `min_width` (pass
     the last batch's width): the learner's shapes, and so its compiled program, then stay
-    the same from step to step. The shared prefix is padded to a bucket for the same reason.
+    the same from step to step. The shared prefix is padded to a multiple of 64 tokens
+    (`prefix_capacity`).
     """
     n = len(prompts)
     if not n == len(completions) == len(completion_logprobs) == len(advantages) == len(adapter_idx):
@@ -73,7 +74,7 @@ def build_learner_batch(
     }
     if cut:
         groups, prefix_of_row = np.unique(row_adapter, return_inverse=True)
-        prefix = np.full((bucket_size(cut, 16),), pad_id, np.int32)
+        prefix = np.full((prefix_capacity(cut),), pad_id, np.int32)
         prefix[:cut] = prompts[0][:cut]
         batch["prefix_tokens"] = np.tile(prefix, (len(groups), 1))
         batch["prefix_lengths"] = np.full((len(groups),), cut, np.int32)

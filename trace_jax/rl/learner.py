@@ -70,7 +70,7 @@ def _prefix_kv(params, adapters, prefix, cfg, constrain, remat) -> tuple[tuple, 
     _, cache = decoder.forward_hidden(params, prefix["prefix_tokens"], cfg,
                                       cache=decoder.init_cache(cfg, groups, prefix_len, params["embed"].dtype),
                                       num_new=prefix["prefix_lengths"], remat=remat, constrain=constrain,
-                                      row_lora=lora.gather_rows(adapters, prefix["prefix_adapter"]))
+                                      row_lora=lora.for_rows(adapters, prefix["prefix_adapter"]))
     return cache.k, cache.v
 
 
@@ -82,7 +82,7 @@ def _final_hidden(params, adapters, tokens, adapter_idx, prefix, cfg, constrain,
     equals running every row's full sequence, at a fraction of the cost when many rows share
     a long system prompt.
     """
-    row_lora = lora.gather_rows(adapters, adapter_idx)
+    row_lora = lora.for_rows(adapters, adapter_idx)
     if prefix is None:
         return decoder.forward_hidden(params, tokens, cfg, row_lora=row_lora, remat=remat, constrain=constrain)[0]
     if prefix_kv is None:
