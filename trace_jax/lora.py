@@ -132,6 +132,40 @@ def for_rows(adapters: Adapters | None, adapter_idx: jax.Array) -> dict | None:
             "weights": jax.tree.map(lambda w: jnp.moveaxis(w, 1, 0), adapters.weights)}
 
 
+@jax.custom_vjp
+def row_delta(x: jax.Array, a: jax.Array, b: jax.Array, mix: jax.Array) -> jax.Array:
+    """Every row's LoRA output [B, T, out]: ((x @ A) * mix) @ B over the N stacked adapters, for
+    x [B, T, in], a [N, in, r], b [N, r, out] and mix [B, N] (see `for_rows`).
+
+    The backward pass is written out so that each gradient matmul reads x and the output
+    gradient in their stored [tokens, features] layout; from autodiff's matmuls XLA:CPU
+    transposed those activations (a [1536, 2040] copy per layer here), about 2 s of a
+    15 s learner step.
+    """
+    return _row_delta_fwd(x, a, b, mix)[0]
+
+
+def _row_delta_fwd(x, a, b, mix):
+    xa = jnp.einsum("bti,nir->btnr", x, a)
+    y = jnp.einsum("btnr,nro->bto", xa * mix[:, None, :, None].astype(x.dtype), b)
+    return y, (x, a, b, mix, xa)
+
+
+def _row_delta_bwd(residuals, dy):
+    x, a, b, mix, xa = residuals
+    row_mix = mix[:, None, :, None].astype(x.dtype)
+    dh = jnp.einsum("bto,nro->btnr", dy, b)  # gradient of xa * mix
+    dxa = dh * row_mix
+    db = jnp.einsum("btnr,bto->nro", xa * row_mix, dy)
+    da = jnp.swapaxes(jnp.einsum("btnr,bti->nri", dxa, x), 1, 2)  # [N, r, in] keeps x's layout; transposed after
+    dx = jnp.einsum("btnr,nir->bti", dxa, a)
+    dmix = jnp.einsum("btnr,btnr->bn", dh, xa).astype(mix.dtype)
+    return dx, da, db, dmix
+
+
+row_delta.defvjp(_row_delta_fwd, _row_delta_bwd)
+
+
 def merge(params: dict, adapters: Adapters, index: int = 0) -> dict:
     """Base params with adapter `index` folded in: W + scale * A @ B (for single-adapter serving)."""
     _check_index(adapters, index)

@@ -16,6 +16,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from trace_jax.lora import row_delta
 from trace_jax.models.config import ModelConfig
 
 Params = dict
@@ -131,8 +132,7 @@ def _linear(x: jax.Array, layer: Params, name: str, lora: tuple | None) -> jax.A
         y = y + proj["bias"]
     if lora is not None and name in lora[1]:
         mix, weights = lora  # [B, N]; {"a": [N, in, r], "b": [N, r, out]} of this layer
-        xa = jnp.einsum("bti,nir->btnr", x, weights[name]["a"]) * mix[:, None, :, None].astype(x.dtype)
-        y = y + jnp.einsum("btnr,nro->bto", xa, weights[name]["b"])
+        y = y + row_delta(x, weights[name]["a"], weights[name]["b"], mix)
     return y
 
 
