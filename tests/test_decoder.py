@@ -89,3 +89,47 @@ def test_mismatched_config_fails_clearly(tiny_checkpoints, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match="unexpected tensors"):
         load_params(tmp_path, ModelConfig.from_dir(tmp_path))
+
+
+@pytest.mark.parametrize("with_prefix", [False, True])
+def test_attention_gradients_match_plain_softmax_attention(with_prefix):
+    """`_attention`'s hand-written softmax backward (flash attention's row-sum identity) gives
+    the gradients autodiff gives for attention written plainly: kv heads repeated, one masked
+    softmax over [prefix keys, own keys] per row."""
+    from trace_jax.models.decoder import _attention
+
+    batch, t, heads, kv_heads, hd, slots, plen = 3, 5, 6, 2, 8, 2, 4
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+    q, k, v = normal(batch, t, heads, hd), normal(batch, kv_heads, t, hd), normal(batch, kv_heads, t, hd)
+    pk, pv = normal(slots, kv_heads, plen, hd), normal(slots, kv_heads, plen, hd)
+    pos = jnp.broadcast_to(jnp.arange(t), (batch, t))
+    k_valid = jnp.asarray(np.arange(t)[None, :] < np.array([5, 3, 4])[:, None])
+    slot_of_row, prefix_len = np.array([1, 0, 1]), np.array([4, 2, 0])
+    valid = jnp.asarray((np.arange(slots * plen)[None] // plen == slot_of_row[:, None])
+                        & (np.arange(slots * plen)[None] % plen < prefix_len[:, None]))
+    cotangent = normal(batch, t, heads * hd)
+
+    def ours(q, k, v, pk, pv):
+        prefix = (pk, pv, valid) if with_prefix else None
+        return jnp.sum(_attention(q, k, v, pos, pos, k_valid, prefix) * cotangent)
+
+    def plain(q, k, v, pk, pv):
+        own_mask = k_valid[:, None, :] & (pos[:, None, :] <= pos[:, :, None])  # [B, T, S]
+        keys, values, mask = k, v, own_mask
+        if with_prefix:
+            flat = lambda x: jnp.broadcast_to(x.transpose(1, 0, 2, 3).reshape(kv_heads, slots * plen, hd),
+                                              (batch, kv_heads, slots * plen, hd))
+            keys, values = jnp.concatenate([flat(pk), k], 2), jnp.concatenate([flat(pv), v], 2)
+            mask = jnp.concatenate([jnp.broadcast_to(valid[:, None, :], (batch, t, slots * plen)), own_mask], 2)
+        keys, values = (jnp.repeat(x, heads // kv_heads, axis=1) for x in (keys, values))  # [B, H, S, hd]
+        scores = jnp.einsum("bthd,bhsd->bhts", q, keys) / np.sqrt(hd)
+        probs = jax.nn.softmax(jnp.where(mask[:, None], scores, -1e30), axis=-1)
+        out = jnp.einsum("bhts,bhsd->bthd", probs, values).reshape(batch, t, heads * hd)
+        return jnp.sum(out * cotangent)
+
+    args = (q, k, v, pk, pv)
+    np.testing.assert_allclose(ours(*args), plain(*args), rtol=1e-5)
+    for g_ours, g_plain in zip(jax.grad(ours, argnums=range(5))(*args), jax.grad(plain, argnums=range(5))(*args)):
+        scale = float(jnp.abs(g_plain).max()) or 1.0
+        assert float(jnp.abs(g_ours - g_plain).max()) <= 1e-5 * scale
