@@ -11,9 +11,11 @@ Ours is `make_train_step` (one jitted call); the reference is transformers
 `AutoModelForCausalLM` wrapped by `peft.get_peft_model`, with `torch.optim.AdamW`.
 
 Each side runs one warm-up step (compilation for ours; its loss is the initial loss, which
-should agree between the sides since every LoRA B starts at zero), then `--steps` timed steps;
-the best step time is kept. Tokens/s = batch * seq_len / seconds per step. The final line is
-JSON with both rates and the ratio ours / pytorch.
+should agree between the sides since every LoRA B starts at zero), then `--steps` timed steps,
+alternating ours and PyTorch so that both meet the same machine conditions (this shared
+2-core VM drifts by 10-20% over minutes); each side's best step time is kept. Tokens/s =
+batch * seq_len / seconds per step. The final line is JSON with both rates and the ratio
+ours / pytorch.
 """
 
 from __future__ import annotations
@@ -63,18 +65,21 @@ def _make_batch(vocab: int, batch: int, seq_len: int) -> dict[str, np.ndarray]:
     }
 
 
-def _run(step, steps: int) -> tuple[float, float]:
-    """(loss of the warm-up step, best seconds over `steps` timed steps); `step()` returns its loss."""
-    initial_loss = step()
-    best = float("inf")
+def _time_steps(steps: int, **sides) -> dict[str, tuple[float, float]]:
+    """{side: (loss of its warm-up step, best seconds over `steps` timed steps)}, the sides'
+    timed steps interleaved; each side is a `step()` that returns its loss."""
+    initial = {name: step() for name, step in sides.items()}
+    best = dict.fromkeys(sides, float("inf"))
     for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
-    return initial_loss, best
+        for name, step in sides.items():
+            start = time.perf_counter()
+            step()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: (initial[name], best[name]) for name in sides}
 
 
-def _time_ours(model, data, steps: int, micro_batches: int, remat: bool) -> tuple[float, float]:
+def _ours(model, data, micro_batches: int, remat: bool):
+    """trace-jax's training step on `data`, as a `step()` that returns the loss."""
     spec = LoraSpec(rank=_RANK, alpha=_ALPHA, targets=ALL_TARGETS)
     adapters = init_adapters(jax.random.key(0), model.cfg, spec, 1)
     optimizer = make_optimizer(lr=_LR, clip_norm=_CLIP_NORM)
@@ -88,7 +93,7 @@ def _time_ours(model, data, steps: int, micro_batches: int, remat: bool) -> tupl
         jax.block_until_ready((state["weights"], state["opt"]))
         return float(metrics["loss"])
 
-    return _run(step, steps)
+    return step
 
 
 def _grpo_loss_torch(logp, old_logp, advantages, mask):
@@ -103,7 +108,8 @@ def _grpo_loss_torch(logp, old_logp, advantages, mask):
     return row_means.sum() / (mask.sum(-1) > 0).sum().clamp(min=1)
 
 
-def _time_pytorch(model, data, steps: int) -> tuple[float, float]:
+def _pytorch(model, data):
+    """The transformers + PEFT reference step on `data`, as a `step()` that returns the loss."""
     import peft  # benchmark-only dependencies (the project's test extra)
     import torch
     import transformers
@@ -130,7 +136,7 @@ def _time_pytorch(model, data, steps: int) -> tuple[float, float]:
         optimizer.step()
         return loss.item()
 
-    return _run(step, steps)
+    return step
 
 
 def main(argv):
@@ -141,8 +147,8 @@ def main(argv):
     model = load_model(_MODEL.value)
     batch, seq_len, steps = _BATCH.value, _SEQ_LEN.value, _STEPS.value
     data = _make_batch(model.cfg.vocab_size, batch, seq_len)
-    loss_ours, seconds_ours = _time_ours(model, data, steps, _MICRO.value, _REMAT.value)
-    loss_torch, seconds_torch = _time_pytorch(model, data, steps)
+    timed = _time_steps(steps, ours=_ours(model, data, _MICRO.value, _REMAT.value), pytorch=_pytorch(model, data))
+    (loss_ours, seconds_ours), (loss_torch, seconds_torch) = timed["ours"], timed["pytorch"]
     tokens = batch * seq_len
     ours, theirs = tokens / seconds_ours, tokens / seconds_torch
     result = {
@@ -150,7 +156,7 @@ def main(argv):
         "targets": list(ALL_TARGETS), "tokens_per_s_ours": round(ours, 1), "tokens_per_s_pytorch": round(theirs, 1),
         "ratio": round(ours / theirs, 3), "micro_batches": _MICRO.value, "remat": _REMAT.value,
         "seconds_per_step_ours": round(seconds_ours, 3), "seconds_per_step_pytorch": round(seconds_torch, 3),
-        "timing": f"best of {steps} steps after 1 warm-up", "initial_loss_ours": loss_ours,
+        "timing": f"best of {steps} steps after 1 warm-up, the sides alternating", "initial_loss_ours": loss_ours,
         "initial_loss_pytorch": loss_torch, "jax_backend": jax.default_backend(),
         "torch_threads": torch.get_num_threads(),
     }
