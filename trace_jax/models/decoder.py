@@ -16,6 +16,7 @@ from typing import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trace_jax.lora import row_delta
 from trace_jax.models.config import ModelConfig
@@ -108,16 +109,17 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> jax.Array:
     return jnp.where(is_medium, smoothed, scaled)
 
 
-def rope_tables(cfg: ModelConfig, num_positions: int) -> tuple[jax.Array, jax.Array]:
+def rope_tables(cfg: ModelConfig, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of the rotary angles of positions 0..num_positions-1, [num_positions, head_dim / 2].
 
-    Computed when the program is traced and embedded as constants, so each layer only
-    looks its positions up: computed in the program, XLA fused the cos/sin into every
-    layer's q and k kernels and evaluated them once per element (4% of a learner step here).
+    NumPy constants, computed when the program is traced, so each layer only looks its
+    positions up: computed in the program, XLA fused the cos/sin into every layer's q and k
+    kernels and evaluated them once per element (4% of a learner step here).
     """
     with jax.ensure_compile_time_eval():
-        angles = jnp.arange(num_positions, dtype=jnp.float32)[:, None] * rope_inverse_frequencies(cfg)
-        return jnp.cos(angles), jnp.sin(angles)
+        inv_freq = np.asarray(rope_inverse_frequencies(cfg), np.float32)
+    angles = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq
+    return np.cos(angles), np.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -269,7 +271,7 @@ def forward_hidden(
     else:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
         cos, sin = rope_tables(cfg, t)
-    cos, sin = cos[positions][:, :, None, :], sin[positions][:, :, None, :]  # [B, T, 1, hd/2]
+    cos, sin = (jnp.asarray(table)[positions][:, :, None, :] for table in (cos, sin))  # [B, T, 1, hd/2]
 
     def layer_fn(x, layer, lora, layer_k, layer_v, prefix_k, prefix_v):
         h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
