@@ -13,7 +13,9 @@ Ours is `make_train_step` (one jitted call); the reference is transformers
 Each side runs one warm-up step (compilation for ours; its loss is the initial loss, which
 should agree between the sides since every LoRA B starts at zero), then `--steps` timed steps,
 alternating ours and PyTorch so that both meet the same machine conditions (this shared
-2-core VM drifts by 10-20% over minutes); each side's best step time is kept. Tokens/s =
+2-core VM drifts by 10-20% over minutes); each side's best step time is kept. Five timed
+steps by default: after the warm-up the process heap (shared by both sides) still grows for
+a step or two, and a step that page-faults fresh memory takes 1.5-2.5x as long. Tokens/s =
 batch * seq_len / seconds per step. The final line is JSON with both rates and the ratio
 ours / pytorch.
 """
@@ -21,6 +23,7 @@ ours / pytorch.
 from __future__ import annotations
 
 import json
+import platform
 import time
 
 import jax
@@ -36,7 +39,7 @@ from trace_jax.rl.losses import LossConfig
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Embedded model name or HF checkpoint folder.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Rows per training step.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 256, "Tokens per row.")
-_STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per side (the best is kept).")
+_STEPS = flags.DEFINE_integer("steps", 5, "Timed steps per side (the best is kept).")
 _MICRO = flags.DEFINE_integer("micro_batches", 1, "Micro-batches per step (ours).")
 _REMAT = flags.DEFINE_bool("remat", False, "Recompute each layer's activations in the backward pass (ours).")
 _JSON = flags.DEFINE_bool("json", False, "Print the final result as one JSON line.")
@@ -94,6 +97,15 @@ def _ours(model, data, micro_batches: int, remat: bool):
         return float(metrics["loss"])
 
     return step
+
+
+def _cpu_name() -> str:
+    """The CPU's model name: the ratio depends on it (see the README's Learner speed section)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def _grpo_loss_torch(logp, old_logp, advantages, mask):
@@ -158,7 +170,8 @@ def main(argv):
         "seconds_per_step_ours": round(seconds_ours, 3), "seconds_per_step_pytorch": round(seconds_torch, 3),
         "timing": f"best of {steps} steps after 1 warm-up, the sides alternating", "initial_loss_ours": loss_ours,
         "initial_loss_pytorch": loss_torch, "jax_backend": jax.default_backend(),
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": torch.get_num_threads(), "torch_blas": "mkl" if torch.backends.mkl.is_available() else "other",
+        "cpu": _cpu_name(),
     }
     if not _JSON.value:
         print(f"trace-jax {ours:.1f} tok/s, pytorch {theirs:.1f} tok/s, ratio {ours / theirs:.2f} "
