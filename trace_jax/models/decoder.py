@@ -158,7 +158,7 @@ def _softmax_combine(combine: Callable, scores: jax.Array, values: tuple) -> jax
     head dim: autodiff's softmax backward reduced over the keys inside the dp matmul, a
     fusion XLA:CPU ran at a fraction of the matmul rate (5% of a learner step here).
     """
-    return combine(jax.nn.softmax(scores, axis=-1), values)
+    return _softmax_combine_fwd(combine, scores, values)[0]
 
 
 def _softmax_combine_fwd(combine, scores, values):
