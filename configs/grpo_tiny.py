@@ -13,7 +13,6 @@ def get_config() -> ml_collections.ConfigDict:
     config.rollout.tasks_per_step = 4
     config.optimizer.lr = 1e-3
     config.train.steps = 4
-    config.train.micro_batches = 4
     config.train.checkpoint_every = 1
     config.train.keep_checkpoints = 8
     config.eval.splits = ("heldout",)

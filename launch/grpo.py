@@ -10,12 +10,12 @@ base_reward, final_reward, steps, seconds.
 from __future__ import annotations
 
 import json
-import logging
 
 from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from trace_jax.metrics import not_orbax_info
 from trace_jax.rl.trainer import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Job config file (configs/grpo_*.py).", lock_config=True)
@@ -23,15 +23,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metr
 flags.mark_flags_as_required(["config"])
 
 
-def _not_orbax_info(record: logging.LogRecord) -> bool:
-    """Drops orbax's per-save INFO chatter (a dozen lines per checkpoint), keeping its warnings."""
-    return record.levelno >= logging.WARNING or "/orbax/" not in record.pathname
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    absl_logging.get_absl_handler().addFilter(_not_orbax_info)
+    absl_logging.get_absl_handler().addFilter(not_orbax_info)
     print(json.dumps(train(_CONFIG.value, _WORKDIR.value)), flush=True)
 
 

@@ -226,3 +226,29 @@ def test_scripted_agents_through_the_rollout_engine(env):
         trajectories = engine.run([Job(spec) for spec in specs], key=jax.random.key(0))
         assert [t.end_reason for t in trajectories] == [base.END_AGENT_STOP] * len(specs)
         assert [t.outcome.reward for t in trajectories] == [reward] * len(specs)
+
+
+def test_gold_turns_are_recorded_as_the_models_tokens(env, smollm2):
+    """With a tokenizer, the engine records the gold agent's turns as SFT data: each span of the loss
+    mask is one turn's text followed by the end-of-turn token, and the ids decode to the chat
+    rendering of the episode, so the clone learns exactly what it will sample."""
+    jax = pytest.importorskip("jax")
+    from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
+    from trace_jax.agent.scripted import GoldAgent, StoppingUser
+
+    tokenizer = smollm2.tokenizer
+    specs = env.tasks("train", len(FAMILIES))
+    engine = RolloutEngine(env, agent=GoldAgent(), user=StoppingUser(), tokenizer=tokenizer,
+                           config=RolloutConfig(max_turns=8))
+    for trajectory in engine.run([Job(spec) for spec in specs], key=jax.random.key(0)):
+        assert trajectory.outcome.reward == 1.0
+        replies = [m["content"] for m in trajectory.messages if m["role"] == "assistant"]
+        mask = trajectory.loss_mask
+        starts = [i for i in range(len(mask)) if mask[i] and not mask[i - 1]]
+        ends = [i + 1 for i in range(len(mask)) if mask[i] and (i + 1 == len(mask) or not mask[i + 1])]
+        assert len(starts) == len(replies) == trajectory.num_turns
+        for start, end, reply in zip(starts, ends, replies):
+            assert trajectory.token_ids[start:end] == tokenizer.encode(reply) + tokenizer.encode("<|im_end|>")
+        assert sum(mask) == trajectory.generated_tokens
+        rendered = tokenizer.render_chat(trajectory.messages, tools=env.tools, add_generation_prompt=False)
+        assert rendered.rstrip("\n") == tokenizer.decode(trajectory.token_ids)

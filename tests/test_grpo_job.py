@@ -56,7 +56,8 @@ def _adapter_at(workdir: pathlib.Path, step: int) -> dict:
 def test_tiny_config_raises_the_reward_and_logs_metrics(full_run):
     workdir, summary, log = full_run
     print(f"\n[grpo job] tiny config: {summary}")
-    assert set(summary) == {"base_reward", "final_reward", "steps", "seconds"} and summary["steps"] == STEPS
+    assert set(summary) == {"base_reward", "final_reward", "steps", "rollouts", "seconds"} and summary["steps"] == STEPS
+    assert summary["rollouts"] == STEPS * 16 and (workdir / "adapter" / "adapter_config.json").is_file()
     events = EventAccumulator(str(workdir / "tensorboard"))
     events.Reload()
     rollout_reward = [e.value for e in events.Scalars("rollout/reward")]

@@ -1,24 +1,24 @@
 """Token fidelity of recorded trajectories: the ids are what the model saw, and they say what the messages say.
 
 SmolLM2 plays a few embedded-retail tickets (τ²'s real retail tools) through the rollout
-engine at temperature 1. Re-scoring each trajectory's token ids with one full forward pass
-of the learner must reproduce the sampler's logprobs on every sampled token, and decoding
-the ids must give back the conversation: each sampled span is its assistant message, and
+engine at temperature 1. Re-scoring each trajectory's token ids as the learner gets them
+(shared head run once, rows packed by a token budget) must reproduce the sampler's logprobs
+on every sampled token, and decoding the ids must give back the conversation: each sampled span is its assistant message, and
 the whole is the chat rendering of the messages.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 pytest.importorskip("tau2")
 
-from trace_jax import lora  # noqa: E402
 from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine  # noqa: E402
 from trace_jax.envs.embedded_retail import EmbeddedRetail  # noqa: E402
+from trace_jax.rl.batching import pack_sequences  # noqa: E402
+from trace_jax.rl.environment_rollouts import trajectory_sequence  # noqa: E402
 from trace_jax.rl.learner import token_logprobs  # noqa: E402
 from trace_jax.sampling import Sampler  # noqa: E402
 
@@ -50,22 +50,27 @@ def _sampled_spans(mask: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def test_rescoring_the_ids_reproduces_the_sampler_logprobs(smollm2, trajectories):
-    # All trajectories in one jitted forward pass: each row is right-padded, and padding after
-    # a row's last id cannot change the logprobs before it (attention is causal).
-    width = max(len(t.token_ids) for t in trajectories)
-    ids = jnp.asarray([t.token_ids + [0] * (width - len(t.token_ids)) for t in trajectories], jnp.int32)
-    no_adapter = jnp.full((len(trajectories),), lora.NO_ADAPTER)
+def test_learner_batches_of_the_trajectories_reproduce_the_sampler_logprobs(smollm2, trajectories):
+    """The trajectories as the learner gets them (the shared head cut off and run once, rows packed into
+    micro-batches by a token budget): its logprobs on the loss tokens are the sampler's, and the loss
+    mask covers exactly the agent's sampled tokens."""
+    batch = pack_sequences([trajectory_sequence(t, advantage=i) for i, t in enumerate(trajectories)],
+                           token_budget=512, min_shared_prefix=64)
+    assert len(batch["micro_batches"]) == len(trajectories)  # one row each: separate micro-batches
+    shared = {k: batch[k] for k in ("prefix_tokens", "prefix_lengths", "prefix_adapter")}
+    cut = int(batch["prefix_lengths"][0])
     rescore = jax.jit(token_logprobs, static_argnames=("cfg", "temperature"))
-    rescored = np.asarray(rescore(smollm2.params, None, ids, no_adapter, cfg=smollm2.cfg, temperature=TEMPERATURE))
-    for row, trajectory in zip(rescored, trajectories):
-        n = len(trajectory.token_ids)
-        mask = np.asarray(trajectory.loss_mask[1:], bool)  # row[t] is the logprob of token t + 1
-        sampled = np.asarray(trajectory.logprobs[1:])[mask]
-        assert mask.sum() == trajectory.generated_tokens > 0
-        diff = np.abs(row[: n - 1][mask] - sampled).max()
-        print(f"\n[token fidelity] {trajectory.job.task.task_id}: {n} ids, "
-              f"{int(mask.sum())} sampled, max |logprob diff| {diff:.2e}")
+    for mb in batch["micro_batches"]:
+        trajectory = trajectories[int(mb["advantages"][0])]
+        row = np.asarray(rescore(smollm2.params, None, mb["tokens"], mb["adapter_idx"], cfg=smollm2.cfg,
+                                 prefix={**shared, "prefix_of_row": mb["prefix_of_row"]}, temperature=TEMPERATURE))[0]
+        mask = mb["loss_mask"][0] > 0
+        sampled = np.flatnonzero(trajectory.loss_mask)
+        assert (np.flatnonzero(mask) + cut + 1).tolist() == sampled.tolist()
+        assert len(sampled) == trajectory.generated_tokens > 0
+        diff = np.abs(row[mask] - np.asarray(trajectory.logprobs)[sampled]).max()
+        print(f"\n[token fidelity] {trajectory.job.task.task_id}: {len(trajectory.token_ids)} ids ({cut} shared), "
+              f"{len(sampled)} sampled over {trajectory.num_turns} turns, max |logprob diff| {diff:.2e}")
         assert diff <= 1e-4
 
 

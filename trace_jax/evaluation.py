@@ -74,6 +74,39 @@ def _engine(config: ml_collections.ConfigDict, env, agent: str) -> tuple[Rollout
     return engine, adapter_idx
 
 
+def play(engine: RolloutEngine, jobs: list[Job], *, key: jax.Array, episodes_path: pathlib.Path,
+         log_every_s: float = 10.0) -> list[dict]:
+    """Plays `jobs`, writing each episode's record to `episodes_path` as it ends (progress with ETA);
+    returns the records in the order the episodes ended."""
+    progress = Progress(len(jobs), every_s=log_every_s, name="episode")
+    records: list[dict] = []
+    with open(episodes_path, "w") as log:
+
+        def on_done(trajectory: Trajectory) -> None:
+            record = trajectory.record()
+            records.append(record)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            successes = sum(r["success"] for r in records)
+            progress.update(len(records), f"success {successes}/{len(records)}")
+
+        engine.run(jobs, key=key, on_done=on_done)
+    return records
+
+
+def summarize_run(records: list[dict], trials: int) -> tuple[dict, str]:
+    """The summary of played episodes (overall and per-family success with 95% intervals, pass^1,
+    pass^k, end reasons) and its per-family table."""
+    rows = summarize(records, k=trials)
+    overall = rows[-1]
+    summary = {"num_episodes": overall["episodes"], "mean_reward": overall["mean_reward"], "pass1": overall["pass1"],
+               "pass_k": overall["pass_k"], "k": overall["k"], "success": overall["success"],
+               "ci_low": overall["ci_low"], "ci_high": overall["ci_high"],
+               "needs_judge": sorted({r["task_id"] for r in records if r["info"].get("needs_judge")}),
+               "end_reasons": dict(sorted(Counter(r["end_reason"] for r in records).items())), "families": rows[:-1]}
+    return summary, format_table(rows)
+
+
 def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, agent: str = "model") -> dict:
     """Runs the evaluation into `workdir`; returns the summary also written to summary.json."""
     if agent not in AGENTS:
@@ -86,27 +119,10 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, age
     tasks = env.tasks(config.split, config.num_tasks)
     engine, adapter_idx = _engine(config, env, agent)
     jobs = [Job(task, trial, adapter_idx) for trial in range(config.trials) for task in tasks]
-    progress = Progress(len(jobs), every_s=config.log_every_s, name="episode")
-    records: list[dict] = []
-    with open(workdir / "episodes.jsonl", "w") as log:
-
-        def on_done(trajectory: Trajectory) -> None:
-            record = trajectory.record()
-            records.append(record)
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            successes = sum(r["success"] for r in records)
-            progress.update(len(records), f"success {successes}/{len(records)}")
-
-        engine.run(jobs, key=jax.random.key(config.seed), on_done=on_done)
-    rows = summarize(records, k=config.trials)
-    table = format_table(rows)
+    records = play(engine, jobs, key=jax.random.key(config.seed), episodes_path=workdir / "episodes.jsonl",
+                   log_every_s=config.log_every_s)
+    summary, table = summarize_run(records, config.trials)
     (workdir / "table.md").write_text(table + "\n")
-    overall = rows[-1]
-    summary = {"num_episodes": overall["episodes"], "mean_reward": overall["mean_reward"], "pass1": overall["pass1"],
-               "pass_k": overall["pass_k"], "k": overall["k"], "agent": agent,
-               "needs_judge": sorted({r["task_id"] for r in records if r["info"].get("needs_judge")}),
-               "end_reasons": dict(sorted(Counter(r["end_reason"] for r in records).items())), "families": rows[:-1],
-               "seconds": round(time.monotonic() - start, 1)}
+    summary = {**summary, "agent": agent, "seconds": round(time.monotonic() - start, 1)}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

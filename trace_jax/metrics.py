@@ -8,6 +8,7 @@ TensorFlow) and to `metrics.jsonl`, which is easy to turn into tables and plots.
 from __future__ import annotations
 
 import json
+import logging as std_logging
 import math
 import pathlib
 import time
@@ -71,3 +72,8 @@ class Progress:
         logging.info("%s %d/%d (%.0f%%)  %.1f s/%s  elapsed %s  ETA %s  %s", self.name, done, self.total,
                      100.0 * done / max(self.total, 1), per_step, self.name, _duration(now - self._t0),
                      _duration(eta), extra)
+
+
+def not_orbax_info(record: std_logging.LogRecord) -> bool:
+    """A log filter that drops orbax's per-save INFO chatter (a dozen lines per checkpoint), keeping its warnings."""
+    return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname

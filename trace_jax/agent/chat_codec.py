@@ -19,10 +19,30 @@ class ChatCodec:
         self.tokenizer = tokenizer
         self.tools = tools
         self._end_texts = sorted({tokenizer.decode([i]) for i in tokenizer.eos_token_ids}, key=len, reverse=True)
+        self._end_id: int | None = None
 
     def first_prompt(self, messages: list[dict]) -> list[int]:
         """The conversation so far, ready for the model's next turn."""
         return self.tokenizer.apply_chat(messages, tools=self.tools)
+
+    def assistant_turn(self, text: str) -> list[int]:
+        """The tokens a model emits for an assistant message `text`: its encoding, then the
+        end-of-turn token the chat template closes an assistant turn with."""
+        return self.tokenizer.encode(text) + [self._assistant_end_id()]
+
+    def _assistant_end_id(self) -> int:
+        """The end-of-turn token the template writes right after an assistant message's content."""
+        if self._end_id is None:
+            marker = "\x00end\x00"
+            text = self.tokenizer.render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+                                              add_generation_prompt=False)
+            after = text[text.rindex(marker) + len(marker):]
+            end = next((e for e in self._end_texts if after.startswith(e)), None)
+            if end is None:
+                raise ValueError(f"the chat template does not close an assistant turn with an end-of-turn token: "
+                                 f"{after[:40]!r}")
+            self._end_id = self.tokenizer.encode(end)[0]
+        return self._end_id
 
     def continuation(self, history: list[dict], new_messages: list[dict], closed: bool = True) -> list[int]:
         """Tokens after `history` (ending with the model's own turn, as sampled) that add

@@ -9,6 +9,9 @@ frees its rows for the next queued one.
 The agent's record is exactly what the model saw: its token ids (first prompt, then each
 sampled turn as sampled, then the encoded observations), a loss mask (1 on sampled
 tokens), the sampler's logprobs, and its messages with assistant turns as raw text.
+A scripted agent (the gold agent) is recorded the same way when the engine has a tokenizer:
+each of its turns as the tokens the model would emit for that text, on the loss mask, so its
+trajectories are behaviour-cloning data that match what the model samples later.
 Model output never crashes the engine: malformed tool calls become error observations,
 and max turns, max tokens per turn, too many errors and a full context end the episode
 with a recorded reason. A user simulator's turn cut at max tokens is passed on as written
@@ -170,7 +173,7 @@ class RolloutEngine:
         episode = self.env.episode(job.task)
         messages = episode.reset()
         tools = episode.tools
-        agent = _Speaker(ChatCodec(self.tokenizer, tools) if self.agent == MODEL else None, list(messages))
+        agent = _Speaker(ChatCodec(self.tokenizer, tools) if self.tokenizer is not None else None, list(messages))
         if self.agent == MODEL:
             agent.row = free_rows.pop()
         user_messages = episode.user_simulator_messages()
@@ -191,9 +194,12 @@ class RolloutEngine:
                 item.end_reason = base.END_MAX_TURNS
                 continue
             speaker = self._speaker(item)
-            if speaker.codec is None:
-                actor = self.agent if item.next_speaker == "agent" else self.user
-                texts[id(item)] = (actor.reply(item.episode), None)
+            actor = self.agent if item.next_speaker == "agent" else self.user
+            if actor != MODEL:
+                text = actor.reply(item.episode)
+                if speaker.codec is not None:
+                    self._record_scripted_turn(item, speaker, text)
+                texts[id(item)] = (text, None)
                 continue
             pending = speaker.pending_tokens()
             room = self.sampler.max_context - len(speaker.token_ids) - len(pending)
@@ -245,6 +251,17 @@ class RolloutEngine:
             ended = bool(ids) and ids[-1] in self.tokenizer.eos_token_ids
             outputs[id(item)] = (self.tokenizer.decode(ids[:-1] if ended else ids), completion.finish_reason)
         return cache, outputs
+
+    def _record_scripted_turn(self, item: _Live, speaker: _Speaker, text: str) -> None:
+        """Records a scripted agent's turn as the tokens the model would emit for it (its text, then
+        the end-of-turn token), on the loss mask: trajectories to clone (SFT) that are token for
+        token what sampling the same turns would give."""
+        pending = speaker.pending_tokens()
+        ids = speaker.codec.assistant_turn(text)
+        speaker.token_ids += pending + ids
+        speaker.loss_mask += [0] * len(pending) + [1] * len(ids)
+        speaker.logprobs += [0.0] * (len(pending) + len(ids))
+        item.generated += len(ids)
 
     def _start_row(self, cache, row: int, prompt: list[int], prefix_key: tuple[int, bool]):
         """Empties `row` for a new conversation, or starts it from the stored prefix it shares

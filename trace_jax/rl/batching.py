@@ -1,83 +1,149 @@
-"""Turns scored rollouts (prompt tokens, sampled completion tokens and logprobs) into a learner batch.
+"""Learner batches from sampled sequences: single-turn completions and multi-turn trajectories alike.
 
-Rows are padded to a bucketed length (few distinct shapes, so few recompiles) and the
-row count to a multiple the learner needs (micro-batches x data-parallel devices).
-When every prompt starts with the same long prefix (system prompt, tool schemas,
-demonstrations) that prefix is cut off once and run once per adapter by the learner
-(see `learner.token_logprobs`), which is exact and much cheaper than repeating it per row.
+A `LearnerSequence` is what the model saw, token for token (the prompt, every sampled turn
+as sampled, every observation as encoded), with a loss mask on the tokens to learn (the
+sampled ones), the sampler's logprob of each, and the sequence's advantage and adapter.
+`pack_sequences` cuts the head all sequences share (system prompt, policy, tool schemas)
+off once, to be run once per adapter by the learner (see `learner.token_logprobs`), and
+packs the rows into micro-batches by a token budget: rows sorted by length, each
+micro-batch as wide as its longest row rounded up to a bucket and as many rows as the
+budget holds at that width. A micro-batch's shape is a function of its width bucket
+alone, so a run compiles one learner program per bucket it meets and never another.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from trace_jax.sampling import bucket_size, prefix_capacity, shared_prefix_length
 
+MIN_WIDTH = 16  # the narrowest row bucket
 
-def build_learner_batch(
-    prompts: Sequence[Sequence[int]],
-    completions: Sequence[Sequence[int]],
-    completion_logprobs: Sequence[Sequence[float]],
-    advantages: Sequence[float],
-    adapter_idx: Sequence[int],
-    *,
-    num_rows: int | None = None,
-    row_multiple: int = 1,
-    completion_budget: int = 0,
-    min_width: int = 0,
-    min_shared_prefix: int | None = 64,
-    pad_id: int = 0,
-) -> dict[str, np.ndarray]:
-    """The `make_train_step` batch for rows prompt[i] + completion[i].
 
-    The loss covers exactly the completion tokens; their sampling logprobs are the old
-    policy's (`old_logp`). Padding rows (up to `num_rows`, which keeps the learner's
-    shapes and so its compiled program the same from step to step, then up to a multiple
-    of `row_multiple`) have an empty loss mask: they change neither the loss nor its
-    denominator. The row length is bucketed from the longest prompt tail plus at least
-    `completion_budget` tokens (pass max_new_tokens), and is at least `min_width` (pass
-    the last batch's width): the learner's shapes, and so its compiled program, then stay
-    the same from step to step. The shared prefix is padded to a multiple of 64 tokens
-    (`prefix_capacity`).
+@dataclasses.dataclass(frozen=True)
+class LearnerSequence:
+    """One sampled sequence as the learner sees it (all lists aligned with `tokens`).
+
+    loss_mask[t] = 1 marks tokens[t] as sampled (learned); logprobs[t] is its sampling
+    logprob (anything where the mask is 0).
     """
-    n = len(prompts)
-    if not n == len(completions) == len(completion_logprobs) == len(advantages) == len(adapter_idx):
-        raise ValueError("prompts, completions, completion_logprobs, advantages and adapter_idx differ in length")
-    if any(len(c) != len(lp) for c, lp in zip(completions, completion_logprobs)):
-        raise ValueError("each completion needs one logprob per token")
-    cut = shared_prefix_length(prompts, min_shared_prefix)
-    if num_rows is not None and num_rows < n:
-        raise ValueError(f"{n} rows do not fit num_rows={num_rows}")
-    rows = -(-max(n, num_rows or 0) // row_multiple) * row_multiple
-    longest = max(len(p) - cut + max(len(c), completion_budget) for p, c in zip(prompts, completions))
-    width = bucket_size(max(longest, min_width), 16)
+
+    tokens: Sequence[int]
+    loss_mask: Sequence[int]
+    logprobs: Sequence[float]
+    advantage: float = 0.0
+    adapter_idx: int = 0
+
+    def __post_init__(self):
+        if not len(self.tokens) == len(self.loss_mask) == len(self.logprobs):
+            raise ValueError(f"tokens ({len(self.tokens)}), loss_mask ({len(self.loss_mask)}) and logprobs "
+                             f"({len(self.logprobs)}) differ in length")
+        if self.loss_mask and self.loss_mask[0]:
+            raise ValueError("the first token cannot be learned: nothing precedes it")
+
+    @classmethod
+    def completion(cls, prompt: Sequence[int], completion: Sequence[int], logprobs: Sequence[float],
+                   advantage: float = 0.0, adapter_idx: int = 0) -> LearnerSequence:
+        """A prompt followed by one sampled completion (single-turn tasks)."""
+        if len(completion) != len(logprobs):
+            raise ValueError("each completion token needs one logprob")
+        return cls(list(prompt) + list(completion), [0] * len(prompt) + [1] * len(completion),
+                   [0.0] * len(prompt) + list(logprobs), advantage, adapter_idx)
+
+    def first_learned(self) -> int:
+        """Index of the first loss token (len(tokens) when there is none)."""
+        return next((i for i, m in enumerate(self.loss_mask) if m), len(self.tokens))
+
+    def last_learned(self) -> int:
+        """Index of the last loss token (-1 when there is none)."""
+        return max((i for i, m in enumerate(self.loss_mask) if m), default=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRollouts:
+    """One GRPO step's rollouts: learner sequences (advantages not yet set), rewards, the group
+    (task) of each, and their metrics ("rollout/...")."""
+
+    sequences: list[LearnerSequence]
+    rewards: np.ndarray
+    group_ids: np.ndarray
+    metrics: dict[str, float]
+
+
+def micro_batch_rows(width: int, token_budget: int, row_multiple: int = 1) -> int:
+    """Rows of a micro-batch of `width` tokens per row: as many as `token_budget` holds, a multiple
+    of `row_multiple` (the mesh's data-parallel size), at least one multiple."""
+    return max(row_multiple, (token_budget // width) // row_multiple * row_multiple)
+
+
+def pack_sequences(sequences: Sequence[LearnerSequence], *, token_budget: int, row_multiple: int = 1,
+                   min_shared_prefix: int | None = 64, pad_id: int = 0) -> dict:
+    """The learner batch ({"micro_batches": [...], shared-prefix entries}) of `sequences`.
+
+    Row entries per micro-batch: tokens [R, W], loss_mask / old_logp [R, W-1] (entry t scores
+    token t + 1), advantages [R], adapter_idx [R] and, with a shared prefix, prefix_of_row [R].
+    Padding rows have an empty mask: they change neither the loss nor its denominators.
+    Sequences with no loss token are left out. Tokens after a sequence's last loss token are
+    not run (they predict nothing learned).
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    learned = [s for s in sequences if s.last_learned() >= 0]
+    if not learned:
+        raise ValueError("no sequence has a loss token")
+    # Each row keeps at least the token before its first loss token (its position predicts it).
+    cut = shared_prefix_length([s.tokens[: s.first_learned()] for s in learned], min_shared_prefix)
+    adapters = sorted({s.adapter_idx for s in learned})
+    lengths = [s.last_learned() + 1 - cut for s in learned]
+    order = sorted(range(len(learned)), key=lambda i: (-lengths[i], i))
+    micro_batches = []
+    at = 0
+    while at < len(order):
+        width = bucket_size(lengths[order[at]], MIN_WIDTH)
+        rows = micro_batch_rows(width, token_budget, row_multiple)
+        chosen = [learned[i] for i in order[at : at + rows]]
+        micro_batches.append(_rows(chosen, rows, width, cut, adapters, pad_id))
+        at += rows
+    batch: dict = {"micro_batches": micro_batches}
+    if cut:
+        prefix = np.full((prefix_capacity(cut),), pad_id, np.int32)
+        prefix[:cut] = learned[0].tokens[:cut]
+        batch["prefix_tokens"] = np.tile(prefix, (len(adapters), 1))
+        batch["prefix_lengths"] = np.full((len(adapters),), cut, np.int32)
+        batch["prefix_adapter"] = np.asarray(adapters, np.int32)
+    return batch
+
+
+def _rows(sequences: list[LearnerSequence], rows: int, width: int, cut: int, adapters: list[int],
+          pad_id: int) -> dict[str, np.ndarray]:
+    """One micro-batch of `rows` x `width`: the sequences after the shared prefix, then padding rows."""
     tokens = np.full((rows, width), pad_id, np.int32)
     loss_mask = np.zeros((rows, width - 1), np.float32)
     old_logp = np.zeros((rows, width - 1), np.float32)
-    for i, (prompt, completion, logp) in enumerate(zip(prompts, completions, completion_logprobs)):
-        row = list(prompt[cut:]) + list(completion)
-        tokens[i, : len(row)] = row
-        first = len(prompt) - cut - 1  # logprob index of the first completion token
-        loss_mask[i, first : first + len(completion)] = 1.0
-        old_logp[i, first : first + len(completion)] = logp
-    row_adapter = np.zeros((rows,), np.int32)
-    row_adapter[:n] = adapter_idx
-    row_adapter[n:] = row_adapter[0]
-    batch = {
-        "tokens": tokens,
-        "loss_mask": loss_mask,
-        "old_logp": old_logp,
-        "advantages": np.pad(np.asarray(advantages, np.float32), (0, rows - n)),
-        "adapter_idx": row_adapter,
-    }
+    advantages = np.zeros((rows,), np.float32)
+    adapter_idx = np.full((rows,), sequences[0].adapter_idx, np.int32)
+    for i, s in enumerate(sequences):
+        end = s.last_learned() + 1
+        tokens[i, : end - cut] = s.tokens[cut:end]
+        loss_mask[i, : end - cut - 1] = s.loss_mask[cut + 1 : end]
+        old_logp[i, : end - cut - 1] = np.where(loss_mask[i, : end - cut - 1] > 0, s.logprobs[cut + 1 : end], 0.0)
+        advantages[i] = s.advantage
+        adapter_idx[i] = s.adapter_idx
+    batch = {"tokens": tokens, "loss_mask": loss_mask, "old_logp": old_logp, "advantages": advantages,
+             "adapter_idx": adapter_idx}
     if cut:
-        groups, prefix_of_row = np.unique(row_adapter, return_inverse=True)
-        prefix = np.full((prefix_capacity(cut),), pad_id, np.int32)
-        prefix[:cut] = prompts[0][:cut]
-        batch["prefix_tokens"] = np.tile(prefix, (len(groups), 1))
-        batch["prefix_lengths"] = np.full((len(groups),), cut, np.int32)
-        batch["prefix_adapter"] = groups.astype(np.int32)
-        batch["prefix_of_row"] = prefix_of_row.reshape(-1).astype(np.int32)
+        batch["prefix_of_row"] = np.searchsorted(adapters, adapter_idx).astype(np.int32)
     return batch
+
+
+def learned_tokens(batch: dict) -> int:
+    """How many loss tokens a packed batch holds."""
+    return int(sum(mb["loss_mask"].sum() for mb in batch["micro_batches"]))
+
+
+def padded_tokens(batch: dict) -> int:
+    """How many token positions a packed batch runs (padding included; the shared prefix not)."""
+    return int(sum(mb["tokens"].size for mb in batch["micro_batches"]))

@@ -1,9 +1,10 @@
-"""The jitted GRPO learner step: adapter-only gradients, exact micro-batch accumulation.
+"""The learner step (GRPO or SFT): adapter-only gradients, exact micro-batch accumulation.
 
 The frozen base `params` is an argument that is never differentiated; gradients are
 taken w.r.t. `Adapters.weights` only. The reference policy is the same base with
-no adapter (no second copy of the model). Each micro-batch contributes gradients
-of loss *sums* and their denominators, summed with `lax.scan` and divided once at
+no adapter (no second copy of the model). Each micro-batch (its own jitted call, so
+micro-batches of different shapes, packed by a token budget, share one step)
+contributes gradients of loss *sums* and their denominators, summed and divided once at
 the end, so the update equals the full-batch gradient of sum / denominator. A shared
 prefix (system prompt) runs forward once per step, not once per micro-batch: the
 micro-batches sum their gradients w.r.t. its keys and values, and one backward pass
@@ -12,6 +13,7 @@ through the prefix turns that sum into adapter gradients.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -22,7 +24,7 @@ from trace_jax import lora
 from trace_jax.lora import NO_ADAPTER, Adapters
 from trace_jax.models import decoder
 from trace_jax.models.config import ModelConfig
-from trace_jax.rl.losses import LossConfig, policy_loss
+from trace_jax.rl.losses import LossConfig, policy_loss, sft_loss
 from trace_jax.sharding import ShardingPlan
 
 # Per-row batch entries (split into micro-batches).
@@ -133,100 +135,135 @@ def make_optimizer(lr: float = 1e-5, weight_decay: float = 0.0, clip_norm: float
     return optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(lr, weight_decay=weight_decay))
 
 
-def _split_micro_batches(x: jax.Array, n: int) -> jax.Array:
-    """[B, ...] -> [n, B/n, ...] with micro-batch m = rows m, m+n, m+2n, ...
+def split_micro_batches(batch: dict, n: int) -> list[dict]:
+    """The row entries of a flat batch as n micro-batches, micro-batch m = rows m, m+n, m+2n, ...
 
     Strided rather than contiguous, so on a batch-sharded mesh each device keeps its own
-    rows in every micro-batch (no resharding between micro-batches).
+    rows in every micro-batch.
     """
-    return jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1)
+    size = batch["tokens"].shape[0]
+    if size % n:
+        raise ValueError(f"batch of {size} rows does not split into {n} micro-batches")
+    return [{k: v[m::n] for k, v in batch.items() if k in ROW_KEYS} for m in range(n)]
 
 
-def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, micro_batches: int = 1, plan: ShardingPlan | None = None,
-                 remat: bool = False, temperature: float = 1.0) -> Callable:
-    """Jitted `grads(params, adapter_weights, scale, batch) -> (grads, metrics)`: the gradient of the
-    batch loss (sum / denominator) w.r.t. the adapter weights, accumulated over micro-batches."""
+OBJECTIVES = ("grpo", "sft")
+
+
+def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig | None, *, micro_batches: int = 1,
+                 plan: ShardingPlan | None = None, remat: bool = False, temperature: float = 1.0,
+                 objective: str = "grpo") -> Callable:
+    """`grads(params, adapter_weights, scale, batch) -> (grads, metrics)`: the gradient of the batch
+    loss (sum / denominator) w.r.t. the adapter weights, accumulated over micro-batches.
+
+    `batch` holds either flat row entries (`ROW_KEYS`, split into `micro_batches` strided
+    micro-batches) or "micro_batches": a list of row dicts of any shapes (packed by a token
+    budget, see `batching.pack_sequences`); plus an optional shared prefix (`PREFIX_KEYS`).
+    Each micro-batch shape compiles once; the prefix runs forward once per step.
+
+    objective "grpo": `policy_loss` under `loss_cfg`; "sft": masked token cross-entropy, the
+    mean over loss tokens (`sft_loss`; rows need only tokens, loss_mask, adapter_idx).
+    """
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r} is unknown; choose from {OBJECTIVES}")
+    if objective == "grpo" and loss_cfg is None:
+        raise ValueError("objective 'grpo' needs a LossConfig")
     constrain = plan.constrain if plan is not None else decoder.no_constraint
+    use_kl = objective == "grpo" and loss_cfg.kl_coef > 0
 
     def micro_loss(weights, prefix_kv, scale, params, mb, shared, ref_kv):
+        if plan is not None:
+            mb = {k: plan.constrain(v, "batch") for k, v in mb.items()}
         prefix = {**shared, "prefix_of_row": mb["prefix_of_row"]} if shared else None
         logp, entropy = _forward_logprobs(params, Adapters(weights, scale), mb["tokens"], mb["adapter_idx"], prefix,
                                           cfg, constrain, remat, temperature, prefix_kv)
-        ref_logp = None
-        if loss_cfg.kl_coef > 0:
-            ref_logp = jax.lax.stop_gradient(reference_logprobs(params, mb["tokens"], cfg, prefix=prefix,
-                                                                constrain=constrain, remat=remat,
-                                                                temperature=temperature, prefix_kv=ref_kv))
         mask = mb["loss_mask"].astype(jnp.float32)
-        loss_sum, denom, diagnostics = policy_loss(logp, mb["old_logp"], mb["advantages"], mask, loss_cfg,
-                                                   ref_logp=ref_logp, sampler_logp=mb.get("sampler_logp"))
+        if objective == "sft":
+            loss_sum, denom, diagnostics = sft_loss(logp, mask)
+        else:
+            ref_logp = None
+            if use_kl:
+                ref_logp = jax.lax.stop_gradient(reference_logprobs(params, mb["tokens"], cfg, prefix=prefix,
+                                                                    constrain=constrain, remat=remat,
+                                                                    temperature=temperature, prefix_kv=ref_kv))
+            loss_sum, denom, diagnostics = policy_loss(logp, mb["old_logp"], mb["advantages"], mask, loss_cfg,
+                                                       ref_logp=ref_logp, sampler_logp=mb.get("sampler_logp"))
         diagnostics["entropy"] = (jnp.sum(entropy * mask), jnp.sum(mask))
         return loss_sum, (loss_sum, denom, diagnostics)
 
-    micro_grad = jax.grad(micro_loss, argnums=(0, 1), has_aux=True)
+    micro_grad = jax.jit(jax.grad(micro_loss, argnums=(0, 1), has_aux=True))
 
-    def grads(params, weights, scale, batch):
-        unknown = sorted(set(batch) - set(ROW_KEYS) - set(PREFIX_KEYS) - set(PASS_THROUGH))
-        if unknown:
-            raise ValueError(f"unknown batch entries {unknown}; expected {ROW_KEYS} (+ {PREFIX_KEYS}, {PASS_THROUGH})")
-        shared = {k: batch[k] for k in PREFIX_KEYS if k in batch}
-        if shared and (set(shared) != set(PREFIX_KEYS) or "prefix_of_row" not in batch):
-            raise ValueError(f"a shared prefix needs all of {PREFIX_KEYS} and prefix_of_row")
-        size = batch["tokens"].shape[0]
-        if size % micro_batches:
-            raise ValueError(f"batch of {size} rows does not split into {micro_batches} micro-batches")
-        stacked = {k: _split_micro_batches(v, micro_batches) for k, v in batch.items() if k in ROW_KEYS}
-        # The shared prefixes run forward once; every micro-batch adds its gradient w.r.t. their keys
-        # and values, and one backward pass through the prefixes turns the sum into adapter gradients.
-        prefix_kv, prefix_vjp, ref_kv = None, None, None
-        if shared:
-            prefix_kv, prefix_vjp = jax.vjp(
-                lambda w: _prefix_kv(params, Adapters(w, scale), shared, cfg, constrain, remat), weights)
-            if loss_cfg.kl_coef > 0:
-                ref_kv = _prefix_kv(params, None, shared, cfg, constrain, remat)
+    @jax.jit
+    def prefix_forward(params, weights, scale, shared):
+        """The prefixes' keys and values, the pullback from their cotangents to adapter gradients, and
+        (for the KL term) their keys and values under the base."""
+        prefix_kv, pullback = jax.vjp(lambda w: _prefix_kv(params, Adapters(w, scale), shared, cfg, constrain, remat),
+                                      weights)
+        ref_kv = _prefix_kv(params, None, shared, cfg, constrain, remat) if use_kl else None
+        return prefix_kv, pullback, ref_kv
 
-        def body(acc, mb):
-            if plan is not None:
-                mb = {k: plan.constrain(v, "batch") for k, v in mb.items()}
-            g, sums = micro_grad(weights, prefix_kv, scale, params, mb, shared, ref_kv)
-            return jax.tree.map(jnp.add, acc, (g, sums)), None
-
-        first = {k: v[0] for k, v in stacked.items()}
-        sums_shape = jax.eval_shape(lambda mb: micro_loss(weights, prefix_kv, scale, params, mb, shared, ref_kv)[1],
-                                    first)
-        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
-        init = ((zeros(weights), zeros(prefix_kv)), jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), sums_shape))
-        ((g_sum, g_prefix_kv), (loss_sum, denom, diagnostics)), _ = jax.lax.scan(body, init, stacked)
-        if shared:
-            g_sum = jax.tree.map(jnp.add, g_sum, prefix_vjp(g_prefix_kv)[0])
+    @jax.jit
+    def finish(g_sum, g_prefix_kv, pullback, sums, passed):
+        loss_sum, denom, diagnostics = sums
+        if pullback is not None:
+            g_sum = jax.tree.map(jnp.add, g_sum, pullback(g_prefix_kv)[0])
         denom = jnp.maximum(denom, 1.0)  # an all-padding batch has sums 0: loss and grads stay 0
         g = jax.tree.map(lambda x: x / denom, g_sum)
         metrics = {"loss": loss_sum / denom, "grad_norm": optax.tree.norm(g)}
         metrics.update({k: s / jnp.maximum(n, 1.0) for k, (s, n) in diagnostics.items()})
-        metrics.update({k: batch[k] for k in PASS_THROUGH if k in batch})
-        return g, metrics
+        return g, {**metrics, **passed}
 
-    return jax.jit(grads)
+    accumulate = jax.jit(lambda acc, new: jax.tree.map(jnp.add, acc, new), donate_argnums=0)
+
+    def grads(params, weights, scale, batch):
+        known = set(ROW_KEYS) | set(PREFIX_KEYS) | set(PASS_THROUGH) | {"micro_batches"}
+        unknown = sorted(set(batch) - known)
+        if unknown:
+            raise ValueError(f"unknown batch entries {unknown}; expected {ROW_KEYS} or micro_batches "
+                             f"(+ {PREFIX_KEYS}, {PASS_THROUGH})")
+        parts = batch["micro_batches"] if "micro_batches" in batch else split_micro_batches(batch, micro_batches)
+        if not parts:
+            raise ValueError("the batch has no micro-batches")
+        shared = {k: batch[k] for k in PREFIX_KEYS if k in batch}
+        if shared and (set(shared) != set(PREFIX_KEYS) or any("prefix_of_row" not in mb for mb in parts)):
+            raise ValueError(f"a shared prefix needs all of {PREFIX_KEYS} and prefix_of_row in every micro-batch")
+        prefix_kv, pullback, ref_kv = prefix_forward(params, weights, scale, shared) if shared else (None,) * 3
+        # Every micro-batch adds its gradient w.r.t. the adapters and the prefixes' keys and values;
+        # one backward pass through the prefixes turns the latter sum into adapter gradients.
+        acc = None
+        for mb in parts:
+            out = micro_grad(weights, prefix_kv, scale, params, mb, shared, ref_kv)
+            acc = out if acc is None else accumulate(acc, out)
+        (g_sum, g_prefix_kv), sums = acc
+        return finish(g_sum, g_prefix_kv, pullback, sums, {k: batch[k] for k in PASS_THROUGH if k in batch})
+
+    return grads
 
 
-def make_train_step(cfg: ModelConfig, loss_cfg: LossConfig, optimizer: optax.GradientTransformation, *,
+def make_train_step(cfg: ModelConfig, loss_cfg: LossConfig | None, optimizer: optax.GradientTransformation, *,
                     micro_batches: int = 1, plan: ShardingPlan | None = None, remat: bool = False,
-                    temperature: float = 1.0) -> Callable:
-    """Jitted `step(params, adapter_weights, opt_state, scale, batch) -> (adapter_weights, opt_state, metrics)`.
+                    temperature: float = 1.0, objective: str = "grpo") -> Callable:
+    """`step(params, adapter_weights, opt_state, scale, batch) -> (adapter_weights, opt_state, metrics)`.
 
-    batch: tokens [B, T] int32, loss_mask [B, T-1], advantages [B], old_logp [B, T-1],
-    adapter_idx [B] int32, optional sampler_logp [B, T-1], a scalar dropped_fraction and a
-    shared prefix (`PREFIX_KEYS` + prefix_of_row [B], see `token_logprobs`).
-    The adapter weights and optimizer state are donated (updated in place).
+    batch (see `make_grad_fn`): tokens [B, T] int32, loss_mask [B, T-1], advantages [B],
+    old_logp [B, T-1], adapter_idx [B] int32, optional sampler_logp [B, T-1], a scalar
+    dropped_fraction and a shared prefix (`PREFIX_KEYS` + prefix_of_row [B], see
+    `token_logprobs`); or "micro_batches", a list of such row dicts.
+    The adapter weights and optimizer state are donated to the update (updated in place).
     """
     grad_fn = make_grad_fn(cfg, loss_cfg, micro_batches=micro_batches, plan=plan, remat=remat,
-                           temperature=temperature)
+                           temperature=temperature, objective=objective)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def apply(weights, opt_state, g):
+        updates, opt_state = optimizer.update(g, opt_state, weights)
+        return optax.apply_updates(weights, updates), opt_state
 
     def step(params, weights, opt_state, scale, batch):
         g, metrics = grad_fn(params, weights, scale, batch)
-        updates, opt_state = optimizer.update(g, opt_state, weights)
-        return optax.apply_updates(weights, updates), opt_state, metrics
+        weights, opt_state = apply(weights, opt_state, g)
+        return weights, opt_state, metrics
 
-    return jax.jit(step, donate_argnums=(1, 2))
+    return step

@@ -1,4 +1,4 @@
-"""PPO-clipped policy loss with registered aggregation modes, k3 KL and truncated IS.
+"""PPO-clipped policy loss with registered aggregation modes, k3 KL and truncated IS; the SFT loss.
 
 Every loss returns (sum, denominator): summing both over micro-batches and dividing
 once at the end gives exactly the full-batch value, whatever the split. Rows whose
@@ -142,3 +142,11 @@ def policy_loss(
             per_token = per_token + cfg.kl_coef * kl
     loss_sum, denom = aggregate(per_token, mask, cfg.max_len)
     return loss_sum, denom, diagnostics
+
+
+def sft_loss(logp: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array, dict[str, SumDenom]]:
+    """(loss sum, denominator, diagnostics) of behaviour cloning: the masked token cross-entropy,
+    -log p of every loss token, averaged over all loss tokens of the batch (DAPO's token mean)."""
+    mask = mask.astype(logp.dtype)
+    nll_sum, tokens = token_mean(-logp, mask, None)
+    return nll_sum, tokens, {"nll": (jax.lax.stop_gradient(nll_sum), tokens)}

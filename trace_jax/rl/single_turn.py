@@ -1,7 +1,7 @@
 """Single-turn rollouts of verifiable tasks: render each task's prompt, sample, score.
 
 Used both to collect GRPO groups (several samples per task) and to evaluate an adapter
-(one greedy sample per task). Prompts are generated in chunks of `batch_size` rows to
+(one greedy sample per task); `TaskSetRollouts` is the GRPO job's source for a task set. Prompts are generated in chunks of `batch_size` rows to
 bound the KV cache; each chunk draws with its own key folded from `key`.
 """
 
@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from trace_jax.models.tokenizer import ChatTokenizer
+from trace_jax.rl.batching import LearnerSequence, StepRollouts
 from trace_jax.sampling import Completion, Sampler
 
 
@@ -57,3 +58,48 @@ def rollout(sampler: Sampler, tokenizer: ChatTokenizer, task_set: ModuleType, ta
     scored = [task_set.reward(task, completion.text) for task, completion in zip(owners, completions)]
     return ScoredRollouts(prompts, completions, np.array([s for s, _ in scored], np.float64),
                           np.repeat(np.arange(len(tasks)), group_size), [d for _, d in scored])
+
+
+class TaskSetRollouts:
+    """The GRPO job's rollout source for a single-turn task set (`config.task`): groups of sampled
+    completions of its training tasks, greedy held-out evaluation on `config.eval.splits`."""
+
+    def __init__(self, config, tokenizer: ChatTokenizer, num_train_tasks: int):
+        from trace_jax.tasks import TASK_SETS
+
+        self.config, self.tokenizer = config, tokenizer
+        self.task_set = TASK_SETS[config.task]
+        self.train_tasks = self.task_set.make_tasks("train", num_train_tasks, config.seed)
+        self.heldout = {split: self.task_set.make_tasks(split, config.eval.num_tasks, config.seed)
+                        for split in config.eval.splits}
+
+    def sample(self, sampler: Sampler, first_task: int, key: jax.Array, adapter_idx: int) -> StepRollouts:
+        """`group_size` completions of each of the next `tasks_per_step` training tasks."""
+        rollout_cfg = self.config.rollout
+        tasks = self.train_tasks[first_task : first_task + rollout_cfg.tasks_per_step]
+        scored = rollout(sampler, self.tokenizer, self.task_set, tasks, key=key, group_size=rollout_cfg.group_size,
+                         adapter_idx=adapter_idx, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
+                         max_new_tokens=rollout_cfg.max_new_tokens, batch_size=rollout_cfg.batch_size)
+        sequences = [LearnerSequence.completion(p, c.token_ids, c.logprobs, adapter_idx=adapter_idx)
+                     for p, c in zip(scored.prompts, scored.completions)]
+        return StepRollouts(sequences, scored.rewards, scored.group_ids, scored.summary("rollout"))
+
+    def evaluate(self, sampler: Sampler, adapter_idx: int, step: int) -> dict[str, float]:
+        """Metrics of one greedy completion per held-out task, for each split: the first split's as
+        "eval/...", the others' as "eval_<split>/..."."""
+        del step
+        metrics = {}
+        for index, (split, tasks) in enumerate(self.heldout.items()):
+            scored = rollout(sampler, self.tokenizer, self.task_set, tasks, key=jax.random.key(0),
+                             adapter_idx=adapter_idx, temperature=0.0, max_new_tokens=self.config.eval.max_new_tokens,
+                             batch_size=self.config.eval.batch_size)
+            metrics.update(scored.summary("eval" if index == 0 else f"eval_{split}"))
+        return metrics
+
+    def summary(self, base: dict[str, float], final: dict[str, float]) -> dict:
+        """The job summary's held-out entries: the first split's reward, then the others'."""
+        out = {"base_reward": base["eval/reward"], "final_reward": final["eval/reward"]}
+        for split in self.config.eval.splits[1:]:
+            out[f"base_reward_{split}"] = base[f"eval_{split}/reward"]
+            out[f"final_reward_{split}"] = final[f"eval_{split}/reward"]
+        return out

@@ -1,0 +1,36 @@
+"""Trains one LoRA adapter by behaviour cloning of an environment's gold agent (SFT on its trajectories).
+
+  python -m launch.sft --config=configs/warmstart_embedded.py --workdir=/tmp/sft [--config.train.steps=40]
+
+Logs progress with rate and ETA, writes TensorBoard metrics and checkpoints to the
+workdir (rerunning with the same workdir resumes), exports the adapter (PEFT) to
+<workdir>/adapter (and the merged model to <workdir>/merged with export.merged), and ends
+by printing one JSON line: steps, trajectories, final_loss, seconds.
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from trace_jax.metrics import not_orbax_info
+from trace_jax.rl.sft import train
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Job config file (configs/warmstart_*.py).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics, the adapter and the summary.",
+                               required=True)
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    absl_logging.get_absl_handler().addFilter(not_orbax_info)
+    print(json.dumps(train(_CONFIG.value, _WORKDIR.value)), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

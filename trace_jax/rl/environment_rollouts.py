@@ -1,0 +1,104 @@
+"""The GRPO job's rollout source for an environment (`config.env`): multi-turn episodes through the
+rollout engine, scored by the environment's own evaluator.
+
+A step plays each of the next `rollout.tasks_per_step` training tasks `rollout.group_size`
+times at the rollout temperature; every trajectory becomes one learner sequence (the exact
+ids the agent saw, the loss on its sampled turns, the sampler's logprobs). Held-out
+evaluation is the evaluation job's code path: greedy episodes of `eval.split`, written to
+`eval/step_<k>.jsonl` with their per-family table (success with 95% intervals, pass^1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections import Counter
+
+import jax
+import ml_collections
+import numpy as np
+
+from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Trajectory
+from trace_jax.envs import make_environment
+from trace_jax.evaluation import play, summarize_run
+from trace_jax.models.tokenizer import ChatTokenizer
+from trace_jax.rl.batching import LearnerSequence, StepRollouts
+from trace_jax.sampling import Sampler
+
+
+def trajectory_sequence(trajectory: Trajectory, advantage: float = 0.0) -> LearnerSequence:
+    """The learner's view of a trajectory: its ids, the loss on the agent's sampled tokens, the
+    sampler's logprobs, under the adapter it was played with."""
+    return LearnerSequence(trajectory.token_ids, trajectory.loss_mask, trajectory.logprobs, advantage,
+                           trajectory.job.adapter_idx)
+
+
+def trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
+    """Mean reward and success, reward components, turns, sampled tokens and end-reason shares."""
+    n = len(trajectories)
+    out = {f"{prefix}/reward": float(np.mean([t.outcome.reward for t in trajectories])),
+           f"{prefix}/reward_std": float(np.std([t.outcome.reward for t in trajectories])),
+           f"{prefix}/success": float(np.mean([t.outcome.success for t in trajectories])),
+           f"{prefix}/turns": float(np.mean([t.num_turns for t in trajectories])),
+           f"{prefix}/errors": float(np.mean([t.num_errors for t in trajectories])),
+           f"{prefix}/generated_tokens": float(np.mean([t.generated_tokens for t in trajectories]))}
+    for reason, count in Counter(t.end_reason for t in trajectories).items():
+        out[f"{prefix}/end_{reason}"] = count / n
+    for name in sorted({c for t in trajectories for c in t.outcome.components}):
+        values = [t.outcome.components[name] for t in trajectories if name in t.outcome.components]
+        out[f"{prefix}/component_{name}"] = float(np.mean(values))
+    return out
+
+
+class EnvironmentRollouts:
+    """Training episodes and held-out evaluations of one environment, played by the sampler's model."""
+
+    def __init__(self, config: ml_collections.ConfigDict, tokenizer: ChatTokenizer, num_train_tasks: int,
+                 workdir: pathlib.Path):
+        self.config, self.tokenizer, self.workdir = config, tokenizer, workdir
+        self.env = make_environment(config.env)
+        available = self.env.tasks(config.env.split, num_train_tasks)
+        if not available:
+            raise ValueError(f"config.env.split = {config.env.split!r} has no tasks")
+        self.train_tasks = [available[i % len(available)] for i in range(num_train_tasks)]  # finite sets cycle
+        self.heldout = self.env.tasks(config.eval.split, config.eval.num_tasks)
+        limits = {k: config.rollout[k] for k in ("batch_size", "max_turns", "max_tokens_per_turn", "max_errors")}
+        self.train_rollout = RolloutConfig(**limits, temperature=config.rollout.temperature, top_p=config.rollout.top_p)
+        self.eval_rollout = dataclasses.replace(self.train_rollout, batch_size=config.eval.batch_size, temperature=0.0,
+                                                top_p=1.0)
+
+    def _engine(self, sampler: Sampler, rollout: RolloutConfig) -> RolloutEngine:
+        return RolloutEngine(self.env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=self.tokenizer,
+                             config=rollout)
+
+    def sample(self, sampler: Sampler, first_task: int, key: jax.Array, adapter_idx: int) -> StepRollouts:
+        """`group_size` episodes of each of the next `tasks_per_step` training tasks (a group's episodes adjacent)."""
+        rollout_cfg = self.config.rollout
+        tasks = self.train_tasks[first_task : first_task + rollout_cfg.tasks_per_step]
+        jobs = [Job(task, trial, adapter_idx) for task in tasks for trial in range(rollout_cfg.group_size)]
+        trajectories = self._engine(sampler, self.train_rollout).run(jobs, key=key)
+        rewards = np.array([t.outcome.reward for t in trajectories], np.float64)
+        groups = np.repeat(np.arange(len(tasks)), rollout_cfg.group_size)
+        return StepRollouts([trajectory_sequence(t) for t in trajectories], rewards, groups,
+                            trajectory_metrics(trajectories, "rollout"))
+
+    def evaluate(self, sampler: Sampler, adapter_idx: int, step: int) -> dict[str, float]:
+        """Greedy held-out episodes through the evaluation job's path; "eval/..." metrics (overall and
+        per family), with the episodes and the table written under <workdir>/eval/."""
+        folder = self.workdir / "eval"
+        folder.mkdir(exist_ok=True)
+        jobs = [Job(task, 0, adapter_idx) for task in self.heldout]
+        records = play(self._engine(sampler, self.eval_rollout), jobs, key=jax.random.key(0),
+                       episodes_path=folder / f"step_{step}.jsonl", log_every_s=self.config.log_every_s)
+        summary, table = summarize_run(records, trials=1)
+        (folder / f"step_{step}.md").write_text(table + "\n")
+        metrics = {"eval/reward": summary["mean_reward"], "eval/success": summary["success"],
+                   "eval/success_ci_low": summary["ci_low"], "eval/success_ci_high": summary["ci_high"]}
+        for row in summary["families"]:
+            metrics[f"eval/{row['family']}/success"] = row["success"]
+        return metrics
+
+    def summary(self, base: dict[str, float], final: dict[str, float]) -> dict:
+        """The job summary's held-out entries: mean reward and success, before and after."""
+        return {"base_reward": base["eval/reward"], "final_reward": final["eval/reward"],
+                "base_success": base["eval/success"], "final_success": final["eval/success"]}

@@ -1,0 +1,96 @@
+"""What the adapter-training jobs (GRPO, SFT) share: their common config checks, the model on its
+mesh, one LoRA adapter with its optimizer state (fresh or restored from the workdir), and the
+end of a run (PEFT export of the adapter)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import jax
+import ml_collections
+import optax
+from absl import logging
+
+from trace_jax import lora
+from trace_jax.config_checks import Check, number, positive_int
+from trace_jax.models.model import DTYPES, Model, load_model
+from trace_jax.rl.checkpoint import Checkpointer, TrainState
+from trace_jax.rl.learner import make_optimizer
+from trace_jax.sharding import ShardingPlan, make_mesh
+
+ADAPTER = 0  # the one adapter a job trains
+
+
+def common_checks() -> list[Check]:
+    """(config key, predicate, what it must be) for the settings every training job reads."""
+    return [
+        ("model", lambda v: isinstance(v, str) and bool(v), "an embedded model name or an HF checkpoint folder"),
+        ("dtype", lambda v: v in DTYPES, f"one of {sorted(DTYPES)}"),
+        ("seed", lambda v: isinstance(v, int), "an int"),
+        ("lora.rank", positive_int, "a positive int"),
+        ("lora.alpha", lambda v: number(v) and v > 0, "> 0"),
+        ("lora.targets", lambda v: set(v) <= set(lora.ALL_TARGETS) | {t[:-5] for t in lora.ALL_TARGETS},
+         f"names from {list(lora.ALL_TARGETS)}"),
+        ("optimizer.lr", lambda v: number(v) and v > 0, "> 0"),
+        ("optimizer.weight_decay", lambda v: number(v) and v >= 0, ">= 0"),
+        ("optimizer.clip_norm", lambda v: number(v) and v > 0, "> 0"),
+        ("train.micro_batch_tokens", positive_int, "a positive int (tokens per micro-batch, padding included)"),
+        ("train.remat", lambda v: isinstance(v, bool), "a bool"),
+        ("train.checkpoint_every", positive_int, "a positive int"),
+        ("train.keep_checkpoints", positive_int, "a positive int"),
+        ("mesh.data", lambda v: isinstance(v, int) and (v == -1 or v >= 1), "-1 (all devices left) or >= 1"),
+        ("mesh.fsdp", positive_int, "a positive int"),
+        ("mesh.tensor", positive_int, "a positive int"),
+        ("log_every_s", lambda v: number(v) and v >= 0, ">= 0"),
+    ]
+
+
+@dataclasses.dataclass
+class TrainingRun:
+    """A job's model on its mesh, its optimizer, its (fresh or resumed) state and its checkpointer."""
+
+    model: Model
+    params: dict
+    plan: ShardingPlan | None
+    optimizer: optax.GradientTransformation
+    state: TrainState
+    checkpointer: Checkpointer
+
+    @property
+    def row_multiple(self) -> int:
+        """Rows of a micro-batch must be a multiple of this (the mesh's data-parallel size)."""
+        return self.plan.batch_multiple if self.plan else 1
+
+    def adapters(self, weights=None) -> lora.Adapters:
+        """The trained adapter as a stack of one (`weights`: the current ones, default the state's)."""
+        return lora.Adapters(self.state.adapter_weights if weights is None else weights, self.state.scale)
+
+
+def start_run(config: ml_collections.ConfigDict, workdir: pathlib.Path, cursor: dict) -> TrainingRun:
+    """Loads the model onto the mesh and makes a fresh adapter state (`cursor`: the data position of
+    step 0), or restores the workdir's latest checkpoint."""
+    model = load_model(config.model, config.dtype)
+    mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
+    plan = ShardingPlan(mesh) if mesh.size > 1 else None
+    params = plan.shard_params(model.params) if plan else model.params
+    init_key, run_key = jax.random.split(jax.random.key(config.seed))
+    spec = lora.LoraSpec(rank=config.lora.rank, alpha=config.lora.alpha, targets=tuple(config.lora.targets))
+    adapters = lora.init_adapters(init_key, model.cfg, spec, 1, params["embed"].dtype)
+    weights = plan.shard_params(adapters.weights) if plan else adapters.weights
+    optimizer = make_optimizer(config.optimizer.lr, config.optimizer.weight_decay, config.optimizer.clip_norm)
+    state = TrainState(step=0, adapter_weights=weights, scale=adapters.scale, opt_state=optimizer.init(weights),
+                       rng=run_key, cursor=cursor)
+    checkpointer = Checkpointer(workdir / "checkpoints", keep=config.train.keep_checkpoints,
+                                save_every=config.train.checkpoint_every)
+    if checkpointer.latest_step() is not None:
+        state = checkpointer.restore(state)
+        logging.info("resumed from step %d in %s", state.step, workdir)
+    return TrainingRun(model, params, plan, optimizer, state, checkpointer)
+
+
+def export_adapter(run: TrainingRun, workdir: pathlib.Path) -> pathlib.Path:
+    """Writes the trained adapter in PEFT's format to `<workdir>/adapter` (replaced whole)."""
+    out = workdir / "adapter"
+    lora.save_peft(run.adapters(), out, index=ADAPTER, base_model=str(run.model.path))
+    return out

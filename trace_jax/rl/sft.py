@@ -1,0 +1,130 @@
+"""The SFT (behaviour cloning) job: an environment's gold agent, cloned token for token into one LoRA adapter.
+
+The gold agent plays `data.num_tasks` tasks of the environment's `env.split` through the
+rollout engine, which records each of its turns as the tokens the model would emit for it
+(so what is learned is exactly what sampling gives later). Only successful episodes are
+kept. Each step takes the next `data.trajectories_per_step` trajectories of a stream that
+visits them in a fresh seeded order every epoch, packs them by `train.micro_batch_tokens`
+and applies one update of the masked token cross-entropy (mean over the agent's tokens).
+
+Same workdir layout and guarantees as the GRPO job: checkpoints/ (exact resume after any
+kill: a step's data is a pure function of the seed and the step), tensorboard/,
+metrics.jsonl, progress with ETA, summary.json; the adapter is written in PEFT's format to
+adapter/ and, with `export.merged`, merged into the base as an HF folder in merged/.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from trace_jax import lora
+from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine, Trajectory
+from trace_jax.agent.scripted import GoldAgent, ScriptedUser
+from trace_jax.config_checks import Check, check_config, positive_int
+from trace_jax.envs import ENVIRONMENTS, make_environment
+from trace_jax.metrics import MetricsWriter, Progress
+from trace_jax.models.loading import save_hf_checkpoint
+from trace_jax.models.tokenizer import ChatTokenizer
+from trace_jax.rl.batching import LearnerSequence, learned_tokens, pack_sequences, padded_tokens
+from trace_jax.rl.checkpoint import TrainState
+from trace_jax.rl.job import ADAPTER, common_checks, export_adapter, start_run
+from trace_jax.rl.learner import make_train_step
+
+
+def _checks() -> list[Check]:
+    return common_checks() + [
+        ("env.name", lambda v: v in ENVIRONMENTS, f"one of {sorted(ENVIRONMENTS)}"),
+        ("env.split", lambda v: isinstance(v, str) and bool(v), "the split the gold trajectories come from"),
+        ("data.num_tasks", positive_int, "a positive int (gold trajectories to clone)"),
+        ("data.trajectories_per_step", positive_int, "a positive int"),
+        ("data.max_turns", positive_int, "a positive int (the gold agent's turns per episode)"),
+        ("train.steps", positive_int, "a positive int"),
+        ("export.merged", lambda v: isinstance(v, bool), "a bool (also write the merged HF folder)"),
+    ]
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """Fails at start, naming the key, on a missing or invalid setting."""
+    check_config(config, _checks())
+
+
+def gold_trajectories(env, tokenizer: ChatTokenizer, tasks, max_turns: int) -> list[Trajectory]:
+    """The gold agent's episodes of `tasks`, recorded as the model's tokens (scripted user where one is needed)."""
+    config = RolloutConfig(batch_size=64, max_turns=max_turns, max_tokens_per_turn=1 << 30)
+    engine = RolloutEngine(env, agent=GoldAgent(), user=ScriptedUser(user_actions=True), tokenizer=tokenizer,
+                           config=config)
+    return engine.run([Job(task, adapter_idx=ADAPTER) for task in tasks], key=jax.random.key(0))
+
+
+def epoch_order(num: int, seed: int, epoch: int) -> np.ndarray:
+    """The order in which epoch `epoch` visits `num` trajectories (a pure function of seed and epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(num)
+
+
+def step_items(num: int, per_step: int, seed: int, step: int) -> list[int]:
+    """Indices of the trajectories of `step`: the next `per_step` of the epoch-shuffled stream."""
+    start = step * per_step
+    out = []
+    for position in range(start, start + per_step):
+        epoch, at = divmod(position, num)
+        out.append(int(epoch_order(num, seed, epoch)[at]))
+    return out
+
+
+def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
+    """Runs (or resumes) the job in `workdir`; returns the summary also written to summary.json."""
+    validate_config(config)
+    start_time = time.monotonic()
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = start_run(config, workdir, cursor={})
+    tokenizer = run.model.tokenizer
+    env = make_environment(config.env)
+    played = gold_trajectories(env, tokenizer, env.tasks(config.env.split, config.data.num_tasks),
+                               config.data.max_turns)
+    kept = [t for t in played if t.outcome.success]
+    if not kept:
+        raise ValueError(f"no gold episode of {config.env.name}/{config.env.split} succeeded: nothing to clone")
+    logging.info("cloning %d gold trajectories (%d of %d played succeeded), %d agent tokens", len(kept), len(kept),
+                 len(played), sum(sum(t.loss_mask) for t in kept))
+    sequences = [LearnerSequence(t.token_ids, t.loss_mask, t.logprobs, 0.0, ADAPTER) for t in kept]
+    train_step = make_train_step(run.model.cfg, None, run.optimizer, plan=run.plan, remat=config.train.remat,
+                                 objective="sft")
+    writer = MetricsWriter(workdir)
+    progress = Progress(config.train.steps, start=run.state.step, every_s=config.log_every_s)
+    state = run.state
+    weights, opt_state = state.adapter_weights, state.opt_state
+    metrics = {}
+    for step in range(state.step, config.train.steps):
+        t0 = time.monotonic()
+        items = step_items(len(sequences), config.data.trajectories_per_step, config.seed, step)
+        batch = pack_sequences([sequences[i] for i in items], token_budget=config.train.micro_batch_tokens,
+                               row_multiple=run.row_multiple, pad_id=tokenizer.pad_token_id)
+        weights, opt_state, learner_metrics = train_step(run.params, weights, opt_state, state.scale, batch)
+        metrics = {f"learner/{k}": float(v) for k, v in learner_metrics.items()}
+        metrics.update({"learner/tokens": float(padded_tokens(batch)), "learner/loss_tokens": float(learned_tokens(batch)),
+                        "learner/micro_batches": float(len(batch["micro_batches"])),
+                        "time/step_s": time.monotonic() - t0})
+        state = TrainState(step=step + 1, adapter_weights=weights, scale=state.scale, opt_state=opt_state,
+                           rng=state.rng, cursor={})
+        run.checkpointer.save(state, force=step + 1 == config.train.steps)
+        writer.write(step + 1, metrics)
+        progress.update(step + 1, f"loss {metrics['learner/loss']:.4f}")
+    run.checkpointer.close()
+    writer.close()
+    run.state = state
+    export_adapter(run, workdir)
+    if config.export.merged:
+        merged = lora.merge(run.model.params, jax.device_get(run.adapters()), ADAPTER)
+        save_hf_checkpoint(merged, run.model.path, workdir / "merged", run.model.cfg)
+    summary = {"steps": int(state.step), "trajectories": len(kept), "gold_played": len(played),
+               "final_loss": metrics.get("learner/loss"), "seconds": round(time.monotonic() - start_time, 1)}
+    (workdir / "summary.json").write_text(json.dumps(summary))
+    return summary
