@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from numerics import tree_rel
 from trace_jax import lora
 from trace_jax.lora import Adapters, LoraSpec
 from trace_jax.models.config import ModelConfig
@@ -20,12 +21,6 @@ from trace_jax.sharding import ShardingPlan, make_mesh
 
 B, T = 8, 12
 LOSS = LossConfig(kl_coef=0.1, tis_cap=2.0)
-
-
-def tree_rel(a, b) -> float:
-    """|a - b| / |b| over whole pytrees (global L2 norms, in float64)."""
-    a, b = (np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(t)]) for t in (a, b))
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.fixture(scope="module")

@@ -55,8 +55,8 @@ def test_learner_batches_of_the_trajectories_reproduce_the_sampler_logprobs(smol
     micro-batches by a token budget): its logprobs on the loss tokens are the sampler's, and the loss
     mask covers exactly the agent's sampled tokens."""
     batch = pack_sequences([trajectory_sequence(t, advantage=i) for i, t in enumerate(trajectories)],
-                           token_budget=512, min_shared_prefix=64)
-    assert len(batch["micro_batches"]) == len(trajectories)  # one row each: separate micro-batches
+                           token_budget=1, min_shared_prefix=64)  # one row per micro-batch
+    assert len(batch["micro_batches"]) == len(trajectories)
     shared = {k: batch[k] for k in ("prefix_tokens", "prefix_lengths", "prefix_adapter")}
     cut = int(batch["prefix_lengths"][0])
     rescore = jax.jit(token_logprobs, static_argnames=("cfg", "temperature"))

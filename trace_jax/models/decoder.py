@@ -149,42 +149,33 @@ def _linear(x: jax.Array, layer: Params, name: str, lora: tuple | None) -> jax.A
     return y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _softmax_attend(score_fn: Callable, combine: Callable, inputs: tuple, values: tuple) -> jax.Array:
-    """combine(softmax(score_fn(inputs)), values), for a `combine` that gives each score row's output
-    as a probability-weighted sum of value vectors (out[..., t, :] = sum_s p[..., t, s] * V_s).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _softmax_combine(combine: Callable, scores: jax.Array, values: tuple) -> jax.Array:
+    """combine(softmax(scores), values), for a `combine` that gives each score row's output as
+    a probability-weighted sum of value vectors (out[..., t, :] = sum_s p[..., t, s] * V_s).
 
-    Flash attention's memory plan without its tiling: the forward keeps only the inputs, the
-    output and each row's log-sum-exp, and the backward recomputes the scores, so no [T, S]
-    array outlives its layer (stored per layer, the probabilities of a 3.3k-token agent head
-    took 1.2 GB a layer and a learner step more memory than the machine has). The backward
-    uses the identity sum_s(dp * p) = sum(dout * out) over the head dim: autodiff's softmax
-    backward reduced over the keys inside the dp matmul, which XLA:CPU ran slowly.
+    The backward uses flash attention's identity sum_s(dp * p) = sum(dout * out) over the
+    head dim: autodiff's softmax backward reduced over the keys inside the dp matmul, a
+    fusion XLA:CPU ran at a fraction of the matmul rate (5% of a learner step here).
     """
-    return _softmax_attend_fwd(score_fn, combine, inputs, values)[0]
+    return _softmax_combine_fwd(combine, scores, values)[0]
 
 
-def _softmax_attend_fwd(score_fn, combine, inputs, values):
-    scores = score_fn(inputs)
-    lse = jax.nn.logsumexp(scores, axis=-1, keepdims=True)
-    out = combine(jnp.exp(scores - lse), values)
-    return out, (inputs, values, out, lse)
+def _softmax_combine_fwd(combine, scores, values):
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = combine(probs, values)
+    return out, (probs, values, out)
 
 
-def _softmax_attend_bwd(score_fn, combine, residuals, d_out):
-    inputs, values, out, lse = residuals
-    # The barrier ties the recomputation to this layer's cotangent: XLA would otherwise hoist every
-    # layer's score recomputation to the start of the backward pass and hold them all at once.
-    inputs, d_out = jax.lax.optimization_barrier((inputs, d_out))
-    scores, score_vjp = jax.vjp(score_fn, inputs)
-    probs = jnp.exp(scores - lse)
+def _softmax_combine_bwd(combine, residuals, d_out):
+    probs, values, out = residuals
     _, combine_vjp = jax.vjp(combine, probs, values)  # combine is linear: its forward is not rerun
     d_probs, d_values = combine_vjp(d_out)
     row_dot = jnp.sum(d_out * out, axis=-1, keepdims=True)
-    return score_vjp(probs * (d_probs - row_dot))[0], d_values
+    return probs * (d_probs - row_dot), d_values
 
 
-_softmax_attend.defvjp(_softmax_attend_fwd, _softmax_attend_bwd)
+_softmax_combine.defvjp(_softmax_combine_fwd, _softmax_combine_bwd)
 
 
 def _attention(q, k, v, q_pos, k_pos, k_valid, prefix=None):
@@ -197,39 +188,33 @@ def _attention(q, k, v, q_pos, k_pos, k_valid, prefix=None):
     dot batch dim: XLA:CPU runs that far faster than a dot with two batch dims.
     """
     batch, t, num_heads, hd = q.shape
-    kv_heads = k.shape[1]
+    kv_heads, s = k.shape[1], k.shape[2]
     groups = num_heads // kv_heads
     q = q.reshape(batch, t, kv_heads, groups, hd).transpose(0, 2, 3, 1, 4)  # [B, KV, g, T, hd]
     rows = lambda x: x.reshape(batch * kv_heads, -1, x.shape[-1])
     heads = lambda x: x.swapaxes(0, 1).reshape(kv_heads, -1, x.shape[-1])  # [KV, B*..., last]
     dot = lambda a, b, contract: jax.lax.dot_general(a, b, (((2,), (contract,)), ((0,), (0,))),
                                                      preferred_element_type=jnp.float32)
+    scores = dot(rows(q), rows(k), 2).reshape(batch, kv_heads, groups, t, s) * (hd**-0.5)
     mask = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
-
-    def own_scores(q, k, mask):
-        scores = dot(rows(q), rows(k), 2).reshape(batch, kv_heads, groups, t, k.shape[2]) * (hd**-0.5)
-        return jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
 
     def own(probs, v):  # [B, KV, g, T, S] x [B, KV, S, hd] -> [B, KV, g, T, hd]
         return dot(rows(probs.astype(v.dtype)), rows(v), 1).reshape(batch, kv_heads, groups, t, hd)
 
     if prefix is None:
-        out = _softmax_attend(lambda x: own_scores(*x), lambda probs, values: own(probs, values[0]), (q, k, mask), (v,))
+        out = _softmax_combine(lambda probs, values: own(probs, values[0]), scores, (v,))
     else:
         pk, pv, valid = prefix
         slots = pk.shape[0] * pk.shape[2]
-
-        def scores_with_prefix(x):
-            q, k, mask, pk, valid = x
-            p_scores = dot(heads(q), heads(pk), 2).reshape(kv_heads, batch, groups, t, slots).swapaxes(0, 1) * (hd**-0.5)
-            p_scores = jnp.where(valid[:, None, None, None, :], p_scores, jnp.finfo(jnp.float32).min)
-            return jnp.concatenate([p_scores, own_scores(q, k, mask)], axis=-1)
+        p_scores = dot(heads(q), heads(pk), 2).reshape(kv_heads, batch, groups, t, slots).swapaxes(0, 1) * (hd**-0.5)
+        p_scores = jnp.where(valid[:, None, None, None, :], p_scores, jnp.finfo(jnp.float32).min)
 
         def own_and_prefix(probs, values):
             p_out = dot(heads(probs[..., :slots].astype(values[1].dtype)), heads(values[1]), 1)
             return own(probs[..., slots:], values[0]) + p_out.reshape(kv_heads, batch, groups, t, hd).swapaxes(0, 1)
 
-        out = _softmax_attend(scores_with_prefix, own_and_prefix, (q, k, mask, pk, valid), (v, pv))
+        out = _softmax_combine(own_and_prefix, jnp.concatenate([p_scores, scores], axis=-1), (v, pv))
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, t, num_heads * hd)
 
 
