@@ -137,3 +137,26 @@ def test_unknown_override_on_the_command_line_names_the_key(tmp_path):
                          text=True, timeout=300)
     assert out.returncode != 0 and "group_sise" in out.stderr
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_task_or_environment_and_steps_or_budget_exactly_one_each():
+    config = grpo_tiny.get_config()
+    config.env = dict(name="embedded_retail", seed=0, families=(), split="train")
+    with pytest.raises(ValueError, match="exactly one of config.task"):
+        validate_config(config)
+    config = grpo_tiny.get_config()
+    config.train.rollout_budget = 64
+    with pytest.raises(ValueError, match="set exactly one"):
+        validate_config(config)
+    config.train.steps = None
+    validate_config(config)
+    from trace_jax.rl.trainer import num_steps
+    assert num_steps(config) == 4  # 64 episodes of 4 tasks x 4 samples
+
+
+def test_environment_config_names_its_missing_keys():
+    config = grpo_tiny.get_config()
+    del config["task"]
+    config.env = dict(name="embedded_retail", seed=0, families=(), split="train")
+    with pytest.raises(ValueError, match="config.eval.split is missing"):
+        validate_config(config)

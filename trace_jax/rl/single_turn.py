@@ -1,8 +1,9 @@
 """Single-turn rollouts of verifiable tasks: render each task's prompt, sample, score.
 
 Used both to collect GRPO groups (several samples per task) and to evaluate an adapter
-(one greedy sample per task); `TaskSetRollouts` is the GRPO job's source for a task set. Prompts are generated in chunks of `batch_size` rows to
-bound the KV cache; each chunk draws with its own key folded from `key`.
+(one greedy sample per task); `TaskSetRollouts` is the GRPO job's source for a task set.
+Prompts are generated in chunks of `batch_size` rows to bound the KV cache; each chunk
+draws with its own key folded from `key`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, StepRollouts
 from trace_jax.sampling import Completion, Sampler
+from trace_jax.tasks import TASK_SETS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +67,6 @@ class TaskSetRollouts:
     completions of its training tasks, greedy held-out evaluation on `config.eval.splits`."""
 
     def __init__(self, config, tokenizer: ChatTokenizer, num_train_tasks: int):
-        from trace_jax.tasks import TASK_SETS
-
         self.config, self.tokenizer = config, tokenizer
         self.task_set = TASK_SETS[config.task]
         self.train_tasks = self.task_set.make_tasks("train", num_train_tasks, config.seed)
