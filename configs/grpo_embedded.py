@@ -17,7 +17,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.log_every_s = 10.0
 
     config.lora = ml_collections.ConfigDict(dict(
-        rank=16, alpha=32.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")))
+        rank=16, alpha=32.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        first_layer=0))
     config.rollout = ml_collections.ConfigDict(dict(
         tasks_per_step=8, group_size=4, temperature=0.7, top_p=1.0, max_new_tokens=64, batch_size=32,
         min_shared_prefix=config_dict.placeholder(int)))

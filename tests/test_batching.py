@@ -54,9 +54,10 @@ def test_rows_hold_prompt_tail_then_completion_and_the_mask_covers_the_completio
     for row, i in enumerate(order):
         p, c, lp = prompts[i], completions[i], logprobs[i]
         assert batch["tokens"][row, : len(p) - cut + len(c)].tolist() == p[cut:] + c
-        scored = np.flatnonzero(batch["loss_mask"][row])
+        learned = batch["loss_mask"][row] > 0
+        scored = batch["loss_positions"][row][learned]
         assert batch["tokens"][row, scored + 1].tolist() == c  # logprob j scores token j + 1
-        np.testing.assert_allclose(batch["old_logp"][row, scored], lp, rtol=1e-6)
+        np.testing.assert_allclose(batch["old_logp"][row][learned], lp, rtol=1e-6)
     if min_shared_prefix:  # padded to a multiple of 64, so a step whose prompts share a token more does not recompile
         assert batch["prefix_tokens"].tolist() == [prompts[0][:20] + [0] * 44] and batch["prefix_lengths"].tolist() == [20]
     else:
@@ -106,7 +107,7 @@ def test_mixed_adapters_get_one_prefix_each_and_logprobs_equal_full_rows(tiny_ch
     full_rows = [p + c + [0] * (width - len(p) - len(c)) for p, c in zip(prompts, completions)]
     full = np.asarray(_logprobs(params, adapters, jnp.asarray(full_rows), jnp.asarray(adapter_idx), cfg=cfg))
     for i, (p, c) in enumerate(zip(prompts, completions)):
-        scored = np.flatnonzero(batch["loss_mask"][i])
+        scored = batch["loss_positions"][i][batch["loss_mask"][i] > 0]
         np.testing.assert_allclose(split[i, scored], full[i, len(p) - 1 : len(p) + len(c) - 1], atol=1e-5)
 
 
@@ -140,9 +141,11 @@ def test_sampler_logprobs_equal_learner_logprobs_of_the_built_batch(tiny_checkpo
     prefix = {k: jnp.asarray(batch[k]) for k in (*PREFIX_KEYS, "prefix_of_row")}
     learner = np.asarray(_logprobs(params, adapters, jnp.asarray(batch["tokens"]), jnp.asarray(batch["adapter_idx"]),
                                    cfg=cfg, prefix=prefix, temperature=0.7))
+    learner = np.take_along_axis(learner, batch["loss_positions"], axis=1)  # the scored entries
     mask = batch["loss_mask"] > 0
     assert mask.sum() == sum(len(o.token_ids) for o in outs)
     np.testing.assert_allclose(learner[mask], batch["old_logp"][mask], atol=1e-5)
     plain = np.asarray(_logprobs(params, adapters, jnp.asarray(batch["tokens"]), jnp.asarray(batch["adapter_idx"]),
                                  cfg=cfg, prefix=prefix))
+    plain = np.take_along_axis(plain, batch["loss_positions"], axis=1)
     assert np.abs(plain[mask] - batch["old_logp"][mask]).max() > 1e-2  # the temperature matters

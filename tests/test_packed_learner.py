@@ -18,7 +18,7 @@ from trace_jax.models import decoder
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.loading import load_params
 from trace_jax.rl.batching import LearnerSequence, pack_sequences
-from trace_jax.rl.learner import make_grad_fn, token_logprobs
+from trace_jax.rl.learner import frozen_inputs, make_grad_fn, token_logprobs
 from trace_jax.rl.losses import LossConfig
 
 HEAD = 24
@@ -82,15 +82,17 @@ def test_packed_logprobs_are_those_of_the_full_sequences(setup):
         logp = np.asarray(logprobs(params, adapters, mb["tokens"], mb["adapter_idx"], cfg=cfg,
                                    prefix={**shared, "prefix_of_row": mb["prefix_of_row"]}))
         for row in np.flatnonzero(mb["loss_mask"].sum(axis=1)):
-            found[round(float(mb["advantages"][row]), 5)] = (logp[row], mb["loss_mask"][row], mb["old_logp"][row])
+            scored = mb["loss_mask"][row] > 0
+            found[round(float(mb["advantages"][row]), 5)] = (logp[row], mb["loss_positions"][row][scored],
+                                                              mb["old_logp"][row][scored])
     assert len(found) == len(sequences)
     for s in sequences:
-        logp, mask, old = found[round(s.advantage, 5)]
+        logp, positions, old = found[round(s.advantage, 5)]
         full = np.asarray(logprobs(params, adapters, jnp.asarray([s.tokens]), jnp.zeros(1, jnp.int32), cfg=cfg))[0]
         learned = np.flatnonzero(s.loss_mask) - 1  # logprob t scores token t + 1
-        assert np.flatnonzero(mask).tolist() == (learned - HEAD).tolist()  # exactly the sampled tokens
+        assert positions.tolist() == (learned - HEAD).tolist()  # exactly the sampled tokens
         np.testing.assert_allclose(logp[learned - HEAD], full[learned], atol=1e-5)
-        np.testing.assert_allclose(old[learned - HEAD], np.asarray(s.logprobs)[learned + 1], rtol=1e-6)
+        np.testing.assert_allclose(old, np.asarray(s.logprobs)[learned + 1], rtol=1e-6)
 
 
 def test_sft_loss_and_gradient_are_the_plain_masked_cross_entropy(setup):
@@ -132,3 +134,35 @@ def test_remat_under_scan_gives_the_same_gradients(setup):
     err = tree_rel(scanned, plain)
     print(f"\n[packed learner] remat under scan vs unrolled layers: grad rel diff {err:.2e}")
     assert err <= 1e-6
+
+
+def test_frozen_bottom_layers_give_the_same_gradients(setup):
+    """An adapter from layer 1 on (`LoraSpec.first_layer`): the learner running layer 0 forward only
+    (`frozen_layers=1`, the shared head included), or starting from layer 0's outputs computed once
+    (`frozen_inputs`), gives the gradients of the whole pass, and layer 0's adapter gradients are
+    exactly zero, so it never moves."""
+    cfg, params, _, sequences = setup
+    fresh = lora.init_adapters(jax.random.key(3), cfg, lora.LoraSpec(rank=4, alpha=8.0, first_layer=1), 1)
+    on_top = (jnp.arange(cfg.num_layers) >= 1)[None, :, None, None]
+    adapters = lora.Adapters({t: {"a": w["a"], "b": 0.05 * jax.random.normal(jax.random.key(i), w["b"].shape) * on_top}
+                              for i, (t, w) in enumerate(sorted(fresh.weights.items()))}, fresh.scale)
+    assert all(float(jnp.abs(w["a"][:, 0]).max()) == 0 for w in adapters.weights.values())
+    batch = pack_sequences(sequences, token_budget=64, min_shared_prefix=8)
+    streams = frozen_inputs(params, cfg, 1, batch)
+    assert streams["prefix_hidden"].shape == (1, batch["prefix_tokens"].shape[1], cfg.hidden_size)
+    for objective, loss_cfg in (("grpo", LOSS), ("sft", None)):
+        whole, _ = make_grad_fn(cfg, loss_cfg, objective=objective)(params, adapters.weights, adapters.scale, batch)
+        frozen_fn = make_grad_fn(cfg, loss_cfg, objective=objective, frozen_layers=1, remat=True)
+        frozen, _ = frozen_fn(params, adapters.weights, adapters.scale, batch)
+        cached, _ = frozen_fn(params, adapters.weights, adapters.scale, streams)
+        err, err_cached = tree_rel(frozen, whole), tree_rel(cached, whole)
+        print(f"\n[packed learner] {objective}, layer 0 frozen vs the whole pass: grad rel diff {err:.2e}; "
+              f"from its outputs computed once {err_cached:.2e}")
+        assert err <= 1e-6 and err_cached <= 1e-6
+        for g in jax.tree.leaves(jax.tree.map(lambda w: w[:, 0], (frozen, cached, whole))):
+            assert float(jnp.abs(g).max()) == 0.0
+    # The learner does run from the given streams: other streams give other gradients.
+    shifted = {**streams, "prefix_hidden": streams["prefix_hidden"] + 1.0}
+    assert tree_rel(frozen_fn(params, adapters.weights, adapters.scale, shifted)[0], whole) > 1e-3
+    with pytest.raises(ValueError, match="frozen_layers > 0"):
+        make_grad_fn(cfg, LOSS)(params, adapters.weights, adapters.scale, streams)

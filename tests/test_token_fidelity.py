@@ -64,11 +64,11 @@ def test_learner_batches_of_the_trajectories_reproduce_the_sampler_logprobs(smol
         trajectory = trajectories[int(mb["advantages"][0])]
         row = np.asarray(rescore(smollm2.params, None, mb["tokens"], mb["adapter_idx"], cfg=smollm2.cfg,
                                  prefix={**shared, "prefix_of_row": mb["prefix_of_row"]}, temperature=TEMPERATURE))[0]
-        mask = mb["loss_mask"][0] > 0
+        scored = mb["loss_positions"][0][mb["loss_mask"][0] > 0]
         sampled = np.flatnonzero(trajectory.loss_mask)
-        assert (np.flatnonzero(mask) + cut + 1).tolist() == sampled.tolist()
+        assert (scored + cut + 1).tolist() == sampled.tolist()
         assert len(sampled) == trajectory.generated_tokens > 0
-        diff = np.abs(row[mask] - np.asarray(trajectory.logprobs)[sampled]).max()
+        diff = np.abs(row[scored] - np.asarray(trajectory.logprobs)[sampled]).max()
         print(f"\n[token fidelity] {trajectory.job.task.task_id}: {len(trajectory.token_ids)} ids ({cut} shared), "
               f"{len(sampled)} sampled over {trajectory.num_turns} turns, max |logprob diff| {diff:.2e}")
         assert diff <= 1e-4

@@ -29,11 +29,14 @@ _MODULE_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn
 
 @dataclasses.dataclass(frozen=True)
 class LoraSpec:
-    """Which projections get an adapter, its rank and alpha (scale = alpha / rank)."""
+    """Which projections get an adapter, its rank and alpha (scale = alpha / rank), and from which
+    layer on: the layers below `first_layer` keep zero weights (A = B = 0, so their gradients
+    are zero too and they never change), which lets the learner run them forward only."""
 
     rank: int = 16
     alpha: float = 16.0
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    first_layer: int = 0
 
     def __post_init__(self):
         targets = tuple(t if t.endswith("_proj") else f"{t}_proj" for t in self.targets)
@@ -42,6 +45,8 @@ class LoraSpec:
             raise ValueError(f"unknown LoRA targets {unknown}; choose from {list(ALL_TARGETS)} (or q, k, v, ...)")
         if self.rank <= 0:
             raise ValueError(f"LoRA rank must be positive, got {self.rank}")
+        if self.first_layer < 0:
+            raise ValueError(f"LoRA first_layer must be >= 0, got {self.first_layer}")
         object.__setattr__(self, "targets", targets)
 
     @property
@@ -69,13 +74,17 @@ def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 def init_adapters(key: jax.Array, cfg: ModelConfig, spec: LoraSpec, num_adapters: int = 1, dtype=jnp.float32) -> Adapters:
-    """Fresh adapters: A ~ U(-1/sqrt(in), 1/sqrt(in)) as in PEFT, B = 0 (so each starts as the base)."""
+    """Fresh adapters: A ~ U(-1/sqrt(in), 1/sqrt(in)) as in PEFT, B = 0 (so each starts as the base);
+    A = 0 too in the layers below `spec.first_layer`."""
+    if spec.first_layer >= cfg.num_layers:
+        raise ValueError(f"LoRA first_layer {spec.first_layer} leaves none of the model's {cfg.num_layers} layers")
     shapes = projection_shapes(cfg)
+    adapted = (jnp.arange(cfg.num_layers) >= spec.first_layer)[None, :, None, None]
     weights = {}
     for target, k in zip(spec.targets, jax.random.split(key, len(spec.targets))):
         fan_in, fan_out = shapes[target]
         bound = 1.0 / math.sqrt(fan_in)
-        a = jax.random.uniform(k, (num_adapters, cfg.num_layers, fan_in, spec.rank), dtype, -bound, bound)
+        a = jax.random.uniform(k, (num_adapters, cfg.num_layers, fan_in, spec.rank), dtype, -bound, bound) * adapted
         weights[target] = {"a": a, "b": jnp.zeros((num_adapters, cfg.num_layers, spec.rank, fan_out), dtype)}
     return Adapters(weights, jnp.full((num_adapters,), spec.scale, jnp.float32))
 

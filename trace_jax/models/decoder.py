@@ -247,8 +247,18 @@ def forward_hidden(
     num_new: jax.Array | None = None,
     constrain: Constrain = no_constraint,
     remat: bool = False,
+    start_layer: int = 0,
+    stop_layer: int | None = None,
+    hidden: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Final-norm hidden states [B, T, D] and the updated cache.
+
+    A partial pass runs layers start_layer .. stop_layer - 1 only: it starts from `hidden`
+    (the residual stream entering start_layer, [B, T, D]; `tokens` then gives only the
+    shape) and, with stop_layer < num_layers, returns the residual stream leaving the last
+    layer it ran, without the final norm. Such a pass writes its layers' cache entries but
+    leaves `cache.lengths` alone, so the pass through the remaining layers continues at the
+    same positions (the pass that ends at the last layer advances them).
 
     Without a cache, each row's tokens sit at positions 0..T-1 and attend causally among
     themselves. With a cache, row b's first `num_new[b]` tokens are
@@ -297,32 +307,48 @@ def forward_hidden(
         x = constrain(x + _linear(constrain(gated, "mlp"), layer, "down_proj", lora), "hidden")
         return x, layer_k, layer_v
 
-    x = constrain(params["embed"][tokens], "hidden")
+    stop_layer = cfg.num_layers if stop_layer is None else stop_layer
+    if not 0 <= start_layer < stop_layer <= cfg.num_layers:
+        raise ValueError(f"layers {start_layer}..{stop_layer} are not a range of the model's {cfg.num_layers}")
+    if (hidden is None) != (start_layer == 0):
+        raise ValueError("a pass starting after layer 0 takes `hidden` (and only such a pass does)")
+    ids = range(start_layer, stop_layer)
+    x = constrain(params["embed"][tokens] if hidden is None else hidden, "hidden")
+    layers = params["layers"][start_layer:stop_layer]
+    if row_lora is not None:
+        row_lora = {"mix": row_lora["mix"], "weights": jax.tree.map(lambda w: w[start_layer:stop_layer],
+                                                                    row_lora["weights"])}
+    caches = None if cache is None else [tuple(c[i] for i in ids) for c in (cache.k, cache.v, cache.prefix_k,
+                                                                              cache.prefix_v)]
     if remat:
-        x, new_k, new_v = _scan_layers(layer_fn, x, params["layers"], row_lora, cache)
+        x, new_k, new_v = _scan_layers(layer_fn, x, layers, row_lora, caches)
     else:
         new_k, new_v = [], []
-        for i, layer in enumerate(params["layers"]):
+        for i, layer in enumerate(layers):
             lora = None if row_lora is None else (row_lora["mix"], jax.tree.map(lambda w: w[i], row_lora["weights"]))
-            layer_cache = (None,) * 4 if cache is None else (cache.k[i], cache.v[i], cache.prefix_k[i], cache.prefix_v[i])
+            layer_cache = (None,) * 4 if caches is None else tuple(c[i] for c in caches)
             x, layer_k, layer_v = layer_fn(x, layer, lora, *layer_cache)
             new_k.append(layer_k)
             new_v.append(layer_v)
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    done = stop_layer == cfg.num_layers
+    if done:
+        x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if cache is not None:
-        cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + num_new)
+        k, v = list(cache.k), list(cache.v)
+        k[start_layer:stop_layer], v[start_layer:stop_layer] = new_k, new_v
+        cache = cache.replace(k=tuple(k), v=tuple(v), lengths=cache.lengths + num_new if done else cache.lengths)
     return x, cache
 
 
-def _scan_layers(layer_fn: Callable, x: jax.Array, layers: list, row_lora: Params | None, cache: KVCache | None):
+def _scan_layers(layer_fn: Callable, x: jax.Array, layers: list, row_lora: Params | None,
+                 caches: list[tuple] | None):
     """The layers under `lax.scan`, each rematerialised: the backward pass then holds one layer's
     temporaries at a time. (Unrolled, XLA:CPU kept attention-sized buffers of every layer alive
     through the backward pass: 7 GB for a 2k-token sequence on SmolLM2, more than the machine
     has for a 3.3k-token agent head.) Costs a stacked copy of the layer weights per call."""
     stacked = jax.tree.map(lambda *w: jnp.stack(w), *layers)
     lora_weights = None if row_lora is None else row_lora["weights"]
-    caches = (None,) * 4 if cache is None else tuple(jnp.stack(c) for c in (cache.k, cache.v, cache.prefix_k,
-                                                                              cache.prefix_v))
+    stacked_caches = (None,) * 4 if caches is None else tuple(jnp.stack(c) for c in caches)
 
     def body(x, per_layer):
         layer, weights, layer_k, layer_v, prefix_k, prefix_v = per_layer
@@ -330,8 +356,8 @@ def _scan_layers(layer_fn: Callable, x: jax.Array, layers: list, row_lora: Param
         x, layer_k, layer_v = jax.checkpoint(layer_fn)(x, layer, lora, layer_k, layer_v, prefix_k, prefix_v)
         return x, (layer_k, layer_v)
 
-    x, (new_k, new_v) = jax.lax.scan(body, x, (stacked, lora_weights, *caches))
-    if cache is None:
+    x, (new_k, new_v) = jax.lax.scan(body, x, (stacked, lora_weights, *stacked_caches))
+    if caches is None:
         return x, [None] * len(layers), [None] * len(layers)
     return x, list(new_k), list(new_v)
 

@@ -120,14 +120,20 @@ def embedded_model_dir(name: str = _DEFAULT_MODEL, cache_dir: str | os.PathLike 
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike) -> pathlib.Path:
-    """An embedded model's folder if `name_or_path` names one, else a folder holding config.json."""
+    """An embedded model's folder if `name_or_path` names one (or an embedded agent's, see
+    `trace_jax.warmstart`), else a folder holding config.json."""
     if str(name_or_path) in EMBEDDED_MODELS:
         return embedded_model_dir(str(name_or_path))
+    from trace_jax import warmstart  # builds with the training stack, which imports this module
+
+    if str(name_or_path) in warmstart.AGENTS:
+        return warmstart.agent_dir(str(name_or_path))
     path = pathlib.Path(name_or_path).expanduser()
     if (path / "config.json").is_file():
         return path
     raise ValueError(
-        f"{str(name_or_path)!r} is neither an embedded model ({', '.join(sorted(EMBEDDED_MODELS))}) "
+        f"{str(name_or_path)!r} is neither an embedded model ({', '.join(sorted(EMBEDDED_MODELS))}), an embedded "
+        f"agent ({', '.join(sorted(warmstart.AGENTS))}) "
         "nor a folder containing config.json"
     )
 

@@ -80,22 +80,36 @@ def micro_batch_rows(width: int, token_budget: int, row_multiple: int = 1) -> in
 
 
 def pack_sequences(sequences: Sequence[LearnerSequence], *, token_budget: int, row_multiple: int = 1,
-                   min_shared_prefix: int | None = 64, pad_id: int = 0) -> dict:
+                   min_shared_prefix: int | None = 64, pad_id: int = 0, prefix_length: int | None = None) -> dict:
     """The learner batch ({"micro_batches": [...], shared-prefix entries}) of `sequences`.
 
-    Row entries per micro-batch: tokens [R, W], loss_mask / old_logp [R, W-1] (entry t scores
-    token t + 1), advantages [R], adapter_idx [R] and, with a shared prefix, prefix_of_row [R].
-    Padding rows have an empty mask: they change neither the loss nor its denominators.
+    Row entries per micro-batch: tokens [R, W]; loss_positions [R, K], the entries of tokens[:, 1:]
+    that are learned (the learner projects only those onto the vocabulary; K is the row's
+    largest count rounded up to a bucket, at most W - 1); loss_mask / old_logp [R, K] aligned
+    with them; advantages [R], adapter_idx [R], sequence [R] (the index of each row's sequence in
+    `sequences`, -1 for padding) and, with a shared prefix, prefix_of_row [R].
+    `prefix_length` fixes where the shared prefix is cut (a job that keeps per-position data of
+    the same sequences across steps wants the same cut every step); by default the longest
+    head all sequences share, if at least `min_shared_prefix` tokens.
+    Padding rows and entries have an empty mask: they change neither the loss nor its denominators.
     Sequences with no loss token are left out. Tokens after a sequence's last loss token are
     not run (they predict nothing learned).
     """
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
-    learned = [s for s in sequences if s.last_learned() >= 0]
+    kept = [i for i, s in enumerate(sequences) if s.last_learned() >= 0]
+    learned = [sequences[i] for i in kept]
     if not learned:
         raise ValueError("no sequence has a loss token")
     # Each row keeps at least the token before its first loss token (its position predicts it).
-    cut = shared_prefix_length([s.tokens[: s.first_learned()] for s in learned], min_shared_prefix)
+    heads = [s.tokens[: s.first_learned()] for s in learned]
+    if prefix_length is None:
+        cut = shared_prefix_length(heads, min_shared_prefix)
+    elif any(len(h) <= prefix_length or list(h[:prefix_length]) != list(heads[0][:prefix_length]) for h in heads):
+        raise ValueError(f"the sequences do not all share a head of prefix_length {prefix_length} tokens before "
+                         "their first loss token")
+    else:
+        cut = prefix_length
     adapters = sorted({s.adapter_idx for s in learned})
     lengths = [s.last_learned() + 1 - cut for s in learned]
     order = sorted(range(len(learned)), key=lambda i: (-lengths[i], i))
@@ -104,8 +118,9 @@ def pack_sequences(sequences: Sequence[LearnerSequence], *, token_budget: int, r
     while at < len(order):
         width = bucket_size(lengths[order[at]], MIN_WIDTH)
         rows = micro_batch_rows(width, token_budget, row_multiple)
-        chosen = [learned[i] for i in order[at : at + rows]]
-        micro_batches.append(_rows(chosen, rows, width, cut, adapters, pad_id))
+        chosen = order[at : at + rows]
+        micro_batches.append(_rows([learned[i] for i in chosen], [kept[i] for i in chosen], rows, width, cut,
+                                   adapters, pad_id))
         at += rows
     batch: dict = {"micro_batches": micro_batches}
     if cut:
@@ -117,23 +132,29 @@ def pack_sequences(sequences: Sequence[LearnerSequence], *, token_budget: int, r
     return batch
 
 
-def _rows(sequences: list[LearnerSequence], rows: int, width: int, cut: int, adapters: list[int],
-          pad_id: int) -> dict[str, np.ndarray]:
+def _rows(sequences: list[LearnerSequence], indices: list[int], rows: int, width: int, cut: int,
+          adapters: list[int], pad_id: int) -> dict[str, np.ndarray]:
     """One micro-batch of `rows` x `width`: the sequences after the shared prefix, then padding rows."""
+    learned = [np.flatnonzero(s.loss_mask[cut + 1 : s.last_learned() + 1]) for s in sequences]
+    scored = min(bucket_size(max(len(at) for at in learned), MIN_WIDTH), width - 1)
     tokens = np.full((rows, width), pad_id, np.int32)
-    loss_mask = np.zeros((rows, width - 1), np.float32)
-    old_logp = np.zeros((rows, width - 1), np.float32)
+    positions = np.zeros((rows, scored), np.int32)
+    loss_mask = np.zeros((rows, scored), np.float32)
+    old_logp = np.zeros((rows, scored), np.float32)
     advantages = np.zeros((rows,), np.float32)
     adapter_idx = np.full((rows,), sequences[0].adapter_idx, np.int32)
-    for i, s in enumerate(sequences):
+    for i, (s, at) in enumerate(zip(sequences, learned)):
         end = s.last_learned() + 1
         tokens[i, : end - cut] = s.tokens[cut:end]
-        loss_mask[i, : end - cut - 1] = s.loss_mask[cut + 1 : end]
-        old_logp[i, : end - cut - 1] = np.where(loss_mask[i, : end - cut - 1] > 0, s.logprobs[cut + 1 : end], 0.0)
+        positions[i, : len(at)] = at
+        loss_mask[i, : len(at)] = 1.0
+        old_logp[i, : len(at)] = np.asarray(s.logprobs, np.float32)[cut + 1 + at]
         advantages[i] = s.advantage
         adapter_idx[i] = s.adapter_idx
-    batch = {"tokens": tokens, "loss_mask": loss_mask, "old_logp": old_logp, "advantages": advantages,
-             "adapter_idx": adapter_idx}
+    sequence = np.full((rows,), -1, np.int32)
+    sequence[: len(indices)] = indices
+    batch = {"tokens": tokens, "loss_positions": positions, "loss_mask": loss_mask, "old_logp": old_logp,
+             "advantages": advantages, "adapter_idx": adapter_idx, "sequence": sequence}
     if cut:
         batch["prefix_of_row"] = np.searchsorted(adapters, adapter_idx).astype(np.int32)
     return batch

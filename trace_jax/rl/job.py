@@ -32,6 +32,8 @@ def common_checks() -> list[Check]:
         ("lora.alpha", lambda v: number(v) and v > 0, "> 0"),
         ("lora.targets", lambda v: set(v) <= set(lora.ALL_TARGETS) | {t[:-5] for t in lora.ALL_TARGETS},
          f"names from {list(lora.ALL_TARGETS)}"),
+        ("lora.first_layer", lambda v: isinstance(v, int) and v >= 0,
+         "an int >= 0 (layers below it get no adapter and run forward only in the learner)"),
         ("optimizer.lr", lambda v: number(v) and v > 0, "> 0"),
         ("optimizer.weight_decay", lambda v: number(v) and v >= 0, ">= 0"),
         ("optimizer.clip_norm", lambda v: number(v) and v > 0, "> 0"),
@@ -75,7 +77,8 @@ def start_run(config: ml_collections.ConfigDict, workdir: pathlib.Path, cursor: 
     plan = ShardingPlan(mesh) if mesh.size > 1 else None
     params = plan.shard_params(model.params) if plan else model.params
     init_key, run_key = jax.random.split(jax.random.key(config.seed))
-    spec = lora.LoraSpec(rank=config.lora.rank, alpha=config.lora.alpha, targets=tuple(config.lora.targets))
+    spec = lora.LoraSpec(rank=config.lora.rank, alpha=config.lora.alpha, targets=tuple(config.lora.targets),
+                         first_layer=config.lora.first_layer)
     adapters = lora.init_adapters(init_key, model.cfg, spec, 1, params["embed"].dtype)
     weights = plan.shard_params(adapters.weights) if plan else adapters.weights
     optimizer = make_optimizer(config.optimizer.lr, config.optimizer.weight_decay, config.optimizer.clip_norm)

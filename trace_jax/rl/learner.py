@@ -28,9 +28,12 @@ from trace_jax.rl.losses import LossConfig, policy_loss, sft_loss
 from trace_jax.sharding import ShardingPlan
 
 # Per-row batch entries (split into micro-batches).
-ROW_KEYS = ("tokens", "loss_mask", "advantages", "old_logp", "sampler_logp", "adapter_idx", "prefix_of_row")
-# Shared prefixes, given whole to every micro-batch (see `token_logprobs`).
+ROW_KEYS = ("tokens", "loss_mask", "advantages", "old_logp", "sampler_logp", "adapter_idx", "prefix_of_row",
+            "loss_positions", "frozen_hidden", "sequence")
+# Shared prefixes, given whole to every micro-batch (see `token_logprobs`), and optionally their
+# residual streams entering the first adapted layer (see `frozen_inputs`).
 PREFIX_KEYS = ("prefix_tokens", "prefix_lengths", "prefix_adapter")
+PREFIX_HIDDEN = "prefix_hidden"
 # Scalars passed through to the metrics.
 PASS_THROUGH = ("dropped_fraction",)
 
@@ -65,18 +68,35 @@ def _logprobs_and_entropy_bwd(residuals, cotangents):
 _logprobs_and_entropy.defvjp(_logprobs_and_entropy_fwd, _logprobs_and_entropy_bwd)
 
 
-def _prefix_kv(params, adapters, prefix, cfg, constrain, remat) -> tuple[tuple, tuple]:
+def _run_layers(params, tokens, cfg, row_lora, cache, num_new, constrain, remat, frozen, hidden=None):
+    """`decoder.forward_hidden` with its first `frozen` layers, which carry no adapter, run forward
+    only: nothing of theirs depends on the adapters, so they need no backward pass (the cache's
+    prefix slots of those layers are constants too). frozen = 0 runs every layer as one pass.
+    `hidden`: the residual stream entering layer `frozen`, when already computed (`frozen_inputs`)."""
+    kwargs = dict(cache=cache, num_new=num_new, remat=remat, constrain=constrain)
+    if not frozen:
+        return decoder.forward_hidden(params, tokens, cfg, row_lora=row_lora, **kwargs)
+    if hidden is None:
+        if cache is not None:
+            const = lambda kv: tuple(jax.lax.stop_gradient(x) if i < frozen else x for i, x in enumerate(kv))
+            kwargs["cache"] = cache.replace(prefix_k=const(cache.prefix_k), prefix_v=const(cache.prefix_v))
+        hidden, kwargs["cache"] = decoder.forward_hidden(params, tokens, cfg, stop_layer=frozen, **kwargs)
+    return decoder.forward_hidden(params, tokens, cfg, row_lora=row_lora, start_layer=frozen,
+                                  hidden=jax.lax.stop_gradient(hidden), **kwargs)
+
+
+def _prefix_kv(params, adapters, prefix, cfg, constrain, remat, frozen) -> tuple[tuple, tuple]:
     """Keys and values (one [G, KV, P, hd] array per layer) of the G shared prefixes, each run
     once under its own adapter (prefix_adapter[g])."""
     groups, prefix_len = prefix["prefix_tokens"].shape
-    _, cache = decoder.forward_hidden(params, prefix["prefix_tokens"], cfg,
-                                      cache=decoder.init_cache(cfg, groups, prefix_len, params["embed"].dtype),
-                                      num_new=prefix["prefix_lengths"], remat=remat, constrain=constrain,
-                                      row_lora=lora.for_rows(adapters, prefix["prefix_adapter"]))
+    _, cache = _run_layers(params, prefix["prefix_tokens"], cfg, lora.for_rows(adapters, prefix["prefix_adapter"]),
+                           decoder.init_cache(cfg, groups, prefix_len, params["embed"].dtype),
+                           prefix["prefix_lengths"], constrain, remat, frozen, prefix.get(PREFIX_HIDDEN))
     return cache.k, cache.v
 
 
-def _final_hidden(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat, prefix_kv=None):
+def _final_hidden(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat, prefix_kv=None, frozen=0,
+                  hidden=None):
     """Final hidden states of `tokens`, each row continuing its shared prefix when `prefix` is given.
 
     The prefixes' keys and values (`prefix_kv`, computed here when not given) become the
@@ -86,23 +106,28 @@ def _final_hidden(params, adapters, tokens, adapter_idx, prefix, cfg, constrain,
     """
     row_lora = lora.for_rows(adapters, adapter_idx)
     if prefix is None:
-        return decoder.forward_hidden(params, tokens, cfg, row_lora=row_lora, remat=remat, constrain=constrain)[0]
+        return _run_layers(params, tokens, cfg, row_lora, None, None, constrain, remat, frozen, hidden)[0]
     if prefix_kv is None:
-        prefix_kv = _prefix_kv(params, adapters, prefix, cfg, constrain, remat)
+        prefix_kv = _prefix_kv(params, adapters, prefix, cfg, constrain, remat, frozen)
     prefix_k, prefix_v = prefix_kv
     cache = decoder.init_cache(cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
     cache = cache.replace(prefix_k=prefix_k, prefix_v=prefix_v, prefix_slot=prefix["prefix_of_row"],
                           prefix_len=jnp.take(prefix["prefix_lengths"], prefix["prefix_of_row"]))
-    return decoder.forward_hidden(params, tokens, cfg, row_lora=row_lora, cache=cache, remat=remat,
-                                  constrain=constrain)[0]
+    return _run_layers(params, tokens, cfg, row_lora, cache, None, constrain, remat, frozen, hidden)[0]
 
 
 def _forward_logprobs(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat, temperature,
-                      prefix_kv=None):
+                      prefix_kv=None, frozen=0, positions=None, frozen_hidden=None):
     """Logprobs and entropies of tokens[:, 1:] under softmax(logits / temperature) (the last position
-    predicts nothing, so it is not run)."""
-    hidden = _final_hidden(params, adapters, tokens[:, :-1], adapter_idx, prefix, cfg, constrain, remat, prefix_kv)
-    return _logprobs_and_entropy(decoder.logits_from_hidden(params, hidden, cfg) / temperature, tokens[:, 1:])
+    predicts nothing, so it is not run); with `positions` [B, K], only of those entries of
+    tokens[:, 1:] (the vocabulary projection, a large part of a step, runs on them alone)."""
+    hidden = _final_hidden(params, adapters, tokens[:, :-1], adapter_idx, prefix, cfg, constrain, remat, prefix_kv,
+                           frozen, frozen_hidden)
+    targets = tokens[:, 1:]
+    if positions is not None:
+        hidden = jnp.take_along_axis(hidden, positions[..., None], axis=1)
+        targets = jnp.take_along_axis(targets, positions, axis=1)
+    return _logprobs_and_entropy(decoder.logits_from_hidden(params, hidden, cfg) / temperature, targets)
 
 
 def token_logprobs(params: dict, adapters: Adapters | None, tokens: jax.Array, adapter_idx: jax.Array,
@@ -123,11 +148,52 @@ def token_logprobs(params: dict, adapters: Adapters | None, tokens: jax.Array, a
 
 def reference_logprobs(params: dict, tokens: jax.Array, cfg: ModelConfig, *, prefix: dict | None = None,
                        constrain: decoder.Constrain = decoder.no_constraint, remat: bool = False,
-                       temperature: float = 1.0, prefix_kv: tuple | None = None) -> jax.Array:
+                       temperature: float = 1.0, prefix_kv: tuple | None = None,
+                       positions: jax.Array | None = None) -> jax.Array:
     """Token logprobs of the frozen base (every row NO_ADAPTER, so no LoRA is computed): the KL reference.
-    `prefix_kv`: the prefixes' keys and values under the base, when already computed."""
+    `prefix_kv`: the prefixes' keys and values under the base, when already computed; `positions`:
+    as in `make_grad_fn`."""
     idx = jnp.full(tokens.shape[:1], NO_ADAPTER, jnp.int32)
-    return _forward_logprobs(params, None, tokens, idx, prefix, cfg, constrain, remat, temperature, prefix_kv)[0]
+    return _forward_logprobs(params, None, tokens, idx, prefix, cfg, constrain, remat, temperature, prefix_kv,
+                             positions=positions)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "frozen", "scan"))
+def _frozen_prefix(params, prefix_tokens, prefix_lengths, cfg, frozen, scan):
+    groups, prefix_len = prefix_tokens.shape
+    hidden, cache = decoder.forward_hidden(params, prefix_tokens, cfg, stop_layer=frozen, num_new=prefix_lengths,
+                                           cache=decoder.init_cache(cfg, groups, prefix_len, params["embed"].dtype),
+                                           remat=scan)
+    return hidden, cache.k[:frozen], cache.v[:frozen]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "frozen", "scan"))
+def _frozen_rows(params, tokens, prefix_kv, prefix_of_row, prefix_lengths, cfg, frozen, scan):
+    if prefix_kv is None:
+        return decoder.forward_hidden(params, tokens, cfg, stop_layer=frozen, remat=scan)[0]
+    cache = decoder.init_cache(cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
+    cache = cache.replace(prefix_k=prefix_kv[0], prefix_v=prefix_kv[1], prefix_slot=prefix_of_row,
+                          prefix_len=jnp.take(prefix_lengths, prefix_of_row))
+    return decoder.forward_hidden(params, tokens, cfg, cache=cache, stop_layer=frozen, remat=scan)[0]
+
+
+def frozen_inputs(params: dict, cfg: ModelConfig, frozen_layers: int, batch: dict, *, remat: bool = False) -> dict:
+    """`batch` (packed, see `make_grad_fn`) with the residual streams entering layer `frozen_layers`
+    added: "prefix_hidden" [G, P, D] and each micro-batch's "frozen_hidden" [R, W-1, D] (for
+    tokens[:, :-1]). Below the first adapted layer nothing depends on the adapters, so a job that
+    trains on the same sequences again and again computes these once and its learner runs only
+    the adapted layers. A position's stream depends only on the tokens up to it, not on where the
+    shared prefix was cut. `remat`: run the layers under `lax.scan` (one layer compiled, not all)."""
+    out = dict(batch)
+    prefix_kv = None
+    if "prefix_tokens" in batch:
+        out[PREFIX_HIDDEN], *prefix_kv = _frozen_prefix(params, batch["prefix_tokens"], batch["prefix_lengths"], cfg,
+                                                        frozen_layers, remat)
+    out["micro_batches"] = [
+        {**mb, "frozen_hidden": _frozen_rows(params, mb["tokens"][:, :-1], prefix_kv, mb.get("prefix_of_row"),
+                                             batch.get("prefix_lengths"), cfg, frozen_layers, remat)}
+        for mb in batch["micro_batches"]]
+    return out
 
 
 def make_optimizer(lr: float = 1e-5, weight_decay: float = 0.0, clip_norm: float = 1.0) -> optax.GradientTransformation:
@@ -152,7 +218,7 @@ OBJECTIVES = ("grpo", "sft")
 
 def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig | None, *, micro_batches: int = 1,
                  plan: ShardingPlan | None = None, remat: bool = False, temperature: float = 1.0,
-                 objective: str = "grpo") -> Callable:
+                 objective: str = "grpo", frozen_layers: int = 0) -> Callable:
     """`grads(params, adapter_weights, scale, batch) -> (grads, metrics)`: the gradient of the batch
     loss (sum / denominator) w.r.t. the adapter weights, accumulated over micro-batches.
 
@@ -163,9 +229,17 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig | None, *, micro_batches
 
     objective "grpo": `policy_loss` under `loss_cfg`; "sft": masked token cross-entropy, the
     mean over loss tokens (`sft_loss`; rows need only tokens, loss_mask, adapter_idx).
+
+    A micro-batch with "loss_positions" [R, K] scores only those entries of tokens[:, 1:]; its
+    loss_mask, old_logp and sampler_logp are then [R, K], aligned with them.
+    `frozen_layers`: the adapters are zero in the first frozen_layers layers (`LoraSpec.
+    first_layer`), which then run forward only; the gradient is the same (those layers'
+    adapter gradients are exactly zero), at a fraction of the backward pass's cost.
     """
     if micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+    if not 0 <= frozen_layers < cfg.num_layers:
+        raise ValueError(f"frozen_layers must be in [0, {cfg.num_layers}), got {frozen_layers}")
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r} is unknown; choose from {OBJECTIVES}")
     if objective == "grpo" and loss_cfg is None:
@@ -177,8 +251,10 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig | None, *, micro_batches
         if plan is not None:
             mb = {k: plan.constrain(v, "batch") for k, v in mb.items()}
         prefix = {**shared, "prefix_of_row": mb["prefix_of_row"]} if shared else None
+        positions = mb.get("loss_positions")
         logp, entropy = _forward_logprobs(params, Adapters(weights, scale), mb["tokens"], mb["adapter_idx"], prefix,
-                                          cfg, constrain, remat, temperature, prefix_kv)
+                                          cfg, constrain, remat, temperature, prefix_kv, frozen_layers, positions,
+                                          mb.get("frozen_hidden"))
         mask = mb["loss_mask"].astype(jnp.float32)
         if objective == "sft":
             loss_sum, denom, diagnostics = sft_loss(logp, mask)
@@ -187,7 +263,8 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig | None, *, micro_batches
             if use_kl:
                 ref_logp = jax.lax.stop_gradient(reference_logprobs(params, mb["tokens"], cfg, prefix=prefix,
                                                                     constrain=constrain, remat=remat,
-                                                                    temperature=temperature, prefix_kv=ref_kv))
+                                                                    temperature=temperature, prefix_kv=ref_kv,
+                                                                    positions=positions))
             loss_sum, denom, diagnostics = policy_loss(logp, mb["old_logp"], mb["advantages"], mask, loss_cfg,
                                                        ref_logp=ref_logp, sampler_logp=mb.get("sampler_logp"))
         diagnostics["entropy"] = (jnp.sum(entropy * mask), jnp.sum(mask))
@@ -199,9 +276,9 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig | None, *, micro_batches
     def prefix_forward(params, weights, scale, shared):
         """The prefixes' keys and values, the pullback from their cotangents to adapter gradients, and
         (for the KL term) their keys and values under the base."""
-        prefix_kv, pullback = jax.vjp(lambda w: _prefix_kv(params, Adapters(w, scale), shared, cfg, constrain, remat),
-                                      weights)
-        ref_kv = _prefix_kv(params, None, shared, cfg, constrain, remat) if use_kl else None
+        prefix_kv, pullback = jax.vjp(
+            lambda w: _prefix_kv(params, Adapters(w, scale), shared, cfg, constrain, remat, frozen_layers), weights)
+        ref_kv = _prefix_kv(params, None, shared, cfg, constrain, remat, 0) if use_kl else None
         return prefix_kv, pullback, ref_kv
 
     @jax.jit
@@ -218,7 +295,7 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig | None, *, micro_batches
     accumulate = jax.jit(lambda acc, new: jax.tree.map(jnp.add, acc, new), donate_argnums=0)
 
     def grads(params, weights, scale, batch):
-        known = set(ROW_KEYS) | set(PREFIX_KEYS) | set(PASS_THROUGH) | {"micro_batches"}
+        known = set(ROW_KEYS) | set(PREFIX_KEYS) | {PREFIX_HIDDEN} | set(PASS_THROUGH) | {"micro_batches"}
         unknown = sorted(set(batch) - known)
         if unknown:
             raise ValueError(f"unknown batch entries {unknown}; expected {ROW_KEYS} or micro_batches "
@@ -226,9 +303,11 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig | None, *, micro_batches
         parts = batch["micro_batches"] if "micro_batches" in batch else split_micro_batches(batch, micro_batches)
         if not parts:
             raise ValueError("the batch has no micro-batches")
-        shared = {k: batch[k] for k in PREFIX_KEYS if k in batch}
-        if shared and (set(shared) != set(PREFIX_KEYS) or any("prefix_of_row" not in mb for mb in parts)):
+        shared = {k: batch[k] for k in (*PREFIX_KEYS, PREFIX_HIDDEN) if k in batch}
+        if shared and (not set(PREFIX_KEYS) <= set(shared) or any("prefix_of_row" not in mb for mb in parts)):
             raise ValueError(f"a shared prefix needs all of {PREFIX_KEYS} and prefix_of_row in every micro-batch")
+        if not frozen_layers and (PREFIX_HIDDEN in shared or any("frozen_hidden" in mb for mb in parts)):
+            raise ValueError("frozen inputs (frozen_hidden, prefix_hidden) are for a learner with frozen_layers > 0")
         prefix_kv, pullback, ref_kv = prefix_forward(params, weights, scale, shared) if shared else (None,) * 3
         # Every micro-batch adds its gradient w.r.t. the adapters and the prefixes' keys and values;
         # one backward pass through the prefixes turns the latter sum into adapter gradients.
@@ -244,7 +323,7 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig | None, *, micro_batches
 
 def make_train_step(cfg: ModelConfig, loss_cfg: LossConfig | None, optimizer: optax.GradientTransformation, *,
                     micro_batches: int = 1, plan: ShardingPlan | None = None, remat: bool = False,
-                    temperature: float = 1.0, objective: str = "grpo") -> Callable:
+                    temperature: float = 1.0, objective: str = "grpo", frozen_layers: int = 0) -> Callable:
     """`step(params, adapter_weights, opt_state, scale, batch) -> (adapter_weights, opt_state, metrics)`.
 
     batch (see `make_grad_fn`): tokens [B, T] int32, loss_mask [B, T-1], advantages [B],
@@ -254,7 +333,7 @@ def make_train_step(cfg: ModelConfig, loss_cfg: LossConfig | None, optimizer: op
     The adapter weights and optimizer state are donated to the update (updated in place).
     """
     grad_fn = make_grad_fn(cfg, loss_cfg, micro_batches=micro_batches, plan=plan, remat=remat,
-                           temperature=temperature, objective=objective)
+                           temperature=temperature, objective=objective, frozen_layers=frozen_layers)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def apply(weights, opt_state, g):

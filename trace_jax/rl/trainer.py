@@ -147,7 +147,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     if state.step == 0:
         writer.write(0, base)
     train_step = make_train_step(run.model.cfg, _loss_config(config), run.optimizer, plan=run.plan,
-                                 remat=config.train.remat, temperature=config.rollout.temperature)
+                                 remat=config.train.remat, temperature=config.rollout.temperature,
+                                 frozen_layers=config.lora.first_layer)
 
     latest_eval = base if state.step == 0 else None
     progress = Progress(steps, start=state.step, every_s=config.log_every_s)

@@ -1,0 +1,41 @@
+"""GRPO on the target environment (the paper's first baseline), from the embedded base agent, on CPU.
+
+  python -m launch.grpo --config=configs/grpo_target_embedded.py --workdir=runs/grpo_target
+
+The embedded base agent (SmolLM2-135M-Instruct with its warm start merged, built on first
+use) plays train tickets of the embedded retail environment, all seven families, in groups
+of four at temperature 1; the adapter sits on the same top layers the warm start trained.
+The length is a rollout budget, so runs of other methods with the same budget compare
+fairly; held-out success per family (30 tickets each, greedy) is measured before training
+and at the end.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+    config.model = "smollm2-135m-retail-agent"
+    config.dtype = "float32"
+    config.seed = 0
+    config.env = ml_collections.ConfigDict(dict(name="embedded_retail", seed=0, families=(), split="train"))
+    config.advantage = "group_normalized"
+    config.log_every_s = 30.0
+
+    config.lora = ml_collections.ConfigDict(dict(
+        rank=16, alpha=32.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        first_layer=20))
+    config.rollout = ml_collections.ConfigDict(dict(
+        tasks_per_step=4, group_size=4, temperature=1.0, top_p=1.0, batch_size=16, max_turns=6,
+        max_tokens_per_turn=192, max_errors=3, min_shared_prefix=64))
+    config.loss = ml_collections.ConfigDict(dict(aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.28,
+                                                 kl_coef=0.0))
+    config.optimizer = ml_collections.ConfigDict(dict(lr=5e-4, weight_decay=0.0, clip_norm=1.0))
+    config.train = ml_collections.ConfigDict(dict(
+        steps=config_dict.placeholder(int), rollout_budget=config_dict.placeholder(int), micro_batch_tokens=2048,
+        remat=True, checkpoint_every=1, keep_checkpoints=2))
+    config.train.rollout_budget = 128
+    config.eval = ml_collections.ConfigDict(dict(split="heldout", num_tasks=210, every=1000, batch_size=30))
+    config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    return config
