@@ -18,6 +18,7 @@ from safetensors.numpy import load_file
 
 from trace_jax import lora, warmstart
 from trace_jax.models import decoder
+from trace_jax.models.embedded import resolve_model_dir
 from trace_jax.models.model import load_model
 from trace_jax.rl import sft
 
@@ -68,6 +69,8 @@ def test_an_embedded_agent_is_built_once_per_config(built, monkeypatch):
     monkeypatch.setitem(warmstart.AGENTS, "tiny-agent", "configs.warmstart_tiny")
     monkeypatch.setattr(sft, "train", no_training)
     assert warmstart.agent_dir("tiny-agent", cache) == folder  # from the cache
+    monkeypatch.setenv("TRACE_JAX_CACHE", str(cache))
+    assert resolve_model_dir("tiny-agent") == folder  # the name is a model name like any embedded one
     config = warmstart.build_config("tiny-agent")
     config.seed = 1
     monkeypatch.setattr(warmstart, "build_config", lambda name: config)
