@@ -109,11 +109,16 @@ def _final_hidden(params, adapters, tokens, adapter_idx, prefix, cfg, constrain,
         return _run_layers(params, tokens, cfg, row_lora, None, None, constrain, remat, frozen, hidden)[0]
     if prefix_kv is None:
         prefix_kv = _prefix_kv(params, adapters, prefix, cfg, constrain, remat, frozen)
-    prefix_k, prefix_v = prefix_kv
-    cache = decoder.init_cache(cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
-    cache = cache.replace(prefix_k=prefix_k, prefix_v=prefix_v, prefix_slot=prefix["prefix_of_row"],
-                          prefix_len=jnp.take(prefix["prefix_lengths"], prefix["prefix_of_row"]))
+    cache = _rows_cache(params, tokens, cfg, prefix_kv, prefix["prefix_of_row"], prefix["prefix_lengths"])
     return _run_layers(params, tokens, cfg, row_lora, cache, None, constrain, remat, frozen, hidden)[0]
+
+
+def _rows_cache(params, tokens, cfg, prefix_kv, prefix_of_row, prefix_lengths) -> decoder.KVCache:
+    """An empty cache for `tokens` whose row b continues prefix prefix_of_row[b] (keys and values
+    `prefix_kv`, one array per layer run)."""
+    cache = decoder.init_cache(cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
+    return cache.replace(prefix_k=prefix_kv[0], prefix_v=prefix_kv[1], prefix_slot=prefix_of_row,
+                         prefix_len=jnp.take(prefix_lengths, prefix_of_row))
 
 
 def _forward_logprobs(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat, temperature,
@@ -171,9 +176,7 @@ def _frozen_prefix(params, prefix_tokens, prefix_lengths, cfg, frozen, scan):
 def _frozen_rows(params, tokens, prefix_kv, prefix_of_row, prefix_lengths, cfg, frozen, scan):
     if prefix_kv is None:
         return decoder.forward_hidden(params, tokens, cfg, stop_layer=frozen, remat=scan)[0]
-    cache = decoder.init_cache(cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
-    cache = cache.replace(prefix_k=prefix_kv[0], prefix_v=prefix_kv[1], prefix_slot=prefix_of_row,
-                          prefix_len=jnp.take(prefix_lengths, prefix_of_row))
+    cache = _rows_cache(params, tokens, cfg, prefix_kv, prefix_of_row, prefix_lengths)
     return decoder.forward_hidden(params, tokens, cfg, cache=cache, stop_layer=frozen, remat=scan)[0]
 
 
