@@ -23,7 +23,6 @@ ours / pytorch.
 from __future__ import annotations
 
 import json
-import platform
 import time
 
 import jax
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from trace_jax import runtime
 from trace_jax.lora import ALL_TARGETS, LoraSpec, init_adapters
 from trace_jax.models.model import load_model
 from trace_jax.rl.learner import make_optimizer, make_train_step
@@ -99,15 +99,6 @@ def _ours(model, data, micro_batches: int, remat: bool):
     return step
 
 
-def _cpu_name() -> str:
-    """The CPU's model name: the ratio depends on it (see the README's Learner speed section)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def _grpo_loss_torch(logp, old_logp, advantages, mask):
     """`policy_loss` with LossConfig() defaults, in torch: clipped surrogate, token mean per row, row mean."""
     import torch
@@ -171,7 +162,7 @@ def main(argv):
         "timing": f"best of {steps} steps after 1 warm-up, the sides alternating", "initial_loss_ours": loss_ours,
         "initial_loss_pytorch": loss_torch, "jax_backend": jax.default_backend(),
         "torch_threads": torch.get_num_threads(), "torch_blas": "mkl" if torch.backends.mkl.is_available() else "other",
-        "cpu": _cpu_name(),
+        "cpu": runtime.cpu_name(),
     }
     if not _JSON.value:
         print(f"trace-jax {ours:.1f} tok/s, pytorch {theirs:.1f} tok/s, ratio {ours / theirs:.2f} "

@@ -1,10 +1,15 @@
-"""Rollout engine throughput on the embedded retail environment (the main job's workload).
+"""Rollout engine throughput on the embedded retail environment (the main job's workload), and
+the sampler's on the same rows for scale.
 
   python -m launch.bench_rollouts --json [--episodes=32] [--batch_size=16]
 
-Plays held-out tasks with the embedded SmolLM2-135M-Instruct (greedy, fp32) through the
-batched engine, once to warm up (compilation) and once timed. The final line is JSON
-with episodes per minute, generated tokens per second and the end reasons.
+Plays held-out tickets with the embedded base agent (greedy, fp32) through the batched engine,
+once to warm up (compilation) and once timed. Then times `Sampler.generate` on the same rows:
+the timed run's first `batch_size` first prompts, which share out the engine's generated tokens
+(each row samples generated / rows tokens, no stop token; warmed up the same way). `ratio` is the engine's generated
+tokens/s over the sampler's: what tool results, new episodes and rows idling between turns cost
+against pure decoding. The final line is JSON with both rates, the ratio, episodes per minute,
+the end reasons and the CPU.
 """
 
 from __future__ import annotations
@@ -16,17 +21,40 @@ import time
 import jax
 from absl import app, flags, logging
 
+from trace_jax import runtime
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
 from trace_jax.envs.embedded_retail import EmbeddedRetail
 from trace_jax.models.model import load_model
 from trace_jax.sampling import Sampler
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Embedded model name or HF checkpoint folder.")
+_MODEL = flags.DEFINE_string("model", "smollm2-135m-retail-agent", "Embedded model or agent name, or HF folder.")
 _EPISODES = flags.DEFINE_integer("episodes", 32, "Episodes in the timed run.")
 _BATCH = flags.DEFINE_integer("batch_size", 16, "Sampler rows (episodes played at once).")
 _TURNS = flags.DEFINE_integer("max_turns", 6, "Agent turns per episode.")
 _TOKENS = flags.DEFINE_integer("max_tokens_per_turn", 128, "Tokens per turn.")
 _JSON = flags.DEFINE_bool("json", False, "Print the final result as one JSON line.")
+
+
+def _time_sampler(sampler: Sampler, prompts: list[list[int]], new_tokens: int) -> float:
+    """Seconds for one `generate` of `new_tokens` per prompt (after a warm-up call of the same shapes)."""
+    for key in (0, 1):
+        start = time.perf_counter()
+        outs, _ = sampler.generate(prompts, key=jax.random.key(key), max_new_tokens=new_tokens)
+        seconds = time.perf_counter() - start
+    assert all(len(o.token_ids) == new_tokens for o in outs)
+    return seconds
+
+
+def _profile(stats) -> dict:
+    """Where the timed run went: decoding, prefilling (tool results, user turns, new episodes) and
+    the host (tools, the evaluator, encoding turns), with the rows busy per decode step."""
+    host = stats["run_s"] - stats["decode_s"] - stats["prefill_s"]
+    return {"decode_s": round(stats["decode_s"], 1), "prefill_s": round(stats["prefill_s"], 1),
+            "host_s": round(host, 1), "decode_steps": stats["decode_steps"], "decode_calls": stats["decode_calls"],
+            "rows_per_decode_step": round(stats["decode_tokens"] / max(stats["decode_steps"], 1), 2),
+            "s_per_decode_step": round(stats["decode_s"] / max(stats["decode_steps"], 1), 3),
+            "prefill_calls": stats["prefill_calls"], "prefill_rows": stats["prefill_rows"],
+            "prefill_tokens": stats["prefill_tokens"], "prefill_padded_tokens": stats["prefill_padded_tokens"]}
 
 
 def main(argv: list[str]) -> None:
@@ -43,11 +71,21 @@ def main(argv: list[str]) -> None:
     trajectories = engine.run([Job(task) for task in tasks[_BATCH.value :]], key=jax.random.key(1))
     seconds = time.perf_counter() - start
     generated = sum(t.generated_tokens for t in trajectories)
-    result = {"episodes": len(trajectories), "seconds": round(seconds, 1),
-              "episodes_per_min": round(60 * len(trajectories) / seconds, 2),
-              "generated_tokens_per_s": round(generated / seconds, 1), "generated_tokens": generated,
-              "mean_turns": round(sum(t.num_turns for t in trajectories) / len(trajectories), 2),
+    fed = sum(len(t.token_ids) for t in trajectories) - generated
+    first_prompts = [t.token_ids[: t.loss_mask.index(1)] if 1 in t.loss_mask else t.token_ids
+                     for t in trajectories[: _BATCH.value]]
+    per_row = max(1, round(generated / len(first_prompts)))
+    sampler_seconds = _time_sampler(sampler, first_prompts, per_row)
+    engine_rate, sampler_rate = generated / seconds, len(first_prompts) * per_row / sampler_seconds
+    result = {"model": _MODEL.value, "cpu": runtime.cpu_name(), "episodes": len(trajectories),
+              "seconds": round(seconds, 1), "episodes_per_min": round(60 * len(trajectories) / seconds, 2),
+              "generated_tokens": generated, "generated_tokens_per_s": round(engine_rate, 1),
+              "fed_tokens": fed, "mean_turns": round(sum(t.num_turns for t in trajectories) / len(trajectories), 2),
               "end_reasons": dict(collections.Counter(t.end_reason for t in trajectories)),
+              "successes": sum(t.outcome.success for t in trajectories),
+              "sampler": {"rows": len(first_prompts), "new_tokens_per_row": per_row,
+                          "seconds": round(sampler_seconds, 1), "generated_tokens_per_s": round(sampler_rate, 1)},
+              "ratio": round(engine_rate / sampler_rate, 3), "profile": _profile(engine.stats),
               "batch_size": _BATCH.value, "max_turns": _TURNS.value, "max_tokens_per_turn": _TOKENS.value}
     logging.info("rollouts: %s", result)
     if _JSON.value:

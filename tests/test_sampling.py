@@ -108,6 +108,40 @@ def test_a_row_started_from_a_stored_prefix_equals_a_full_prefill(model):
     assert int(emptied.lengths[1]) == 0 and int(emptied.prefix_len[1]) == 0
 
 
+def test_a_session_feeds_rows_while_others_sample(model):
+    """Rows fed at different times (one joins mid-way through another's turn, one is fed its next
+    turn as soon as its first ends) each sample what they would alone: the greedy tokens of a
+    fresh `generate` of their whole history, and a full forward pass's logprobs. With
+    return_early a step ends at the first finished row. Prompts longer than prefill_chunk are
+    prefilled in several calls."""
+    cfg, params, _ = model
+    sampler = Sampler(cfg, params, decode_chunk=4, min_cache=32, prefill_chunk=16)
+    session = sampler.session(4)
+    history = {0: [1, 2, 3], 1: list(range(6, 43)), 2: [4, 5]}
+    session.feed([0], [history[0]], max_new_tokens=10)
+    assert session.step(jax.random.key(0)) == {}  # a chunk of 4 tokens: row 0 still sampling
+    session.feed([2, 1], [history[2], history[1]], max_new_tokens=[3, 6])
+    outputs, key = [], 1
+    while session.running:
+        done = session.step(jax.random.key(key), return_early=True)
+        key += 1
+        assert len(done) <= 2 and all(isinstance(row, int) for row in done)
+        for row, out in done.items():
+            outputs.append((row, list(history[row]), out))
+            history[row] = history[row] + out.token_ids
+            if row == 2 and len(outputs) == 1:  # row 2 ends first (3 tokens): feed it its next turn at once
+                history[2] = history[2] + [10, 11]
+                session.feed([2], [[10, 11]], max_new_tokens=5)
+    assert [row for row, _, _ in outputs][:1] == [2] and len(outputs) == 4
+    for row, prompt, out in outputs:
+        alone, _ = sampler.generate([prompt], key=jax.random.key(0), max_new_tokens=len(out.token_ids))
+        assert out.token_ids == alone[0].token_ids and out.finish_reason == FINISH_LENGTH
+        assert np.abs(_full_logprobs(params, cfg, prompt, out.token_ids) - np.array(out.logprobs)).max() <= 1e-4
+    assert session.stats["prefill_calls"] == 1 + 3 + 1  # row 1's 37 tokens took three calls
+    with pytest.raises(ValueError, match="distinct rows"):
+        session.feed([5], [[1]])
+
+
 def test_sampling_parameters_do_not_recompile_and_key_decides(model):
     cfg, params, _ = model
     sampler = Sampler(cfg, params)
@@ -229,16 +263,19 @@ def _two_adapters(cfg):
 
 
 def _recorded_sampler(cfg, params, min_shared_prefix, **options):
-    """A sampler over two adapters whose prefill calls append each call's per-row num_new to `.prefills`."""
+    """A sampler over two adapters whose prefill calls (of prefix slots and of rows) append each
+    call's per-row num_new to `.prefills`."""
     sampler = Sampler(cfg, params, adapters=_two_adapters(cfg), decode_chunk=4, min_cache=32,
                       min_shared_prefix=min_shared_prefix, **options)
-    prefill, sampler.prefills = sampler._prefill, []
+    sampler.prefills = []
 
-    def recording(params, adapters, cache, tokens, num_new, adapter_idx):
-        sampler.prefills.append(np.asarray(num_new).tolist())
-        return prefill(params, adapters, cache, tokens, num_new, adapter_idx)
+    def recording(prefill):
+        def call(*args):
+            sampler.prefills.append(np.asarray(args[-2]).tolist())  # (..., num_new, adapter_idx)
+            return prefill(*args)
+        return call
 
-    sampler._prefill = recording
+    sampler._prefill, sampler._prefill_rows = recording(sampler._prefill), recording(sampler._prefill_rows)
     return sampler
 
 

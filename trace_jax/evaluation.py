@@ -2,7 +2,8 @@
 
 Writes to the workdir: `episodes.jsonl` (one line per episode: messages, end reason,
 reward and its components), `summary.json` and `table.md` (per family: success with a
-95% interval, pass^1, pass^k). The user simulator, where a task has one, is the base
+95% interval, pass^1, pass^k). A killed evaluation resumes from its episodes when run again
+with the same config and agent. The user simulator, where a task has one, is the base
 model with no adapter for `agent="model"`, and a scripted user for the scripted agents
 (so gold and noop runs need no model at all): it states the request, makes the task's
 user-side gold calls for the gold agent (telecom), and stops after the agent's next text turn.
@@ -17,6 +18,7 @@ from collections import Counter
 
 import jax
 import ml_collections
+from absl import logging
 
 from trace_jax import lora
 from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Trajectory
@@ -77,21 +79,62 @@ def _engine(config: ml_collections.ConfigDict, env, agent: str) -> tuple[Rollout
 def play(engine: RolloutEngine, jobs: list[Job], *, key: jax.Array, episodes_path: pathlib.Path,
          log_every_s: float = 10.0) -> list[dict]:
     """Plays `jobs`, writing each episode's record to `episodes_path` as it ends (progress with ETA);
-    returns the records in the order the episodes ended."""
-    progress = Progress(len(jobs), every_s=log_every_s, name="episode")
-    records: list[dict] = []
+    returns the records in the order the episodes ended.
+
+    Resumable: the episodes a killed run already wrote there are kept and not played again (a
+    line cut off by the kill is dropped). Each record's `elapsed_s` counts the playing time of
+    all runs so far, so the last one is the evaluation's wall time however often it resumed.
+    """
+    records = _recorded(episodes_path)
+    played = {_job_id(r["task_id"], r["trial"], r["adapter_idx"]) for r in records}
+    todo = [job for job in jobs if _job_id(job.task.task_id, job.trial, job.adapter_idx) not in played]
+    if records:
+        logging.info("resuming: %d of %d episodes already in %s", len(jobs) - len(todo), len(jobs), episodes_path)
+    progress = Progress(len(jobs), start=len(jobs) - len(todo), every_s=log_every_s, name="episode")
+    offset, start = max((r.get("elapsed_s", 0.0) for r in records), default=0.0), time.monotonic()
     with open(episodes_path, "w") as log:
+        log.writelines(json.dumps(r) + "\n" for r in records)
 
         def on_done(trajectory: Trajectory) -> None:
-            record = trajectory.record()
+            record = {**trajectory.record(), "elapsed_s": round(offset + time.monotonic() - start, 1)}
             records.append(record)
             log.write(json.dumps(record) + "\n")
             log.flush()
             successes = sum(r["success"] for r in records)
             progress.update(len(records), f"success {successes}/{len(records)}")
 
-        engine.run(jobs, key=key, on_done=on_done)
+        engine.run(todo, key=key, on_done=on_done)
     return records
+
+
+def _job_id(task_id: str, trial: int, adapter_idx: int) -> tuple:
+    return task_id, trial, adapter_idx
+
+
+def _recorded(episodes_path: pathlib.Path) -> list[dict]:
+    """The episode records in `episodes_path` up to the first incomplete line ([] if there is no file)."""
+    records = []
+    try:
+        with open(episodes_path) as f:
+            for line in f:
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    break
+    except FileNotFoundError:
+        pass
+    return records
+
+
+def _keep_episodes_of_same_run(workdir: pathlib.Path, run: dict) -> None:
+    """Keeps the workdir's episodes for `play` to resume only if they come from the same config and
+    agent (run.json); a workdir reused for another run starts afresh."""
+    marker, episodes = workdir / "run.json", workdir / "episodes.jsonl"
+    text = json.dumps(run, sort_keys=True, default=str)
+    if episodes.exists() and (not marker.exists() or marker.read_text() != text):
+        logging.info("%s holds episodes of another config or agent: starting afresh", workdir)
+        episodes.unlink()
+    marker.write_text(text)
 
 
 def summarize_run(records: list[dict], trials: int) -> tuple[dict, str]:
@@ -115,6 +158,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, age
     start = time.monotonic()
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    _keep_episodes_of_same_run(workdir, {"config": config.to_dict(), "agent": agent})
     env = make_environment(config.env)
     tasks = env.tasks(config.split, config.num_tasks)
     engine, adapter_idx = _engine(config, env, agent)
@@ -123,6 +167,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, age
                    log_every_s=config.log_every_s)
     summary, table = summarize_run(records, config.trials)
     (workdir / "table.md").write_text(table + "\n")
-    summary = {**summary, "agent": agent, "seconds": round(time.monotonic() - start, 1)}
+    summary = {**summary, "agent": agent, "seconds": round(time.monotonic() - start, 1),
+               "play_seconds": max((r["elapsed_s"] for r in records), default=0.0)}
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

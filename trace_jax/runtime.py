@@ -1,4 +1,5 @@
-"""Process-wide settings that make XLA:CPU fast on Linux: call `retain_freed_memory()` first thing.
+"""Process-wide settings that make XLA:CPU fast on Linux (call `retain_freed_memory()` first thing),
+and the CPU's name for benchmark output.
 
 XLA:CPU allocates one temporary arena per executable run (about 5.5 GB for a GRPO step of
 8 x 256 tokens on SmolLM2-135M) and frees it afterwards. glibc hands such blocks straight
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import platform
 import sys
 
 # mallopt(3) parameters from glibc's malloc.h.
@@ -37,3 +39,12 @@ def retain_freed_memory() -> bool:
     # One arena, so large blocks come from the main heap; no mmap per block; -1 (as size_t) = never trim.
     return all(mallopt(param, value) == 1 for param, value in
                ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
+
+
+def cpu_name() -> str:
+    """The CPU's model name: benchmark numbers depend on it (timings compare only on one kind)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()

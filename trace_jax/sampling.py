@@ -2,7 +2,9 @@
 
 Each row keeps its own length in the cache, so rows of different lengths share a
 batch and a row can continue (the next turn of a conversation) by appending new
-tokens without recomputing its prefix. Temperature, top-p and top-k are per-row
+tokens without recomputing its prefix. A `Session` feeds and finishes rows at
+different times (the rollout engine's continuous batching); `Sampler.generate` is one
+feed of all rows. Temperature, top-p and top-k are per-row
 arrays (changing them never recompiles); batch, prompt and cache lengths are
 rounded up to buckets, and shared prefixes to a multiple of 64 tokens, so the number of
 compiled programs stays small.
@@ -10,9 +12,11 @@ compiled programs stays small.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
-from typing import Callable, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -125,9 +129,24 @@ def _prefill(params, adapters, cache, tokens, num_new, adapter_idx, *, cfg, cons
     return decoder.logits_from_hidden(params, last, cfg)[:, 0], cache
 
 
-def _decode(params, adapters, cache, logits, key, sampling, stop_ids, remaining, done, adapter_idx,
+def _prefill_rows(params, adapters, cache, logits, row_ids, tokens, num_new, adapter_idx, *, cfg, constrain):
+    """`_prefill` of the rows `row_ids` only (ids >= the batch are padding and dropped): their cache
+    rows are gathered, run and scattered back, and their next-token logits replace theirs in `logits`.
+    A turn's prefill then costs its own rows' tokens, not the whole batch's."""
+    take = lambda a: a.at[row_ids].get(mode="fill", fill_value=0)
+    put = lambda a, b: a.at[row_ids].set(b, mode="drop")
+    rows = cache.replace(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)), lengths=take(cache.lengths),
+                         prefix_slot=take(cache.prefix_slot), prefix_len=take(cache.prefix_len))
+    row_logits, rows = _prefill(params, adapters, rows, tokens, num_new, adapter_idx, cfg=cfg, constrain=constrain)
+    cache = cache.replace(k=tuple(map(put, cache.k, rows.k)), v=tuple(map(put, cache.v, rows.v)),
+                          lengths=put(cache.lengths, rows.lengths))
+    return put(logits, row_logits), cache
+
+
+def _decode(params, adapters, cache, logits, key, sampling, stop_ids, remaining, done, adapter_idx, return_early,
             *, cfg, constrain, steps, max_context):
-    """Samples up to `steps` tokens for each unfinished row, feeding each back through the cache.
+    """Samples up to `steps` tokens for each unfinished row, feeding each back through the cache;
+    with `return_early`, returns as soon as a row finishes (so its next turn can be fed).
 
     Every sampled token (stop tokens included) is written to the cache, so a row can
     later continue after it. Returns tokens and logprobs [B, steps] (-1 / 0 past a
@@ -139,8 +158,8 @@ def _decode(params, adapters, cache, logits, key, sampling, stop_ids, remaining,
     batch = logits.shape[0]
 
     def cond(state):
-        step, _, _, _, done, *_ = state
-        return (step < steps) & ~jnp.all(done)
+        step, _, _, _, done, _, _, finish = state
+        return (step < steps) & ~jnp.all(done) & ~(return_early & jnp.any(finish > 0))
 
     def body(state):
         step, cache, logits, count, done, out_tokens, out_logp, finish = state
@@ -212,7 +231,8 @@ class Sampler:
     A fresh batch whose prompts share at least `min_shared_prefix` leading tokens
     prefills that prefix once per adapter into a prefix slot of the cache that the rows
     continue from (None: never); `add_prefix` and `start_row` do the same for rows
-    started one by one.
+    started one by one. Other prompt tokens are prefilled in calls of at most
+    `prefill_chunk` tokens per row: little padding, and few compiled widths.
     """
 
     def __init__(
@@ -227,8 +247,12 @@ class Sampler:
         min_cache: int = 128,
         detokenize: Callable[[list[int]], str] | None = None,
         min_shared_prefix: int | None = 64,
+        prefill_chunk: int = 128,
     ):
+        if prefill_chunk != bucket_size(prefill_chunk, 16):
+            raise ValueError(f"prefill_chunk {prefill_chunk} must be a bucket size (16, 24, 32, 48, 64, 96, 128, ...)")
         self.cfg = cfg
+        self.prefill_chunk = prefill_chunk
         self.plan = plan
         self.max_context = max_context or cfg.max_position_embeddings
         self.decode_chunk = decode_chunk
@@ -239,6 +263,8 @@ class Sampler:
         self.adapters = None if adapters is None else (plan.shard_params(adapters) if plan else adapters)
         constrain = plan.constrain if plan else decoder.no_constraint
         self._prefill = jax.jit(functools.partial(_prefill, cfg=cfg, constrain=constrain), donate_argnums=(2,))
+        self._prefill_rows = jax.jit(functools.partial(_prefill_rows, cfg=cfg, constrain=constrain),
+                                     donate_argnums=(2, 3))
         self._decode = jax.jit(
             functools.partial(_decode, cfg=cfg, constrain=constrain, steps=decode_chunk, max_context=self.max_context),
             donate_argnums=(2,),
@@ -300,86 +326,23 @@ class Sampler:
         non-empty: a continuing row appends at least the next turn's tokens.
         """
         n = len(prompts)
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        if stop_strings and self.detokenize is None:
-            raise ValueError("stop_strings need a Sampler built with detokenize=")
         if cache is None:
             cache, prompts = self._fresh_cache(prompts, _per_row(adapter_idx, n, np.int32),
                                                _per_row(max_new_tokens, n, np.int32))
-        rows = np.arange(n) if rows is None else np.asarray(rows)
-        if len(rows) != n or len(set(rows.tolist())) != n or rows.max(initial=0) >= cache.batch:
-            raise ValueError(f"rows {rows.tolist()} must be {n} distinct rows of the cache's {cache.batch}")
-        batch = cache.batch
-        lengths = np.asarray(cache.lengths)
-        new_len = np.array([len(p) for p in prompts])
-        max_new = _per_row(max_new_tokens, n, np.int32)
-        fits = np.asarray(cache.sequence_lengths)[rows] + new_len < self.max_context  # room for the prompt and a token
-        needed = int(np.max(np.where(fits, lengths[rows] + new_len + max_new, 0), initial=0))
-        if needed > cache.max_len:
-            cache = self._grow(cache, self._capacity(needed))
-
-        def full(values, fill, dtype):
-            out = np.full((batch,), fill, dtype)
-            out[rows] = values
-            return self._put(out, "batch")
-
-        tokens = np.zeros((batch, bucket_size(int(new_len.max()), 16)), np.int32)
-        for r, p, ok in zip(rows, prompts, fits):
-            if ok:
-                tokens[r, : len(p)] = p
-        num_new = np.zeros((batch,), np.int32)
-        num_new[rows] = np.where(fits, new_len, 0)
-        adapter_rows = full(_per_row(adapter_idx, n, np.int32), lora_lib.NO_ADAPTER, np.int32)
-        logits, cache = self._prefill(
-            self.params, self.adapters, cache, self._put(tokens, "batch"), self._put(num_new, "batch"), adapter_rows
-        )
-        sampling = (
-            full(_per_row(temperature, n, np.float32), 0.0, np.float32),
-            full(_per_row(top_p, n, np.float32), 1.0, np.float32),
-            full(_per_row(top_k, n, np.int32), 0, np.int32),
-        )
-        stop_ids = jnp.asarray(sorted(set(stop_token_ids)) or [-1], jnp.int32)
-        running = np.zeros((batch,), bool)
-        running[rows] = fits & (max_new > 0)
-        start_len = lengths.copy()
-        start_len[rows] = lengths[rows] + np.where(fits, new_len, 0)
-        out_ids = {r: [] for r in rows}
-        out_logp = {r: [] for r in rows}
-        finish = {r: (FINISH_LENGTH if ok else FINISH_CONTEXT) for r, ok in zip(rows, fits)}
-        text_end: dict[int, int] = {}
-        remaining = np.zeros((batch,), np.int32)
-        remaining[rows] = max_new
+        rows = list(range(n)) if rows is None else [int(r) for r in rows]
+        session = Session(self, cache, stop_token_ids=stop_token_ids, stop_strings=stop_strings)
+        session.feed(rows, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                     top_k=top_k, adapter_idx=adapter_idx)
+        done: dict[int, Completion] = {}
         chunk = 0
-        while running.any():
-            step_tokens, step_logp, logits, cache, count, code = self._decode(
-                self.params, self.adapters, cache, logits, jax.random.fold_in(key, chunk), sampling, stop_ids,
-                self._put(remaining, "batch"), self._put(~running, "batch"), adapter_rows,
-            )
-            step_tokens, step_logp, count, code = map(np.asarray, (step_tokens, step_logp, count, code))
-            for r in np.flatnonzero(running):
-                out_ids[r].extend(step_tokens[r, : count[r]].tolist())
-                out_logp[r].extend(step_logp[r, : count[r]].tolist())
-                remaining[r] -= count[r]
-                if code[r]:
-                    finish[r], running[r] = _FINISH_NAMES[int(code[r])], False
-                if stop_strings:
-                    cut = self._find_stop_string(out_ids[r], stop_strings)
-                    if cut is not None:
-                        keep, text_end[r] = cut
-                        del out_ids[r][keep:], out_logp[r][keep:]
-                        finish[r], running[r] = FINISH_STOP, False
+        while len(done) < n:
+            done.update(session.step(jax.random.fold_in(key, chunk)))
             chunk += 1
-        final_len = start_len.copy()
-        final_len[rows] = [start_len[r] + len(out_ids[r]) for r in rows]
-        cache = cache.replace(lengths=self._put(final_len.astype(np.int32), "batch"))
-        completions = []
-        for r in rows:
-            text = None
-            if self.detokenize is not None:
-                text = self.detokenize(out_ids[r])[: text_end.get(r)]
-            completions.append(Completion(out_ids[r], out_logp[r], finish[r], text))
-        return completions, cache
+        return [done[r] for r in rows], session.cache
+
+    def session(self, batch: int, **stops) -> "Session":
+        """A `Session` over a fresh cache of `batch` rows (see there; `stops`: stop_token_ids, stop_strings)."""
+        return Session(self, self.new_cache(batch), **stops)
 
     def add_prefix(self, cache: decoder.KVCache, prefix: Sequence[int], adapter_idx: int) -> tuple[decoder.KVCache, int]:
         """`cache` with `prefix` prefilled with adapter `adapter_idx` in a new prefix slot, and the slot."""
@@ -436,3 +399,167 @@ class Sampler:
         end = min(start + len(s) for s in stop_strings if text.find(s) == start)
         keep = next(k for k in range(1, len(ids) + 1) if len(self.detokenize(ids[:k])) >= end)
         return keep, start
+
+
+class Session:
+    """Rows of one cache that sample independently, for callers that feed rows at different times.
+
+    `feed` appends tokens to some rows and starts them sampling (one prefill over those rows
+    only); `step` decodes every sampling row for up to a chunk of tokens and returns the
+    completions of the rows that finished, which may be fed again at once. A batch then never
+    waits for its slowest row: the rollout engine gives a row its conversation's next turn, or a
+    new conversation (`start`), as soon as its turn ends. `Sampler.generate` is one feed and
+    steps until every row is done.
+    """
+
+    def __init__(self, sampler: Sampler, cache: decoder.KVCache, *, stop_token_ids: Sequence[int] = (),
+                 stop_strings: Sequence[str] = ()):
+        if stop_strings and sampler.detokenize is None:
+            raise ValueError("stop_strings need a Sampler built with detokenize=")
+        self.sampler, self.cache = sampler, cache
+        self.stop_strings = tuple(stop_strings)
+        self._stop_ids = jnp.asarray(sorted(set(stop_token_ids)) or [-1], jnp.int32)
+        batch = cache.batch
+        self._logits = sampler._put(np.zeros((batch, sampler.cfg.vocab_size), np.float32), "batch")
+        self._settings = {"temperature": np.zeros((batch,), np.float32), "top_p": np.ones((batch,), np.float32),
+                          "top_k": np.zeros((batch,), np.int32),
+                          "adapter_idx": np.full((batch,), lora_lib.NO_ADAPTER, np.int32)}
+        self._remaining = np.zeros((batch,), np.int32)
+        self._running = np.zeros((batch,), bool)
+        self._start_len = np.zeros((batch,), np.int32)  # the row's own length when its turn began
+        self._ids: dict[int, list[int]] = {}
+        self._logp: dict[int, list[float]] = {}
+        self._finish: dict[int, str] = {}
+        self._done: dict[int, Completion] = {}  # finished rows not yet returned by `step`
+        self._text_end: dict[int, int] = {}  # where a stop string cut a row's text
+        self._prefixes: dict[tuple, tuple[list[int], int]] = {}  # (adapter, group) -> (tokens, slot)
+        # Where the time goes (for benchmarks): prefill calls, rows and tokens; decode calls, steps and tokens.
+        self.stats = collections.Counter()
+
+    @property
+    def running(self) -> bool:
+        """Whether any row is sampling or has a completion `step` has not returned yet."""
+        return bool(self._running.any() or self._done)
+
+    def start(self, row: int, prompt: Sequence[int], adapter_idx: int = lora_lib.NO_ADAPTER,
+              group: Any = None) -> int:
+        """Empties `row` for a new conversation whose first prompt is `prompt`; returns how many of
+        its leading tokens the row already holds (feed it the rest). Prompts of one (adapter,
+        group) share the stored prefix of the group's first prompt (system prompts repeat: each
+        is prefilled once per session) when they share `min_shared_prefix` tokens with it."""
+        minimum, sampler = self.sampler.min_shared_prefix, self.sampler
+        if minimum is None or len(prompt) <= minimum:
+            self.cache = sampler.start_row(self.cache, row)
+            return 0
+        if (adapter_idx, group) not in self._prefixes:
+            tokens = list(prompt[:-1])  # the row must feed at least its last prompt token
+            self.cache, slot = sampler.add_prefix(self.cache, tokens, adapter_idx)
+            self._prefixes[adapter_idx, group] = (tokens, slot)
+        tokens, slot = self._prefixes[adapter_idx, group]
+        shared = min(common_prefix_length([tokens, prompt]), len(prompt) - 1)
+        if shared < minimum:
+            self.cache = sampler.start_row(self.cache, row)
+            return 0
+        self.cache = sampler.start_row(self.cache, row, slot, shared)
+        return shared
+
+    def feed(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], *, max_new_tokens=256, temperature=0.0,
+             top_p=1.0, top_k=0, adapter_idx=lora_lib.NO_ADAPTER) -> None:
+        """Appends prompts[i] to row rows[i] (not sampling now) and starts it sampling up to
+        max_new_tokens[i] tokens. Settings are scalars or one value per prompt; every prompt
+        needs a token (a continuing row appends at least the next turn's)."""
+        n, batch, sampler = len(prompts), self.cache.batch, self.sampler
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        if len(rows) != n or len(set(rows.tolist())) != n or rows.max(initial=0) >= batch or rows.min(initial=0) < 0:
+            raise ValueError(f"rows {rows.tolist()} must be {n} distinct rows of the cache's {batch}")
+        if self._running[rows].any() or any(int(r) in self._done for r in rows):
+            raise ValueError(f"rows {rows.tolist()} include a row whose turn has not been returned by step()")
+        settings = {"temperature": _per_row(temperature, n, np.float32), "top_p": _per_row(top_p, n, np.float32),
+                    "top_k": _per_row(top_k, n, np.int32), "adapter_idx": _per_row(adapter_idx, n, np.int32)}
+        max_new = _per_row(max_new_tokens, n, np.int32)
+        lengths = np.asarray(self.cache.lengths)
+        new_len = np.array([len(p) for p in prompts])
+        fits = np.asarray(self.cache.sequence_lengths)[rows] + new_len < sampler.max_context  # prompt + a token
+        needed = int(np.max(np.where(fits, lengths[rows] + new_len + max_new, 0), initial=0))
+        if needed > self.cache.max_len:
+            self.cache = sampler._grow(self.cache, sampler._capacity(needed))
+        parts = [list(p) if ok else [] for p, ok in zip(prompts, fits)]
+        for offset in range(0, max(map(len, parts)), sampler.prefill_chunk):
+            members = [i for i, p in enumerate(parts) if len(p) > offset]
+            self._prefill_chunk(rows[members], [parts[i][offset: offset + sampler.prefill_chunk] for i in members],
+                                settings["adapter_idx"][members])
+        for name, values in settings.items():
+            self._settings[name][rows] = values
+        self._remaining[rows] = max_new
+        self._running[rows] = fits & (max_new > 0)
+        self._start_len[rows] = lengths[rows] + np.where(fits, new_len, 0)
+        for r, ok in zip(rows.tolist(), fits):
+            self._ids[r], self._logp[r] = [], []
+            self._finish[r] = FINISH_LENGTH if ok else FINISH_CONTEXT
+            if not self._running[r]:
+                self._complete(r)
+
+    def _prefill_chunk(self, rows: np.ndarray, pieces: list[list[int]], adapter_idx: np.ndarray) -> None:
+        """Appends pieces[i] (at most `prefill_chunk` tokens) to row rows[i], in one call over those rows."""
+        sampler, n, batch = self.sampler, len(rows), self.cache.batch
+        width = sampler._batch_size(n)
+        row_ids = np.full((width,), batch, np.int32)  # padding ids are dropped
+        row_ids[:n] = rows
+        tokens = np.zeros((width, bucket_size(max(map(len, pieces)), 16)), np.int32)
+        for i, piece in enumerate(pieces):
+            tokens[i, : len(piece)] = piece
+        num_new = np.zeros((width,), np.int32)
+        num_new[:n] = [len(piece) for piece in pieces]
+        row_adapter = np.full((width,), lora_lib.NO_ADAPTER, np.int32)
+        row_adapter[:n] = adapter_idx
+        put, start = sampler._put, time.perf_counter()
+        self._logits, self.cache = sampler._prefill_rows(
+            sampler.params, sampler.adapters, self.cache, self._logits, put(row_ids, "batch"), put(tokens, "batch"),
+            put(num_new, "batch"), put(row_adapter, "batch"))
+        self._logits.block_until_ready()
+        self.stats.update(prefill_s=time.perf_counter() - start, prefill_calls=1, prefill_rows=n,
+                          prefill_tokens=int(num_new.sum()), prefill_padded_tokens=tokens.size)
+
+    def step(self, key: jax.Array, *, return_early: bool = False) -> dict[int, Completion]:
+        """Decodes every sampling row for up to `decode_chunk` tokens (with `return_early`, until the
+        first row finishes) and returns {row: completion} of the rows that finished since the last step."""
+        if self._running.any():
+            sampler, put, start = self.sampler, self.sampler._put, time.perf_counter()
+            sampling = tuple(put(self._settings[name], "batch") for name in ("temperature", "top_p", "top_k"))
+            step_tokens, step_logp, self._logits, self.cache, count, code = sampler._decode(
+                sampler.params, sampler.adapters, self.cache, self._logits, key, sampling, self._stop_ids,
+                put(self._remaining, "batch"), put(~self._running, "batch"),
+                put(self._settings["adapter_idx"], "batch"), jnp.asarray(return_early))
+            step_tokens, step_logp, count, code = map(np.asarray, (step_tokens, step_logp, count, code))
+            self.stats.update(decode_s=time.perf_counter() - start, decode_calls=1,
+                              decode_steps=int((step_tokens >= 0).any(axis=0).sum()), decode_tokens=int(count.sum()))
+            for r in np.flatnonzero(self._running).tolist():
+                self._ids[r].extend(step_tokens[r, : count[r]].tolist())
+                self._logp[r].extend(step_logp[r, : count[r]].tolist())
+                self._remaining[r] -= count[r]
+                if code[r]:
+                    self._finish[r] = _FINISH_NAMES[int(code[r])]
+                if (self.stop_strings and self._cut_at_stop_string(r)) or code[r]:
+                    self._complete(r)
+        done, self._done = self._done, {}
+        return done
+
+    def _cut_at_stop_string(self, r: int) -> bool:
+        """Ends row r's turn at a stop string in its output, if there is one (the cache forgets what follows)."""
+        cut = self.sampler._find_stop_string(self._ids[r], self.stop_strings)
+        if cut is None:
+            return False
+        keep, self._text_end[r] = cut
+        del self._ids[r][keep:], self._logp[r][keep:]
+        self._finish[r] = FINISH_STOP
+        self.cache = self.cache.replace(lengths=self.cache.lengths.at[r].set(int(self._start_len[r]) + keep))
+        return True
+
+    def _complete(self, r: int) -> None:
+        self._running[r] = False
+        text = None
+        if self.sampler.detokenize is not None:
+            text = self.sampler.detokenize(self._ids[r])[: self._text_end.pop(r, None)]
+        self._done[r] = Completion(self._ids.pop(r), self._logp.pop(r), self._finish.pop(r), text)

@@ -2,9 +2,10 @@
 
 Each live episode has an agent and, for tasks with a user, a user simulator. A speaker is
 either the model (a row of the sampler's KV cache: the agent with its adapter, the user
-with no adapter) or a scripted actor (`trace_jax.agent.scripted`). Every round, all model
-speakers whose turn it is generate together in one sampler call; an episode that ends
-frees its rows for the next queued one.
+with no adapter) or a scripted actor (`trace_jax.agent.scripted`). Model rows sample
+together in one `sampling.Session`, each at its own pace: a row whose turn ends is given
+the episode's next turn (tool results, the user's reply) while the others go on, and an
+episode that ends frees its rows for the next queued one.
 
 The agent's record is exactly what the model saw: its token ids (first prompt, then each
 sampled turn as sampled, then the encoded observations), a loss mask (1 on sampled
@@ -20,8 +21,9 @@ with a recorded reason. A user simulator's turn cut at max tokens is passed on a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from collections import deque
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -32,7 +34,7 @@ from trace_jax.agent.chat_codec import ChatCodec
 from trace_jax.agent.tool_calls import parse_assistant_output
 from trace_jax.envs import base
 from trace_jax.models.tokenizer import ChatTokenizer
-from trace_jax.sampling import FINISH_CONTEXT, FINISH_LENGTH, Sampler, common_prefix_length
+from trace_jax.sampling import FINISH_CONTEXT, FINISH_LENGTH, Completion, Sampler, Session
 
 MODEL = "model"  # the speaker value meaning "sample this speaker with the model"
 
@@ -142,31 +144,45 @@ class RolloutEngine:
         self.sampler, self.tokenizer, self.config = sampler, tokenizer, config
         self._uses_model = uses_model
         self._rows_per_episode = (agent == MODEL) + (user == MODEL)  # at most; solo tasks use no user row
-        self._prefixes: dict[tuple[int, bool], tuple[list[int], int]] = {}  # (tokens, cache slot): see _start_row
+        self.stats: collections.Counter = collections.Counter()  # the last run's: see `Session.stats`, and run_s
 
     def run(self, jobs: Sequence[Job], *, key: jax.Array,
             on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
-        """Plays every job; returns trajectories in job order. `on_done` sees each as it ends."""
-        queue = deque(enumerate(jobs))
+        """Plays every job; returns trajectories in job order. `on_done` sees each as it ends.
+
+        Episodes advance independently: when a model turn ends, the episode takes it (tool calls,
+        the user's reply) and its row is fed the next turn while the other rows go on sampling,
+        and an episode that ends frees its rows for the next queued job at once.
+        """
+        queue = collections.deque(enumerate(jobs))
         results: list[Trajectory | None] = [None] * len(jobs)
         live: list[_Live] = []
         free_rows = list(range(self.config.batch_size)) if self._uses_model else []
-        cache = self.sampler.new_cache(self.config.batch_size) if self._uses_model else None
-        self._prefixes = {}  # per run: the adapters may change between runs
-        round_index = 0
+        session = (self.sampler.session(self.config.batch_size, stop_token_ids=self.tokenizer.eos_token_ids)
+                   if self._uses_model else None)
+        sampling: dict[int, _Live] = {}  # row -> the episode whose model turn it samples
+        step, start = 0, time.perf_counter()
         while queue or live:
             while queue and len(live) < self.config.batch_size and len(free_rows) >= self._rows_per_episode:
                 index, job = queue.popleft()
                 live.append(self._start(index, job, free_rows))
             if not live:
                 raise ValueError(f"batch_size {self.config.batch_size} is too small for one episode")
-            cache = self._play_round(live, cache, jax.random.fold_in(key, round_index))
-            round_index += 1
+            busy = {id(item) for item in sampling.values()}
+            turns = [turn for item in live if id(item) not in busy and (turn := self._advance(item))]
+            if turns:
+                self._feed(session, turns, sampling)
+            if session is not None and session.running:
+                for row, completion in session.step(jax.random.fold_in(key, step), return_early=True).items():
+                    self._take_model_turn(sampling.pop(row), completion)
+                step += 1
             for item in [item for item in live if item.end_reason is not None]:
                 live.remove(item)
                 results[item.index] = self._finish(item, free_rows)
                 if on_done is not None:
                     on_done(results[item.index])
+        self.stats = collections.Counter(session.stats if session is not None else {})
+        self.stats["run_s"] = time.perf_counter() - start
         return results
 
     def _start(self, index: int, job: Job, free_rows: list[int]) -> _Live:
@@ -186,35 +202,28 @@ class RolloutEngine:
         first = "user" if messages[-1]["role"] == "assistant" else "agent"
         return _Live(index, job, episode, agent, user, next_speaker=first)
 
-    def _play_round(self, live: list[_Live], cache, key):
-        """One turn of every live episode: scripted speakers now, model speakers in one sampler call."""
-        model_turns, texts = [], {}
-        for item in live:
+    def _advance(self, item: _Live) -> tuple[_Live, _Speaker, list[int], int] | None:
+        """Plays the episode's scripted turns until a model speaker is to speak; returns that turn
+        (episode, speaker, tokens to feed, token budget), or None once the episode has ended."""
+        while item.end_reason is None:
             if item.next_speaker == "agent" and item.turns >= self.config.max_turns:
                 item.end_reason = base.END_MAX_TURNS
-                continue
+                break
             speaker = self._speaker(item)
             actor = self.agent if item.next_speaker == "agent" else self.user
             if actor != MODEL:
                 text = actor.reply(item.episode)
                 if speaker.codec is not None:
                     self._record_scripted_turn(item, speaker, text)
-                texts[id(item)] = (text, None)
+                self._take_turn(item, text, None)
                 continue
             pending = speaker.pending_tokens()
             room = self.sampler.max_context - len(speaker.token_ids) - len(pending)
             if room < 1:
                 item.end_reason = base.END_CONTEXT
-                continue
-            model_turns.append((item, speaker, pending, min(room, self.config.max_tokens_per_turn)))
-        if model_turns:
-            cache, outputs = self._generate(cache, model_turns, key)
-            texts.update(outputs)
-        for item in live:
-            if id(item) in texts:
-                text, finish = texts[id(item)]
-                self._take_turn(item, text, finish)
-        return cache
+                break
+            return item, speaker, pending, min(room, self.config.max_tokens_per_turn)
+        return None
 
     def _speaker(self, item: _Live) -> _Speaker:
         if item.next_speaker == "agent":
@@ -223,34 +232,37 @@ class RolloutEngine:
             raise ValueError(f"episode {item.job.task.task_id} awaits a user but has no user simulator")
         return item.user
 
-    def _generate(self, cache, turns, key):
-        """Samples the next turn of every (item, speaker) in `turns` together; records their tokens."""
-        rows = [speaker.row for _, speaker, _, _ in turns]
-        is_agent = [speaker is item.agent for item, speaker, _, _ in turns]
-        adapters = [item.job.adapter_idx if a else lora.NO_ADAPTER for (item, *_), a in zip(turns, is_agent)]
-        feeds = []
-        for (_, speaker, pending, _), agent, adapter in zip(turns, is_agent, adapters):
-            skip = 0
-            if not speaker.token_ids:  # a row starting a new conversation
-                cache, skip = self._start_row(cache, speaker.row, pending, (adapter, agent))
-            feeds.append(pending[skip:])
-        completions, cache = self.sampler.generate(
-            feeds, key=key, cache=cache, rows=rows,
-            max_new_tokens=[budget for *_, budget in turns],
-            temperature=[self.config.temperature if a else self.config.user_temperature for a in is_agent],
-            top_p=[self.config.top_p if a else 1.0 for a in is_agent],
-            adapter_idx=adapters,
-            stop_token_ids=sorted(self.tokenizer.eos_token_ids))
-        outputs = {}
-        for (item, speaker, pending, _), completion in zip(turns, completions):
-            ids = completion.token_ids
-            speaker.token_ids += pending + ids
-            speaker.loss_mask += [0] * len(pending) + [1] * len(ids)
-            speaker.logprobs += [0.0] * len(pending) + list(completion.logprobs)
-            item.generated += len(ids) if speaker is item.agent else 0
-            ended = bool(ids) and ids[-1] in self.tokenizer.eos_token_ids
-            outputs[id(item)] = (self.tokenizer.decode(ids[:-1] if ended else ids), completion.finish_reason)
-        return cache, outputs
+    def _feed(self, session: Session, turns: list, sampling: dict[int, _Live]) -> None:
+        """Starts sampling the next turn of every (episode, speaker) in `turns`, prefilled together.
+        A row starting a conversation continues the stored prefix its first prompt shares with
+        earlier first prompts of the same speaker and adapter (system prompts repeat)."""
+        rows, feeds, adapters, agents = [], [], [], []
+        for item, speaker, pending, _ in turns:
+            agent = speaker is item.agent
+            adapter = item.job.adapter_idx if agent else lora.NO_ADAPTER
+            held = 0 if speaker.token_ids else session.start(speaker.row, pending, adapter, group=agent)
+            speaker.token_ids += pending
+            speaker.loss_mask += [0] * len(pending)
+            speaker.logprobs += [0.0] * len(pending)
+            rows.append(speaker.row)
+            feeds.append(pending[held:])
+            adapters.append(adapter)
+            agents.append(agent)
+            sampling[speaker.row] = item
+        session.feed(rows, feeds, max_new_tokens=[budget for *_, budget in turns],
+                     temperature=[self.config.temperature if a else self.config.user_temperature for a in agents],
+                     top_p=[self.config.top_p if a else 1.0 for a in agents], adapter_idx=adapters)
+
+    def _take_model_turn(self, item: _Live, completion: Completion) -> None:
+        """Records a sampled turn (its tokens on the loss mask, with their logprobs) and takes it."""
+        speaker = self._speaker(item)
+        ids = completion.token_ids
+        speaker.token_ids += ids
+        speaker.loss_mask += [1] * len(ids)
+        speaker.logprobs += list(completion.logprobs)
+        item.generated += len(ids) if speaker is item.agent else 0
+        ended = bool(ids) and ids[-1] in self.tokenizer.eos_token_ids
+        self._take_turn(item, self.tokenizer.decode(ids[:-1] if ended else ids), completion.finish_reason)
 
     def _record_scripted_turn(self, item: _Live, speaker: _Speaker, text: str) -> None:
         """Records a scripted agent's turn as the tokens the model would emit for it (its text, then
@@ -262,23 +274,6 @@ class RolloutEngine:
         speaker.loss_mask += [0] * len(pending) + [1] * len(ids)
         speaker.logprobs += [0.0] * (len(pending) + len(ids))
         item.generated += len(ids)
-
-    def _start_row(self, cache, row: int, prompt: list[int], prefix_key: tuple[int, bool]):
-        """Empties `row` for a new conversation, or starts it from the stored prefix it shares
-        with earlier first prompts of the same speaker and adapter (system prompts repeat, so
-        each is prefilled once per run). Returns the cache and how many prompt tokens it holds."""
-        minimum = self.sampler.min_shared_prefix
-        if minimum is None or len(prompt) <= minimum:
-            return self.sampler.start_row(cache, row), 0
-        if prefix_key not in self._prefixes:
-            tokens = prompt[:-1]  # the row must feed at least its last prompt token
-            cache, slot = self.sampler.add_prefix(cache, tokens, prefix_key[0])
-            self._prefixes[prefix_key] = (tokens, slot)
-        tokens, slot = self._prefixes[prefix_key]
-        shared = min(common_prefix_length([tokens, prompt]), len(prompt) - 1)
-        if shared < minimum:
-            return self.sampler.start_row(cache, row), 0
-        return self.sampler.start_row(cache, row, slot, shared), shared
 
     def _take_turn(self, item: _Live, text: str, finish: str | None) -> None:
         """Applies one speaker's turn to the episode and routes what comes back."""
