@@ -1,13 +1,15 @@
 """GRPO on the target environment (the paper's first baseline), from the embedded base agent, on CPU.
 
-  python -m launch.grpo --config=configs/grpo_target_embedded.py --workdir=runs/grpo_target
+  python -m launch.grpo --config=configs/grpo_target_embedded.py --workdir=runs/grpo_target \
+      [--config.eval.base_run=runs/embedded_retail]
 
 The embedded base agent (SmolLM2-135M-Instruct with its warm start merged, built on first
 use) plays train tickets of the embedded retail environment, all seven families, in groups
 of four at temperature 1; the adapter sits on the same top layers the warm start trained.
 The length is a rollout budget, so runs of other methods with the same budget compare
-fairly; held-out success per family (30 tickets each, greedy) is measured before training
-and at the end.
+fairly; held-out success per family is measured before training and at the end, on the same
+200 tickets with the same limits as configs/embedded_retail.py, so `eval.base_run` may name that
+evaluation's workdir and the base agent's episodes are read from it instead of played again.
 """
 
 import ml_collections
@@ -28,7 +30,7 @@ def get_config() -> ml_collections.ConfigDict:
         first_layer=20))
     config.rollout = ml_collections.ConfigDict(dict(
         tasks_per_step=4, group_size=4, temperature=1.0, top_p=1.0, batch_size=16, max_turns=6,
-        max_tokens_per_turn=192, max_errors=3, min_shared_prefix=64))
+        max_tokens_per_turn=256, max_errors=4, min_shared_prefix=64))
     config.loss = ml_collections.ConfigDict(dict(aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.28,
                                                  kl_coef=0.0))
     config.optimizer = ml_collections.ConfigDict(dict(lr=5e-4, weight_decay=0.0, clip_norm=1.0))
@@ -36,6 +38,7 @@ def get_config() -> ml_collections.ConfigDict:
         steps=config_dict.placeholder(int), rollout_budget=config_dict.placeholder(int), micro_batch_tokens=2048,
         remat=True, checkpoint_every=1, keep_checkpoints=2))
     config.train.rollout_budget = 128
-    config.eval = ml_collections.ConfigDict(dict(split="heldout", num_tasks=210, every=1000, batch_size=30))
+    config.eval = ml_collections.ConfigDict(dict(split="heldout", num_tasks=200, every=1000, batch_size=16,
+                                                 base_run=""))
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     return config

@@ -9,7 +9,7 @@ the timed run's first `batch_size` first prompts, which share out the engine's g
 (each row samples generated / rows tokens, no stop token; warmed up the same way). `ratio` is the engine's generated
 tokens/s over the sampler's: what tool results, new episodes and rows idling between turns cost
 against pure decoding. The final line is JSON with both rates, the ratio, episodes per minute,
-the end reasons and the CPU.
+the end reasons, the CPU, and a profile (where the time went, programs compiled after warm-up).
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ def _time_sampler(sampler: Sampler, prompts: list[list[int]], new_tokens: int) -
     return seconds
 
 
+def _compiled(sampler: Sampler) -> dict[str, int]:
+    """How many programs each of the sampler's jitted functions has compiled so far."""
+    names = ("_prefill", "_take_rows", "_prefill_rows", "_put_rows", "_decode")
+    return {name: getattr(sampler, name)._cache_size() for name in names}
+
+
 def _profile(stats) -> dict:
     """Where the timed run went: decoding, prefilling (tool results, user turns, new episodes) and
     the host (tools, the evaluator, encoding turns), with the rows busy per decode step."""
@@ -54,7 +60,8 @@ def _profile(stats) -> dict:
             "rows_per_decode_step": round(stats["decode_tokens"] / max(stats["decode_steps"], 1), 2),
             "s_per_decode_step": round(stats["decode_s"] / max(stats["decode_steps"], 1), 3),
             "prefill_calls": stats["prefill_calls"], "prefill_rows": stats["prefill_rows"],
-            "prefill_tokens": stats["prefill_tokens"], "prefill_padded_tokens": stats["prefill_padded_tokens"]}
+            "prefill_tokens": stats["prefill_tokens"], "prefill_padded_tokens": stats["prefill_padded_tokens"],
+            "cache_resizes": stats["resizes"]}
 
 
 def main(argv: list[str]) -> None:
@@ -67,9 +74,10 @@ def main(argv: list[str]) -> None:
     engine = RolloutEngine(env, sampler=sampler, tokenizer=model.tokenizer, config=config)
     tasks = env.tasks("heldout", _BATCH.value + _EPISODES.value)
     engine.run([Job(task) for task in tasks[: _BATCH.value]], key=jax.random.key(0))  # warm-up: compiles
-    start = time.perf_counter()
+    compiled, start = _compiled(sampler), time.perf_counter()
     trajectories = engine.run([Job(task) for task in tasks[_BATCH.value :]], key=jax.random.key(1))
     seconds = time.perf_counter() - start
+    compiled_in_run = {name: count - compiled[name] for name, count in _compiled(sampler).items()}
     generated = sum(t.generated_tokens for t in trajectories)
     fed = sum(len(t.token_ids) for t in trajectories) - generated
     first_prompts = [t.token_ids[: t.loss_mask.index(1)] if 1 in t.loss_mask else t.token_ids
@@ -85,7 +93,8 @@ def main(argv: list[str]) -> None:
               "successes": sum(t.outcome.success for t in trajectories),
               "sampler": {"rows": len(first_prompts), "new_tokens_per_row": per_row,
                           "seconds": round(sampler_seconds, 1), "generated_tokens_per_s": round(sampler_rate, 1)},
-              "ratio": round(engine_rate / sampler_rate, 3), "profile": _profile(engine.stats),
+              "ratio": round(engine_rate / sampler_rate, 3),
+              "profile": {**_profile(engine.stats), "compiled_in_timed_run": compiled_in_run},
               "batch_size": _BATCH.value, "max_turns": _TURNS.value, "max_tokens_per_turn": _TOKENS.value}
     logging.info("rollouts: %s", result)
     if _JSON.value:

@@ -11,7 +11,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 pytest.importorskip("tau2")
 
 from configs import embedded_retail  # noqa: E402
-from trace_jax.evaluation import evaluate  # noqa: E402
+from trace_jax.evaluation import evaluate, run_marker  # noqa: E402
 
 
 def _records(workdir) -> list[dict]:
@@ -38,3 +38,44 @@ def test_a_killed_evaluation_resumes_and_another_config_starts_afresh(tmp_path):
     config.num_tasks = 7
     assert evaluate(config, tmp_path, agent="gold")["num_episodes"] == 7 and len(_records(tmp_path)) == 7
     assert evaluate(config, tmp_path, agent="noop")["success"] == 0.0  # another agent: not gold's episodes
+
+
+def test_grpo_reads_the_base_agents_episodes_from_an_evaluation_run(tmp_path, smollm2):
+    """`eval.base_run`: a GRPO job on the environment takes the base agent's held-out episodes from an
+    evaluation job's workdir of the same agent, tasks and limits, and fails at start naming the key
+    where they differ."""
+    from configs import grpo_target_embedded
+    from trace_jax import lora
+    from trace_jax.rl.environment_rollouts import EnvironmentRollouts
+    from trace_jax.sampling import Sampler
+
+    evaluation = embedded_retail.get_config()
+    evaluation.model = "smollm2-135m-instruct"  # the bare model: the test builds no agent
+    evaluation.num_tasks, evaluation.log_every_s = 4, 0.0
+    base = tmp_path / "base"
+    evaluate(evaluation, base, agent="gold")
+    config = grpo_target_embedded.get_config()
+    config.model = evaluation.model
+    config.eval.num_tasks, config.eval.base_run, config.log_every_s = 3, str(base), 0.0
+    with pytest.raises(ValueError, match="config.eval.base_run: its run has agent = 'gold'"):
+        EnvironmentRollouts(config, smollm2.tokenizer, 4, tmp_path)
+    # The gold run's episodes stand in for a model evaluation's (the same files; playing the model here is slow).
+    (base / "run.json").write_text(json.dumps({**run_marker(evaluation, "model"), "weights": "another model"}))
+    with pytest.raises(ValueError, match="its run has weights = 'another model'"):
+        EnvironmentRollouts(config, smollm2.tokenizer, 4, tmp_path)
+    (base / "run.json").write_text(json.dumps(run_marker(evaluation, "model")))
+    rollouts = EnvironmentRollouts(config, smollm2.tokenizer, 4, tmp_path)
+    sampler = Sampler(smollm2.cfg, smollm2.params, detokenize=smollm2.tokenizer.decode)
+    metrics = rollouts.evaluate(sampler, lora.NO_ADAPTER, 0)
+    seeded = [json.loads(line) for line in (tmp_path / "eval" / "step_0.jsonl").read_text().splitlines()]
+    assert sorted(r["task_id"] for r in seeded) == sorted(t.task_id for t in rollouts.heldout)
+    assert all(r in _records(base) for r in seeded)  # the evaluation's episodes, none played again
+    assert len(seeded) == 3 and metrics["eval/success"] == 1.0
+    for key, value, message in [("rollout.max_errors", 3, "rollout.max_errors = 4"),
+                                ("eval.num_tasks", 5, "num_tasks = 4, fewer than config.eval.num_tasks = 5")]:
+        changed = grpo_target_embedded.get_config()
+        changed.model, changed.eval.base_run = evaluation.model, str(base)
+        section, name = key.split(".")
+        changed[section][name] = value
+        with pytest.raises(ValueError, match=message):
+            EnvironmentRollouts(changed, smollm2.tokenizer, 4, tmp_path)

@@ -113,7 +113,8 @@ def test_a_session_feeds_rows_while_others_sample(model):
     turn as soon as its first ends) each sample what they would alone: the greedy tokens of a
     fresh `generate` of their whole history, and a full forward pass's logprobs. With
     return_early a step ends at the first finished row. Prompts longer than prefill_chunk are
-    prefilled in several calls."""
+    prefilled in several calls. The cache grows as rows need room and shrinks when the longest
+    row is released."""
     cfg, params, _ = model
     sampler = Sampler(cfg, params, decode_chunk=4, min_cache=32, prefill_chunk=16)
     session = sampler.session(4)
@@ -140,6 +141,14 @@ def test_a_session_feeds_rows_while_others_sample(model):
     assert session.stats["prefill_calls"] == 1 + 3 + 1  # row 1's 37 tokens took three calls
     with pytest.raises(ValueError, match="distinct rows"):
         session.feed([5], [[1]])
+    # Releasing the longest row (43 tokens) shrinks the cache to what the others hold; they go on exactly.
+    grown = session.cache.max_len
+    session.release([1])
+    assert session.cache.max_len < grown and np.asarray(session.cache.lengths)[1] == 0
+    session.feed([0], [[12, 13]], max_new_tokens=4)
+    (row, out), = session.step(jax.random.key(9)).items()
+    alone, _ = sampler.generate([history[0] + [12, 13]], key=jax.random.key(0), max_new_tokens=4)
+    assert row == 0 and out.token_ids == alone[0].token_ids
 
 
 def test_sampling_parameters_do_not_recompile_and_key_decides(model):

@@ -20,7 +20,6 @@ from trace_jax import lora, warmstart
 from trace_jax.models import decoder
 from trace_jax.models.embedded import resolve_model_dir
 from trace_jax.models.model import load_model
-from trace_jax.rl import sft
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BUILD = ("import sys; from trace_jax import warmstart; warmstart.AGENTS['tiny-agent'] = 'configs.warmstart_tiny'; "
@@ -67,7 +66,7 @@ def test_an_embedded_agent_is_built_once_per_config(built, monkeypatch):
         raise AssertionError("a cached agent was built again")
 
     monkeypatch.setitem(warmstart.AGENTS, "tiny-agent", "configs.warmstart_tiny")
-    monkeypatch.setattr(sft, "train", no_training)
+    monkeypatch.setattr(warmstart, "run_build", no_training)
     assert warmstart.agent_dir("tiny-agent", cache) == folder  # from the cache
     monkeypatch.setenv("TRACE_JAX_CACHE", str(cache))
     assert resolve_model_dir("tiny-agent") == folder  # the name is a model name like any embedded one

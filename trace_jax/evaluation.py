@@ -26,7 +26,8 @@ from trace_jax.agent.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS, make_environment
 from trace_jax.metrics import Progress
-from trace_jax.models.model import DTYPES, load_model
+from trace_jax.models.embedded import resolve_model_dir
+from trace_jax.models.model import DTYPES, load_model, weights_fingerprint
 from trace_jax.report import format_table, summarize
 from trace_jax.sampling import Sampler
 
@@ -85,7 +86,7 @@ def play(engine: RolloutEngine, jobs: list[Job], *, key: jax.Array, episodes_pat
     line cut off by the kill is dropped). Each record's `elapsed_s` counts the playing time of
     all runs so far, so the last one is the evaluation's wall time however often it resumed.
     """
-    records = _recorded(episodes_path)
+    records = recorded_episodes(episodes_path)
     played = {_job_id(r["task_id"], r["trial"], r["adapter_idx"]) for r in records}
     todo = [job for job in jobs if _job_id(job.task.task_id, job.trial, job.adapter_idx) not in played]
     if records:
@@ -111,7 +112,7 @@ def _job_id(task_id: str, trial: int, adapter_idx: int) -> tuple:
     return task_id, trial, adapter_idx
 
 
-def _recorded(episodes_path: pathlib.Path) -> list[dict]:
+def recorded_episodes(episodes_path: pathlib.Path) -> list[dict]:
     """The episode records in `episodes_path` up to the first incomplete line ([] if there is no file)."""
     records = []
     try:
@@ -126,9 +127,19 @@ def _recorded(episodes_path: pathlib.Path) -> list[dict]:
     return records
 
 
+def run_marker(config: ml_collections.ConfigDict, agent: str) -> dict:
+    """What identifies an evaluation's episodes: its config, the agent, and for the model the
+    fingerprints of its weights and adapter (a rebuilt embedded agent keeps its name)."""
+    marker = {"config": config.to_dict(), "agent": agent}
+    if agent == "model":
+        marker["weights"] = weights_fingerprint(resolve_model_dir(config.model))
+        marker["adapter"] = weights_fingerprint(config.adapter) if config.adapter else ""
+    return marker
+
+
 def _keep_episodes_of_same_run(workdir: pathlib.Path, run: dict) -> None:
-    """Keeps the workdir's episodes for `play` to resume only if they come from the same config and
-    agent (run.json); a workdir reused for another run starts afresh."""
+    """Keeps the workdir's episodes for `play` to resume only if they come from the same run (the
+    same `run_marker`, kept in run.json); a workdir reused for another run starts afresh."""
     marker, episodes = workdir / "run.json", workdir / "episodes.jsonl"
     text = json.dumps(run, sort_keys=True, default=str)
     if episodes.exists() and (not marker.exists() or marker.read_text() != text):
@@ -158,7 +169,7 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, age
     start = time.monotonic()
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    _keep_episodes_of_same_run(workdir, {"config": config.to_dict(), "agent": agent})
+    _keep_episodes_of_same_run(workdir, run_marker(config, agent))
     env = make_environment(config.env)
     tasks = env.tasks(config.split, config.num_tasks)
     engine, adapter_idx = _engine(config, env, agent)

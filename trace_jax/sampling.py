@@ -129,18 +129,22 @@ def _prefill(params, adapters, cache, tokens, num_new, adapter_idx, *, cfg, cons
     return decoder.logits_from_hidden(params, last, cfg)[:, 0], cache
 
 
-def _prefill_rows(params, adapters, cache, logits, row_ids, tokens, num_new, adapter_idx, *, cfg, constrain):
-    """`_prefill` of the rows `row_ids` only (ids >= the batch are padding and dropped): their cache
-    rows are gathered, run and scattered back, and their next-token logits replace theirs in `logits`.
-    A turn's prefill then costs its own rows' tokens, not the whole batch's."""
-    take = lambda a: a.at[row_ids].get(mode="fill", fill_value=0)
-    put = lambda a, b: a.at[row_ids].set(b, mode="drop")
-    rows = cache.replace(k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)), lengths=take(cache.lengths),
-                         prefix_slot=take(cache.prefix_slot), prefix_len=take(cache.prefix_len))
-    row_logits, rows = _prefill(params, adapters, rows, tokens, num_new, adapter_idx, cfg=cfg, constrain=constrain)
-    cache = cache.replace(k=tuple(map(put, cache.k, rows.k)), v=tuple(map(put, cache.v, rows.v)),
-                          lengths=put(cache.lengths, rows.lengths))
-    return put(logits, row_logits), cache
+def _take_rows(k, v, lengths, prefix_slot, prefix_len, row_ids, *, window):
+    """Rows `row_ids` of a cache (ids >= the batch give empty padding rows): the first `window`
+    positions of their own buffers in every layer, their lengths and prefixes. A turn's prefill then
+    reads and writes its own rows, up to their lengths, not the whole cache."""
+    row = lambda a: a.at[row_ids].get(mode="fill", fill_value=0)
+    own = lambda a: a.at[row_ids, :, :window].get(mode="fill", fill_value=0)
+    return tuple(map(own, k)), tuple(map(own, v)), row(lengths), row(prefix_slot), row(prefix_len)
+
+
+def _put_rows(k, v, lengths, logits, row_ids, rows_k, rows_v, rows_lengths, row_logits):
+    """Writes rows taken by `_take_rows` (and since prefilled) back, with their next-token logits;
+    padding ids are dropped."""
+    window = rows_k[0].shape[2]
+    own = lambda a, b: a.at[row_ids, :, :window].set(b, mode="drop")
+    row = lambda a, b: a.at[row_ids].set(b, mode="drop")
+    return tuple(map(own, k, rows_k)), tuple(map(own, v, rows_v)), row(lengths, rows_lengths), row(logits, row_logits)
 
 
 def _decode(params, adapters, cache, logits, key, sampling, stop_ids, remaining, done, adapter_idx, return_early,
@@ -263,8 +267,10 @@ class Sampler:
         self.adapters = None if adapters is None else (plan.shard_params(adapters) if plan else adapters)
         constrain = plan.constrain if plan else decoder.no_constraint
         self._prefill = jax.jit(functools.partial(_prefill, cfg=cfg, constrain=constrain), donate_argnums=(2,))
-        self._prefill_rows = jax.jit(functools.partial(_prefill_rows, cfg=cfg, constrain=constrain),
-                                     donate_argnums=(2, 3))
+        # Taken rows share the cache's prefix slots, so their prefill donates nothing.
+        self._prefill_rows = jax.jit(functools.partial(_prefill, cfg=cfg, constrain=constrain))
+        self._take_rows = jax.jit(_take_rows, static_argnames="window")
+        self._put_rows = jax.jit(_put_rows, donate_argnums=(0, 1, 2, 3))
         self._decode = jax.jit(
             functools.partial(_decode, cfg=cfg, constrain=constrain, steps=decode_chunk, max_context=self.max_context),
             donate_argnums=(2,),
@@ -299,11 +305,11 @@ class Sampler:
                                layers(cache.prefix_k, "prefix_cache"), layers(cache.prefix_v, "prefix_cache"),
                                self._put(cache.prefix_slot, "batch"), self._put(cache.prefix_len, "batch"))
 
-    def _grow(self, cache: decoder.KVCache, capacity: int) -> decoder.KVCache:
-        """`cache` with room for `capacity` positions in each row's own buffer."""
-        pad = [(0, 0), (0, 0), (0, capacity - cache.max_len), (0, 0)]
-        grown = lambda arrays: tuple(jnp.pad(a, pad) for a in arrays)
-        return self._place(cache.replace(k=grown(cache.k), v=grown(cache.v)))
+    def _resize(self, cache: decoder.KVCache, capacity: int) -> decoder.KVCache:
+        """`cache` with `capacity` positions in each row's own buffer (padded, or cut: rows must fit)."""
+        pad = [(0, 0), (0, 0), (0, max(capacity - cache.max_len, 0)), (0, 0)]
+        resized = lambda arrays: tuple(jnp.pad(a[:, :, :capacity], pad) for a in arrays)
+        return self._place(cache.replace(k=resized(cache.k), v=resized(cache.v)))
 
     def generate(
         self,
@@ -408,8 +414,9 @@ class Session:
     only); `step` decodes every sampling row for up to a chunk of tokens and returns the
     completions of the rows that finished, which may be fed again at once. A batch then never
     waits for its slowest row: the rollout engine gives a row its conversation's next turn, or a
-    new conversation (`start`), as soon as its turn ends. `Sampler.generate` is one feed and
-    steps until every row is done.
+    new conversation (`start`), as soon as its turn ends, and `release`s the rows of a finished
+    one. The cache's capacity follows the rows: it grows as they lengthen and shrinks when the
+    longest are released. `Sampler.generate` is one feed and steps until every row is done.
     """
 
     def __init__(self, sampler: Sampler, cache: decoder.KVCache, *, stop_token_ids: Sequence[int] = (),
@@ -482,14 +489,13 @@ class Session:
         lengths = np.asarray(self.cache.lengths)
         new_len = np.array([len(p) for p in prompts])
         fits = np.asarray(self.cache.sequence_lengths)[rows] + new_len < sampler.max_context  # prompt + a token
-        needed = int(np.max(np.where(fits, lengths[rows] + new_len + max_new, 0), initial=0))
-        if needed > self.cache.max_len:
-            self.cache = sampler._grow(self.cache, sampler._capacity(needed))
+        # Room for the prompts and the first decode chunk; `step` grows the cache as rows go on.
+        self._fit(np.where(fits, lengths[rows] + new_len + np.minimum(max_new, sampler.decode_chunk), 0))
         parts = [list(p) if ok else [] for p, ok in zip(prompts, fits)]
         for offset in range(0, max(map(len, parts)), sampler.prefill_chunk):
             members = [i for i, p in enumerate(parts) if len(p) > offset]
             self._prefill_chunk(rows[members], [parts[i][offset: offset + sampler.prefill_chunk] for i in members],
-                                settings["adapter_idx"][members])
+                                settings["adapter_idx"][members], lengths[rows[members]] + offset)
         for name, values in settings.items():
             self._settings[name][rows] = values
         self._remaining[rows] = max_new
@@ -501,8 +507,34 @@ class Session:
             if not self._running[r]:
                 self._complete(r)
 
-    def _prefill_chunk(self, rows: np.ndarray, pieces: list[list[int]], adapter_idx: np.ndarray) -> None:
-        """Appends pieces[i] (at most `prefill_chunk` tokens) to row rows[i], in one call over those rows."""
+    def _fit(self, needed: np.ndarray, shrink: bool = False) -> None:
+        """Resizes the cache to the capacity bucket of the most positions a row needs: grows it when
+        a row needs more room, and with `shrink` cuts it when no row needs what it has (decode and
+        prefill read every position of it, so a cache sized for long-gone rows slows every step)."""
+        capacity = self.sampler._capacity(int(np.max(needed, initial=0)))
+        if capacity > self.cache.max_len or (shrink and capacity < self.cache.max_len):
+            self.cache = self.sampler._resize(self.cache, capacity)
+            self.stats.update(resizes=1)
+
+    def release(self, rows: Sequence[int]) -> None:
+        """Empties `rows` (not sampling now) whose conversations are over, and shrinks the cache to
+        what the remaining rows need."""
+        rows = [int(r) for r in rows]
+        if self._running[rows].any() or any(r in self._done for r in rows):
+            raise ValueError(f"rows {rows} include a row whose turn has not been returned by step()")
+        for r in rows:
+            self.cache = self.sampler.start_row(self.cache, r)
+        self._fit(self._needed(), shrink=True)
+
+    def _needed(self) -> np.ndarray:
+        """Per row: the own positions it holds, and for a sampling row those of its next decode chunk."""
+        chunk = np.where(self._running, np.minimum(self._remaining, self.sampler.decode_chunk), 0)
+        return np.asarray(self.cache.lengths) + chunk
+
+    def _prefill_chunk(self, rows: np.ndarray, pieces: list[list[int]], adapter_idx: np.ndarray,
+                       lengths: np.ndarray) -> None:
+        """Appends pieces[i] (at most `prefill_chunk` tokens) to row rows[i], which holds lengths[i]
+        tokens, in one call over those rows that reads their cache up to their lengths only."""
         sampler, n, batch = self.sampler, len(rows), self.cache.batch
         width = sampler._batch_size(n)
         row_ids = np.full((width,), batch, np.int32)  # padding ids are dropped
@@ -514,10 +546,17 @@ class Session:
         num_new[:n] = [len(piece) for piece in pieces]
         row_adapter = np.full((width,), lora_lib.NO_ADAPTER, np.int32)
         row_adapter[:n] = adapter_idx
-        put, start = sampler._put, time.perf_counter()
-        self._logits, self.cache = sampler._prefill_rows(
-            sampler.params, sampler.adapters, self.cache, self._logits, put(row_ids, "batch"), put(tokens, "batch"),
-            put(num_new, "batch"), put(row_adapter, "batch"))
+        put, start, cache = sampler._put, time.perf_counter(), self.cache
+        window = min(sampler._capacity(int(np.max(lengths)) + tokens.shape[1]), cache.max_len)
+        row_ids = put(row_ids, "batch")
+        k, v, row_lengths, prefix_slot, prefix_len = sampler._take_rows(
+            cache.k, cache.v, cache.lengths, cache.prefix_slot, cache.prefix_len, row_ids, window=window)
+        taken = cache.replace(k=k, v=v, lengths=row_lengths, prefix_slot=prefix_slot, prefix_len=prefix_len)
+        row_logits, taken = sampler._prefill_rows(sampler.params, sampler.adapters, taken, put(tokens, "batch"),
+                                                  put(num_new, "batch"), put(row_adapter, "batch"))
+        k, v, all_lengths, self._logits = sampler._put_rows(cache.k, cache.v, cache.lengths, self._logits, row_ids,
+                                                            taken.k, taken.v, taken.lengths, row_logits)
+        self.cache = cache.replace(k=k, v=v, lengths=all_lengths)
         self._logits.block_until_ready()
         self.stats.update(prefill_s=time.perf_counter() - start, prefill_calls=1, prefill_rows=n,
                           prefill_tokens=int(num_new.sum()), prefill_padded_tokens=tokens.size)
@@ -526,6 +565,7 @@ class Session:
         """Decodes every sampling row for up to `decode_chunk` tokens (with `return_early`, until the
         first row finishes) and returns {row: completion} of the rows that finished since the last step."""
         if self._running.any():
+            self._fit(self._needed())
             sampler, put, start = self.sampler, self.sampler._put, time.perf_counter()
             sampling = tuple(put(self._settings[name], "batch") for name in ("temperature", "top_p", "top_k"))
             step_tokens, step_logp, self._logits, self.cache, count, code = sampler._decode(

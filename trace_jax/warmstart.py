@@ -5,16 +5,21 @@ of the gold agent on train tickets (`configs/warmstart_embedded.py`, run by `lau
 The first use of its name runs that job in the model cache and keeps the merged HF folder,
 like the GGUF conversion: the job's workdir sits next to it, so a killed build resumes from
 its checkpoints, and the folder is keyed by the config, so a changed config builds anew.
+The job runs as its own process, as a user would run it: the caller (an evaluation, say)
+does not keep the training's memory, which a process keeps once it has grown its heap
+(`runtime.retain_freed_memory`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
+import importlib.util
 import json
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 
 from absl import logging
 
@@ -46,10 +51,8 @@ def agent_dir(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.
     target, workdir = root / name, root / f".{name}-{fingerprint}.work"
     if _built_from(target) == fingerprint:
         return target
-    from trace_jax.rl.sft import train  # the job needs the whole stack; models need not import it
-
     logging.info("building the embedded agent %s (once; config %s, workdir %s)", name, AGENTS[name], workdir)
-    summary = train(config, workdir)
+    summary = run_build(AGENTS[name], workdir)
     (workdir / "merged" / _MARKER).write_text(json.dumps({"config": AGENTS[name], "fingerprint": fingerprint,
                                                           "build": summary}))
     if target.exists():
@@ -57,6 +60,20 @@ def agent_dir(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.
     os.replace(workdir / "merged", target)
     shutil.rmtree(workdir, ignore_errors=True)
     return target
+
+
+def run_build(config_module: str, workdir: pathlib.Path) -> dict:
+    """Runs the SFT job of `config_module` (merged export on) into `workdir` as a subprocess, its
+    log passed through; returns the job's summary (its last line)."""
+    spec = importlib.util.find_spec(config_module)
+    root = pathlib.Path(spec.origin).parents[len(config_module.split(".")) - 1]  # where `configs` is importable
+    command = [sys.executable, "-m", "launch.sft", f"--config={spec.origin}", f"--workdir={workdir}",
+               "--config.export.merged=True"]
+    out = subprocess.run(command, cwd=root, stdout=subprocess.PIPE, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"building the embedded agent failed ({' '.join(command)} exited {out.returncode}); "
+                           f"rerun to resume it from {workdir}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _built_from(folder: pathlib.Path) -> str | None:

@@ -176,11 +176,15 @@ class RolloutEngine:
                 for row, completion in session.step(jax.random.fold_in(key, step), return_early=True).items():
                     self._take_model_turn(sampling.pop(row), completion)
                 step += 1
-            for item in [item for item in live if item.end_reason is not None]:
+            ended = [item for item in live if item.end_reason is not None]
+            for item in ended:
                 live.remove(item)
-                results[item.index] = self._finish(item, free_rows)
+                results[item.index] = self._finish(item)
+                free_rows.extend(_rows(item))
                 if on_done is not None:
                     on_done(results[item.index])
+            if ended and session is not None:
+                session.release([row for item in ended for row in _rows(item)])
         self.stats = collections.Counter(session.stats if session is not None else {})
         self.stats["run_s"] = time.perf_counter() - start
         return results
@@ -324,15 +328,19 @@ class RolloutEngine:
         item.agent.messages.extend(result.observations)
         item.next_speaker = "agent"
 
-    def _finish(self, item: _Live, free_rows: list[int]) -> Trajectory:
+    def _finish(self, item: _Live) -> Trajectory:
         if item.end_reason not in base.NORMAL_ENDS:
             item.episode.end(item.end_reason)
         outcome = item.episode.evaluate()
         for actor in (self.agent, self.user):
             if actor != MODEL:
                 actor.forget(item.episode)
-        free_rows.extend(s.row for s in (item.agent, item.user) if s is not None and s.row is not None)
         agent = item.agent
         return Trajectory(item.job, agent.messages, agent.token_ids, agent.loss_mask, agent.logprobs,
                           item.end_reason, outcome, item.turns, item.errors, item.generated,
                           None if item.user is None else item.user.messages)
+
+
+def _rows(item: _Live) -> list[int]:
+    """The sampler rows an episode's model speakers use."""
+    return [s.row for s in (item.agent, item.user) if s is not None and s.row is not None]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import pathlib
 
@@ -33,3 +34,12 @@ def load_model(name_or_path: str | os.PathLike, dtype: str = "float32") -> Model
     path = resolve_model_dir(name_or_path)
     cfg = ModelConfig.from_dir(path)
     return Model(cfg, load_params(path, cfg, DTYPES[dtype]), ChatTokenizer.from_dir(path), path)
+
+
+def weights_fingerprint(folder: str | os.PathLike) -> str:
+    """A short id of the files in a model or adapter folder (names, sizes, modification times):
+    it changes when the folder is rebuilt (an embedded agent from another warm-start config), so
+    results recorded for one set of weights are not taken for another's. Cheap for any model size."""
+    files = sorted(f for f in pathlib.Path(folder).iterdir() if f.is_file())
+    listing = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    return hashlib.sha256(repr(listing).encode()).hexdigest()[:16]

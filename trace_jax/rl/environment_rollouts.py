@@ -6,11 +6,14 @@ times at the rollout temperature; every trajectory becomes one learner sequence 
 ids the agent saw, the loss on its sampled turns, the sampler's logprobs). Held-out
 evaluation is the evaluation job's code path: greedy episodes of `eval.split`, written to
 `eval/step_<k>.jsonl` with their per-family table (success with 95% intervals, pass^1).
+The base agent's evaluation may come from an evaluation job's workdir (`eval.base_run`) of the
+same agent, tasks and limits: arms of one comparison then share it instead of replaying it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 from collections import Counter
 
@@ -18,9 +21,12 @@ import jax
 import ml_collections
 import numpy as np
 
+from trace_jax import lora
 from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Trajectory
 from trace_jax.envs import make_environment
-from trace_jax.evaluation import play, summarize_run
+from trace_jax.evaluation import play, recorded_episodes, summarize_run
+from trace_jax.models.embedded import resolve_model_dir
+from trace_jax.models.model import weights_fingerprint
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, StepRollouts
 from trace_jax.sampling import Sampler
@@ -66,6 +72,43 @@ class EnvironmentRollouts:
         self.train_rollout = RolloutConfig(**limits, temperature=config.rollout.temperature, top_p=config.rollout.top_p)
         self.eval_rollout = dataclasses.replace(self.train_rollout, batch_size=config.eval.batch_size, temperature=0.0,
                                                 top_p=1.0)
+        self.base_run = pathlib.Path(config.eval.base_run) if config.eval.base_run else None
+        if self.base_run:
+            self._check_base_run()
+
+    def _check_base_run(self) -> None:
+        """Fails at start, naming the key, unless `eval.base_run` is an evaluation of this job's base
+        agent on the same held-out tasks with the same limits (so its episodes are the ones this job
+        would play)."""
+        marker = self.base_run / "run.json"
+        if not marker.exists():
+            raise ValueError(f"config.eval.base_run = {str(self.base_run)!r} is not an evaluation job's workdir "
+                             "(no run.json)")
+        run = json.loads(marker.read_text())
+        evaluated, config = run["config"], self.config
+        env = {k: v for k, v in config.env.to_dict().items() if k != "split"}  # the training split is not played
+        weights = weights_fingerprint(resolve_model_dir(config.model))
+        expected = {"agent": ("model", run["agent"]), "model": (config.model, evaluated["model"]),
+                    "weights": (weights, run.get("weights")),
+                    "adapter": ("", evaluated["adapter"]), "env": (env, evaluated["env"]),
+                    "split": (config.eval.split, evaluated["split"]), "trials": (1, evaluated["trials"])}
+        expected.update({f"rollout.{k}": (getattr(self.eval_rollout, k), evaluated["rollout"][k])
+                         for k in ("max_turns", "max_tokens_per_turn", "max_errors", "temperature", "user_temperature")})
+        for key, (want, got) in expected.items():
+            if _normalized(want) != _normalized(got):
+                raise ValueError(f"config.eval.base_run: its run has {key} = {got!r}, this job needs {want!r}")
+        if evaluated["num_tasks"] is not None and evaluated["num_tasks"] < config.eval.num_tasks:
+            raise ValueError(f"config.eval.base_run: its run has num_tasks = {evaluated['num_tasks']}, fewer than "
+                             f"config.eval.num_tasks = {config.eval.num_tasks}")
+
+    def _seed_base_eval(self, episodes_path: pathlib.Path) -> None:
+        """Starts the base agent's held-out episodes from `eval.base_run`'s (those of this job's tasks);
+        `play` then plays only what it lacks."""
+        if episodes_path.exists():
+            return
+        wanted = {task.task_id for task in self.heldout}
+        records = [r for r in recorded_episodes(self.base_run / "episodes.jsonl") if r["task_id"] in wanted]
+        episodes_path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
     def _engine(self, sampler: Sampler, rollout: RolloutConfig) -> RolloutEngine:
         return RolloutEngine(self.env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=self.tokenizer,
@@ -88,8 +131,11 @@ class EnvironmentRollouts:
         folder = self.workdir / "eval"
         folder.mkdir(exist_ok=True)
         jobs = [Job(task, 0, adapter_idx) for task in self.heldout]
+        episodes_path = folder / f"step_{step}.jsonl"
+        if self.base_run and adapter_idx == lora.NO_ADAPTER:
+            self._seed_base_eval(episodes_path)
         records = play(self._engine(sampler, self.eval_rollout), jobs, key=jax.random.key(0),
-                       episodes_path=folder / f"step_{step}.jsonl", log_every_s=self.config.log_every_s)
+                       episodes_path=episodes_path, log_every_s=self.config.log_every_s)
         summary, table = summarize_run(records, trials=1)
         (folder / f"step_{step}.md").write_text(table + "\n")
         metrics = {"eval/reward": summary["mean_reward"], "eval/success": summary["success"],
@@ -102,3 +148,8 @@ class EnvironmentRollouts:
         """The job summary's held-out entries: mean reward and success, before and after."""
         return {"base_reward": base["eval/reward"], "final_reward": final["eval/reward"],
                 "base_success": base["eval/success"], "final_success": final["eval/success"]}
+
+
+def _normalized(value):
+    """A config value as JSON would give it back (tuples become lists), for comparing with run.json."""
+    return json.loads(json.dumps(value))

@@ -77,6 +77,8 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
             ("env.name", lambda v: v in ENVIRONMENTS, f"one of {sorted(ENVIRONMENTS)}"),
             ("env.split", lambda v: isinstance(v, str) and bool(v), "the environment's training split"),
             ("eval.split", lambda v: isinstance(v, str) and bool(v), "the environment's held-out split"),
+            ("eval.base_run", lambda v: isinstance(v, str),
+             '"" (play the base agent\'s held-out episodes) or an evaluation job\'s workdir to read them from'),
             ("rollout.max_turns", positive_int, "a positive int"),
             ("rollout.max_tokens_per_turn", positive_int, "a positive int"),
             ("rollout.max_errors", lambda v: isinstance(v, int) and v >= 0, "an int >= 0"),

@@ -1,0 +1,1 @@
+"""TRACE's stages: capability selection, capability environments, adapters per capability, routing."""
