@@ -151,6 +151,29 @@ def test_a_session_feeds_rows_while_others_sample(model):
     assert row == 0 and out.token_ids == alone[0].token_ids
 
 
+def test_a_session_compiles_few_programs_whatever_it_is_fed(model):
+    """Feeds of any number of rows and any piece lengths compile one row prefill per (width: 1, 4 or
+    16 rows; length: a power of two from 32 to the chunk; cache length) and one decode per cache length, with
+    cache lengths powers of two: the programs of a long run stay few (each maps hundreds of kernels
+    into memory, and a process has a limit on maps)."""
+    cfg, params, _ = model
+    sampler = Sampler(cfg, params, decode_chunk=4, min_cache=32, prefill_chunk=64)
+    session, rng, capacities = sampler.session(16), np.random.default_rng(0), set()
+    programs = lambda name: getattr(sampler, name)._cache_size()  # _take_rows's cache is shared by all samplers
+    before = programs("_take_rows")
+    for _ in range(10):
+        rows = rng.choice(16, size=int(rng.integers(1, 17)), replace=False)
+        session.feed(rows, [rng.integers(1, 100, size=int(rng.integers(1, 90))).tolist() for _ in rows],
+                     max_new_tokens=int(rng.integers(1, 9)))
+        capacities.add(session.cache.max_len)
+        while session.running:
+            session.step(jax.random.key(0))
+            capacities.add(session.cache.max_len)
+    assert all(c & (c - 1) == 0 for c in capacities), capacities
+    assert programs("_prefill_rows") <= 3 * 2 * len(capacities)
+    assert programs("_take_rows") - before <= 3 * len(capacities) and programs("_decode") <= len(capacities)
+
+
 def test_sampling_parameters_do_not_recompile_and_key_decides(model):
     cfg, params, _ = model
     sampler = Sampler(cfg, params)

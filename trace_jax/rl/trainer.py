@@ -12,7 +12,7 @@ Held-out tasks are evaluated greedily before training (the base reward), every `
 steps and at the end (see the rollout sources for what they report).
 
 Everything a resumed run needs is in the checkpoint (adapter, optimizer state, step,
-RNG key, task cursor), and step k's sampling key is folded from the run key and k, so a
+RNG key, task cursor, wall time so far), and step k's sampling key is folded from the run key and k, so a
 run killed after any checkpoint and restarted on the same workdir continues exactly as if
 it had never stopped. Files in the workdir: checkpoints/, tensorboard/, metrics.jsonl,
 base_eval.json, summary.json (and eval/ for environments).
@@ -140,6 +140,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     source = (EnvironmentRollouts(config, tokenizer, num_train_tasks, workdir) if "env" in config
               else TaskSetRollouts(config, tokenizer, num_train_tasks))
     state = run.state
+    elapsed = lambda: state.cursor.get("elapsed_s", 0.0) + time.monotonic() - start_time
     sampler = Sampler(run.model.cfg, run.params, adapters=run.adapters(), plan=run.plan,
                       detokenize=tokenizer.decode, min_shared_prefix=config.rollout.min_shared_prefix)
     evaluate = lambda adapter_idx, step: source.evaluate(sampler, adapter_idx, step)
@@ -177,7 +178,9 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         metrics.update({"time/sample_s": t_sampled - t0, "time/learn_s": t_learned - t_sampled,
                         "time/step_s": t_learned - t0, "rollout/rows": float(len(rollouts.sequences))})
         state = TrainState(step=step + 1, adapter_weights=weights, scale=state.scale, opt_state=opt_state,
-                           rng=state.rng, cursor={"next_task": cursor + config.rollout.tasks_per_step})
+                           rng=state.rng, cursor={"next_task": cursor + config.rollout.tasks_per_step,
+                                                  "elapsed_s": round(elapsed(), 1)})
+        start_time = time.monotonic()  # the cursor now holds the time so far
         run.checkpointer.save(state, force=step + 1 == steps)
         if (step + 1) % config.eval.every == 0 or step + 1 == steps:
             latest_eval = evaluate(ADAPTER, step + 1)
@@ -193,6 +196,6 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     export_adapter(run, workdir)
     summary = {**source.summary(base, latest_eval), "steps": int(state.step),
                "rollouts": int(state.step) * config.rollout.tasks_per_step * config.rollout.group_size,
-               "seconds": round(time.monotonic() - start_time, 1)}
+               "seconds": round(elapsed(), 1)}  # over every process of the run, less work lost to a kill
     (workdir / "summary.json").write_text(json.dumps(summary))
     return summary

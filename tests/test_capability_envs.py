@@ -1,0 +1,86 @@
+"""Built-in capability environments through the real rollout engine and τ²'s retail tools: the gold
+agent scores 1.0 and doing nothing 0.0 on every task of every difficulty, each reward level is
+reached by the agent it describes, tasks are deterministic per seed with disjoint splits, worlds
+hold no customer of τ²'s retail DB, and bad settings fail naming the key."""
+
+import jax
+import ml_collections
+import pytest
+
+from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
+from trace_jax.agent.scripted import GoldAgent, NoopAgent, ScriptedUser
+from trace_jax.agent.tool_calls import format_tool_call
+from trace_jax.envs import make_environment
+from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment
+from trace_jax.envs.tau2_bridge import domain_state
+
+TASKS = 40
+
+
+def _env(capability="tool_calling", **kwargs):
+    settings = dict(name="capability", capability=capability, seed=0, difficulty=0, policy=False)
+    return make_environment(ml_collections.ConfigDict({**settings, **kwargs}))
+
+
+def _play(env, agent, tasks):
+    engine = RolloutEngine(env, agent=agent, user=ScriptedUser(), config=RolloutConfig(batch_size=8, max_turns=4))
+    return engine.run([Job(task, 0, -1) for task in tasks], key=jax.random.key(0))
+
+
+class _Scripted:
+    """Makes one call chosen from the episode's gold call by `edit`, then a text turn."""
+
+    def __init__(self, edit):
+        self.edit, self._called = edit, set()
+
+    def reply(self, episode):
+        if id(episode) in self._called:
+            return "Done."
+        self._called.add(id(episode))
+        name, arguments = self.edit(dict(episode.gold().tool_calls[0]))
+        return format_tool_call(name, arguments)
+
+    def forget(self, episode):
+        self._called.discard(id(episode))
+
+
+@pytest.mark.parametrize("capability", sorted(CAPABILITIES))
+def test_gold_scores_one_and_nothing_scores_zero_at_every_difficulty(capability):
+    for difficulty in range(CAPABILITIES[capability].max_difficulty + 1):
+        env = _env(capability, difficulty=difficulty)
+        tasks = env.tasks("train", TASKS) + env.tasks("heldout", TASKS // 4)
+        assert {t.outcome.reward for t in _play(env, GoldAgent(), tasks)} == {1.0}, difficulty
+        assert {t.outcome.reward for t in _play(env, NoopAgent(), tasks)} == {0.0}, difficulty
+
+
+def test_each_reward_level_is_reached_by_the_agent_it_describes():
+    env = _env(difficulty=2)
+    tasks = env.tasks("train", 12)
+    wrong_order = lambda call: (call["name"], {**call["arguments"], "order_id": "#W0000000"})
+    other_tool = lambda call: ("get_order_details", {"order_id": call["arguments"]["order_id"]})
+    for edit, level in [(wrong_order, 0.5), (other_tool, 0.2), (lambda call: (call["name"], call["arguments"]), 1.0)]:
+        rewards = {t.outcome.reward for t in _play(env, _Scripted(edit), tasks)}
+        assert rewards == {level}, (level, rewards)
+
+
+def test_tasks_are_deterministic_per_seed_with_disjoint_splits_and_new_customers():
+    first, again, other_seed = _env(difficulty=2), _env(difficulty=2), _env(difficulty=2, seed=1)
+    tickets = lambda env, split: [env.scenario(t).ticket for t in env.tasks(split, TASKS)]
+    assert tickets(first, "train") == tickets(again, "train")
+    assert tickets(first, "train") != tickets(other_seed, "train")
+    assert not set(tickets(first, "train")) & set(tickets(first, "heldout"))
+    assert len({t.family for t in first.tasks("train", TASKS)}) == 3
+    target = domain_state("retail").db
+    for task in first.tasks("train", TASKS):
+        world = first.scenario(task).db
+        assert not set(world.users) & set(target.users) and not set(world.orders) & set(target.orders)
+        assert {u.email for u in world.users.values()}.isdisjoint(u.email for u in target.users.values())
+
+
+def test_bad_settings_fail_naming_the_key():
+    with pytest.raises(ValueError, match="config.env.capability = 'telepathy'"):
+        _env("telepathy")
+    with pytest.raises(ValueError, match="difficulty = 7 is out of range for tool_calling: 0 to 2"):
+        _env(difficulty=7)
+    with pytest.raises(ValueError, match="unknown split"):
+        CapabilityEnvironment(CAPABILITIES["tool_calling"]).tasks("test")

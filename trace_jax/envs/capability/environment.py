@@ -1,0 +1,184 @@
+"""Capability environments (TRACE stage 2): seeded retail tasks that each exercise one capability,
+on synthetic worlds, with τ²'s retail tools and policy and a multi-level reward computed by code.
+
+A generator turns (random draw, difficulty) into a `Scenario`: a synthetic world, a
+ticket, the calls already made before the agent's first turn (a pre-filled conversation:
+authentication and look-ups done, so the agent's work is the capability itself), the
+calls the agent still has to make and the facts its reply must state. The agent sees the
+pre-filled turns exactly as it would have written them (`<tool_call>` blocks) with τ²'s
+real results. Splits draw from disjoint seed streams; every task is a pure function of
+(capability, seed, difficulty, split, index).
+
+The reward has levels, so GRPO groups have variance while the agent is weak (only normal
+ends score above 0):
+  0.2  at least one well-formed call to an offered tool;
+  0.5  every gold tool called by name;
+  0.8  every gold call made with exactly the gold arguments, and the DB equals the gold
+       replay's (no stray write);
+  1.0  all that, and every required fact stated in a text turn (τ²'s COMMUNICATE check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable
+
+from tau2.data_model.message import AssistantMessage
+from tau2.domains.retail.data_model import Product, RetailDB
+from tau2.domains.retail.environment import get_environment
+from tau2.environment.environment import Environment
+from tau2.evaluator.evaluator_communicate import CommunicateEvaluator
+
+from trace_jax.agent.tool_calls import format_tool_call
+from trace_jax.envs.base import NORMAL_ENDS, Gold, Message, Outcome, TaskSpec
+from trace_jax.envs.embedded_retail import SOLO_INSTRUCTION, SoloTicketEpisode, system_prompt
+from trace_jax.envs.tau2_bridge import domain_state, execute
+
+SPLITS = ("train", "heldout")
+LEVELS = {"format": 0.2, "tool": 0.5, "arguments": 0.8, "COMMUNICATE": 1.0}  # see the module docstring
+
+Call = dict  # {"name": str, "arguments": dict}
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """One task of a capability: its world and ticket, what was done before the agent's turn, what it must do."""
+
+    variant: str  # the task's family in per-family tables
+    db: RetailDB
+    ticket: str
+    prefilled: tuple[Call, ...]  # calls made before the agent's first turn, in order
+    gold_calls: tuple[Call, ...]  # the calls the agent still has to make
+    facts: tuple[str, ...] = ()  # strings its final reply must contain
+
+
+# (random draw, difficulty, τ²'s product catalogue) -> Scenario
+Generator = Callable[[random.Random, int, dict[str, Product]], Scenario]
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+    """A built-in capability environment: its generator and the tools it offers at each difficulty
+    (τ²'s schemas of those names, the same for every task of one difficulty)."""
+
+    name: str
+    description: str
+    generate: Generator
+    tools: tuple[tuple[str, ...], ...]  # by difficulty
+
+    @property
+    def max_difficulty(self) -> int:
+        return len(self.tools) - 1
+
+
+def _environment(db: RetailDB) -> Environment:
+    return get_environment(db=db.model_copy(deep=True))
+
+
+class CapabilityEpisode(SoloTicketEpisode):
+    """One scenario played once on its own copy of the scenario's world."""
+
+    def __init__(self, spec: TaskSpec, scenario: Scenario, prompt: str, tools: list[dict]):
+        self.task = spec
+        self.tools = tools
+        self.user_tools: list[dict] = []
+        self.scenario = scenario
+        self._prompt = prompt
+        self._environment: Environment | None = None
+        self._opening = 0  # messages before the agent's first turn
+        self.messages: list[Message] = []
+        self.end_reason: str | None = None
+
+    def reset(self) -> list[Message]:
+        """The system prompt, the ticket and the pre-filled turns: each call as the agent writes one, then τ²'s result."""
+        self._environment = _environment(self.scenario.db)
+        self.end_reason = None
+        self.messages = [{"role": "system", "content": self._prompt}, {"role": "user", "content": self.scenario.ticket}]
+        shown = list(self.messages)
+        for i, call in enumerate(self.scenario.prefilled):
+            call = {"id": f"prefilled_{i}", **call}
+            result = execute(self._environment, call)
+            self.messages += [{"role": "assistant", "content": "", "tool_calls": [call]}, result]
+            shown += [{"role": "assistant", "content": format_tool_call(call["name"], call["arguments"])}, result]
+        self._opening = len(self.messages)
+        return shown
+
+    def _tool_environment(self) -> Environment:
+        return self._environment
+
+    def gold(self) -> Gold:
+        return Gold(tool_calls=self.scenario.gold_calls, facts=self.scenario.facts)
+
+    def evaluate(self) -> Outcome:
+        """The multi-level reward of the module docstring, with each level's check as a component."""
+        if self.end_reason is None:
+            raise RuntimeError(f"episode {self.task.task_id} has not ended")
+        gold = self.scenario.gold_calls
+        agent_calls = [{"name": c["name"], "arguments": c["arguments"]}
+                       for m in self.messages[self._opening:] for c in m.get("tool_calls") or ()]
+        replay = _environment(self.scenario.db)
+        for i, call in enumerate(self.scenario.prefilled + gold):
+            execute(replay, {"id": f"gold_{i}", **call})
+        texts = [AssistantMessage(role="assistant", content=m["content"]) for m in self.messages[self._opening:]
+                 if m["role"] == "assistant" and m.get("content") and not m.get("tool_calls")]
+        missing = [c.info for c in CommunicateEvaluator.evaluate_communicate_info(texts, list(self.scenario.facts))
+                   if not c.met]
+        checks = {"format": bool(agent_calls),
+                  "tool": {c["name"] for c in gold} <= {c["name"] for c in agent_calls},
+                  "arguments": (all(c in agent_calls for c in gold)
+                                and self._environment.get_db_hash() == replay.get_db_hash()),
+                  "COMMUNICATE": not missing}
+        reward = 0.0
+        if self.end_reason in NORMAL_ENDS:
+            for level, value in LEVELS.items():  # levels build on each other
+                if not checks[level]:
+                    break
+                reward = value
+        info = {"end_reason": self.end_reason, "failed_communicate": missing,
+                "missing_calls": [f"{c['name']}({c['arguments']})" for c in gold if c not in agent_calls]}
+        return Outcome(reward=reward, success=reward >= 1.0, components={k: float(v) for k, v in checks.items()},
+                       info=info)
+
+
+class CapabilityEnvironment:
+    """Unlimited seeded tasks of one capability, in disjoint train and held-out seed streams."""
+
+    name = "capability"
+
+    def __init__(self, capability: Capability, seed: int = 0, difficulty: int = 0, policy: bool = True,
+                 num_tasks: int = 200):
+        """`difficulty` in [0, capability.max_difficulty]; `policy` puts τ²'s retail policy in the system
+        prompt (as the target has it) or only the solo instruction (a short head, for CPU-sized runs)."""
+        if not 0 <= difficulty <= capability.max_difficulty:
+            raise ValueError(f"difficulty = {difficulty} is out of range for {capability.name}: "
+                             f"0 to {capability.max_difficulty}")
+        self.capability, self.seed, self.difficulty, self.num_tasks = capability, seed, difficulty, num_tasks
+        state = domain_state("retail")
+        self._catalogue = state.db.products
+        self.tools = [t for t in state.tool_schemas if t["function"]["name"] in capability.tools[difficulty]]
+        self.system_prompt = system_prompt(state.policy) if policy else SOLO_INSTRUCTION
+        self._scenarios: dict[str, tuple[TaskSpec, Scenario]] = {}
+
+    def tasks(self, split: str, num: int | None = None) -> list[TaskSpec]:
+        """The first `num` tasks of `split` (`num_tasks` when None)."""
+        if split not in SPLITS:
+            raise ValueError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
+        return [self._task(split, index)[0] for index in range(self.num_tasks if num is None else num)]
+
+    def scenario(self, spec: TaskSpec) -> Scenario:
+        """The scenario behind `spec` (from an earlier `tasks` call)."""
+        if spec.task_id not in self._scenarios:
+            raise ValueError(f"task {spec.task_id!r} did not come from this environment's tasks()")
+        return self._scenarios[spec.task_id][1]
+
+    def episode(self, task: TaskSpec) -> CapabilityEpisode:
+        return CapabilityEpisode(task, self.scenario(task), self.system_prompt, self.tools)
+
+    def _task(self, split: str, index: int) -> tuple[TaskSpec, Scenario]:
+        key = f"{self.capability.name}/{self.seed}/{self.difficulty}/{split}/{index}"
+        task_id = f"{self.name}/{key}"
+        if task_id not in self._scenarios:
+            scenario = self.capability.generate(random.Random(key), self.difficulty, self._catalogue)
+            self._scenarios[task_id] = (TaskSpec(task_id, split, scenario.variant), scenario)
+        return self._scenarios[task_id]
