@@ -61,7 +61,7 @@ class Pool:
         self.by_status: dict[str, list[Order]] = {}
         for order in orders:
             self.by_status.setdefault(order.status, []).append(order)
-        self.addresses = sorted({_address_text(u.address): u.address for u in self.users}.items())
+        self.addresses = sorted({address_text(u.address): u.address for u in self.users}.items())
 
     def orders(self, *statuses: str) -> list[Order]:
         """The split's orders with any of `statuses`."""
@@ -72,7 +72,8 @@ class Pool:
         return self.db.users[order.user_id]
 
 
-def _address_text(address: UserAddress) -> str:
+def address_text(address: UserAddress) -> str:
+    """An address as a ticket writes it: "street, suite, city, ST zip, country"."""
     parts = [address.address1, address.address2, address.city, f"{address.state} {address.zip}", address.country]
     return ", ".join(p for p in parts if p)
 

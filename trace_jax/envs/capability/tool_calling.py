@@ -19,6 +19,7 @@ from tau2.domains.retail.data_model import Product
 
 from trace_jax.envs.capability.environment import Capability, Scenario
 from trace_jax.envs.capability.world import address, build_world
+from trace_jax.envs.embedded_retail_families import address_text
 
 REASONS = {"no longer needed": ("I don't need it anymore", "it's no longer needed", "I changed my mind about it"),
            "ordered by mistake": ("I ordered it by mistake", "I placed it by accident", "it was a mistaken order")}
@@ -56,8 +57,7 @@ def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product])
                      payment_method_id=payment)
     else:
         new = address(rng)
-        where = ", ".join(p for p in (new.address1, new.address2, new.city, f"{new.state} {new.zip}", new.country) if p)
-        ask = f"Please ship my order {order.order_id} to {where} instead."
+        ask = f"Please ship my order {order.order_id} to {address_text(new)} instead."
         gold = _call("modify_pending_order_address", order_id=order.order_id, **new.model_dump())
     lookups.append(_call("get_order_details", order_id=order.order_id))
     return Scenario(variant=variant, db=db, ticket=f"{intro} {ask} {rng.choice(CONFIRM)}", prefilled=tuple(lookups),
