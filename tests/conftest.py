@@ -7,6 +7,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pathlib  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 from trace_jax.runtime import retain_freed_memory  # noqa: E402
 
@@ -30,3 +32,28 @@ def smollm2():
     from trace_jax.models.model import load_model
 
     return load_model("smollm2-135m-instruct")
+
+
+def _job_env(tmp_path_factory) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return {**env, "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache"))}
+
+
+@pytest.fixture(scope="module")
+def job_env(tmp_path_factory) -> dict[str, str]:
+    """The environment a job subprocess runs in, as a user's: one CPU device (not the 8 fake ones
+    above; a job's mesh takes every device, which multiplies its memory) and a compilation cache
+    shared by the processes of one test module."""
+    return _job_env(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_agent(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+    """(model cache, folder) of the embedded agent `smollm2-135m-tiny-agent` (configs/warmstart_tiny.py),
+    built once per session in a subprocess, as its first use builds it."""
+    cache = tmp_path_factory.mktemp("model_cache")
+    build = "import sys; from trace_jax import warmstart; print(warmstart.agent_dir('smollm2-135m-tiny-agent', sys.argv[1]))"
+    out = subprocess.run([sys.executable, "-c", build, str(cache)], cwd=pathlib.Path(__file__).resolve().parents[1],
+                         env=_job_env(tmp_path_factory), capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return cache, pathlib.Path(out.stdout.strip().splitlines()[-1])

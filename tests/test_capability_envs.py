@@ -28,13 +28,14 @@ def _play(env, agent, tasks):
 
 
 class _Scripted:
-    """Makes one call chosen from the episode's gold call by `edit`, then a text turn."""
+    """Makes one call chosen from the episode's gold call by `edit`, then a text turn (or, with
+    `replies=False`, the same call again until the episode is cut off)."""
 
-    def __init__(self, edit):
-        self.edit, self._called = edit, set()
+    def __init__(self, edit, replies=True):
+        self.edit, self.replies, self._called = edit, replies, set()
 
     def reply(self, episode):
-        if id(episode) in self._called:
+        if id(episode) in self._called and self.replies:
             return "Done."
         self._called.add(id(episode))
         name, arguments = self.edit(dict(episode.gold().tool_calls[0]))
@@ -58,9 +59,12 @@ def test_each_reward_level_is_reached_by_the_agent_it_describes():
     tasks = env.tasks("train", 12)
     wrong_order = lambda call: (call["name"], {**call["arguments"], "order_id": "#W0000000"})
     other_tool = lambda call: ("get_order_details", {"order_id": call["arguments"]["order_id"]})
-    for edit, level in [(wrong_order, 0.5), (other_tool, 0.2), (lambda call: (call["name"], call["arguments"]), 1.0)]:
-        rewards = {t.outcome.reward for t in _play(env, _Scripted(edit), tasks)}
-        assert rewards == {level}, (level, rewards)
+    gold = lambda call: (call["name"], call["arguments"])
+    for agent, level in [(_Scripted(wrong_order), 0.5), (_Scripted(other_tool), 0.2), (_Scripted(gold), 1.0),
+                         (_Scripted(gold, replies=False), 0.8)]:  # the right call, but no final reply
+        played = _play(env, agent, tasks)
+        assert {t.outcome.reward for t in played} == {level}, (level, {t.outcome.reward for t in played})
+        assert all((t.end_reason == "agent_stop") == agent.replies for t in played)
 
 
 def test_tasks_are_deterministic_per_seed_with_disjoint_splits_and_new_customers():

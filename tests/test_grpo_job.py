@@ -1,5 +1,6 @@
 """The GRPO job end to end on the embedded SmolLM2: bad configs fail at start naming the key, the tiny
-config raises the training reward and writes TensorBoard metrics, and a SIGKILLed run resumes exactly.
+configs raise the training reward (on single-turn tasks, and on an environment from the tiny agent)
+and write TensorBoard metrics, and a SIGKILLed run resumes exactly.
 
 The job runs as a subprocess (`python -m launch.grpo`), as a user would launch it. The
 processes share a JAX compilation cache so the second one does not compile again.
@@ -33,17 +34,10 @@ def _command(workdir, *overrides):
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """The user's environment: one CPU device (not the 8 fake ones conftest sets up for sharding tests)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return {**env, "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache"))}
-
-
-@pytest.fixture(scope="module")
-def full_run(tmp_path_factory, env):
+def full_run(tmp_path_factory, job_env):
     """(workdir, summary, log) of one uninterrupted tiny run."""
     workdir = tmp_path_factory.mktemp("full_run")
-    out = subprocess.run(_command(workdir), cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(_command(workdir), cwd=REPO, env=job_env, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return workdir, json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
@@ -81,7 +75,7 @@ def _wait_for_checkpoint(workdir: pathlib.Path, step: int, child: subprocess.Pop
         time.sleep(0.2)
 
 
-def test_sigkilled_run_resumes_to_the_same_adapter(full_run, env, tmp_path):
+def test_sigkilled_run_resumes_to_the_same_adapter(full_run, job_env, tmp_path):
     """A run restarted from the uninterrupted run's checkpoint of step STEPS - 1 trains the last step,
     and is SIGKILLed as soon as it has saved that step (during its final evaluation). Restarted on the
     same workdir, the job resumes from the killed process's checkpoint and ends with the uninterrupted
@@ -93,14 +87,14 @@ def test_sigkilled_run_resumes_to_the_same_adapter(full_run, env, tmp_path):
     shutil.copytree(full_dir / "checkpoints" / str(last), workdir / "checkpoints" / str(last))
     shutil.copy(full_dir / "base_eval.json", workdir)  # the base evaluation is not under test
     with open(tmp_path / "first.log", "w") as log:
-        child = subprocess.Popen(_command(workdir), cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        child = subprocess.Popen(_command(workdir), cwd=REPO, env=job_env, stdout=log, stderr=subprocess.STDOUT)
         _wait_for_checkpoint(workdir, STEPS, child, timeout_s=1200)
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
     first_log = (tmp_path / "first.log").read_text()
     assert child.returncode == -signal.SIGKILL, first_log[-3000:]
     assert f"resumed from step {last}" in first_log and "base_reward" not in first_log  # killed before the end
-    out = subprocess.run(_command(workdir), cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(_command(workdir), cwd=REPO, env=job_env, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-4000:]
     assert f"resumed from step {STEPS}" in out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])

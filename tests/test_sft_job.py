@@ -1,12 +1,11 @@
-"""The SFT job on the embedded SmolLM2 (`configs/warmstart_tiny.py`: two gold trajectories of train
-tickets, two steps, adapters on the top two layers), run as a user runs it (subprocesses on one CPU
-device, not the 8 fake ones conftest sets up): an embedded agent is built once per config and then
-taken from the cache; a stopped run resumes to the same weights; the loss falls; the PEFT adapter and
-the merged HF folder agree.
+"""The SFT job on the embedded SmolLM2 (`configs/warmstart_tiny.py`: a few gold trajectories of the
+tool_calling capability environment, adapters on the top four layers), run as a user runs it
+(subprocesses on one CPU device): the embedded agent it builds is built once per config and then
+taken from the cache; a stopped run resumes to the same weights; the loss falls; the PEFT adapter
+and the merged HF folder agree.
 """
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -16,20 +15,15 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from configs import warmstart_tiny
 from trace_jax import lora, warmstart
 from trace_jax.models import decoder
 from trace_jax.models.embedded import resolve_model_dir
 from trace_jax.models.model import load_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-BUILD = ("import sys; from trace_jax import warmstart; warmstart.AGENTS['tiny-agent'] = 'configs.warmstart_tiny'; "
-         "print(warmstart.agent_dir('tiny-agent', sys.argv[1]))")
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return {**env, "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache"))}
+AGENT = "smollm2-135m-tiny-agent"
+CONFIG = warmstart_tiny.get_config()
 
 
 def _run(args, env):
@@ -39,48 +33,40 @@ def _run(args, env):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, env):
-    """(cache dir, the tiny agent's folder) after one build."""
-    cache = tmp_path_factory.mktemp("cache")
-    return cache, pathlib.Path(_run(["-c", BUILD, str(cache)], env))
-
-
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory, env):
+def resumed(tmp_path_factory, job_env):
     """The workdir of a tiny run stopped after step 1 and run again to the end."""
     workdir = tmp_path_factory.mktemp("sft_resumed")
     command = ["-m", "launch.sft", "--config=configs/warmstart_tiny.py", f"--workdir={workdir}"]
-    _run([*command, "--config.train.steps=1"], env)
-    assert json.loads(_run(command, env))["steps"] == 2
+    _run([*command, "--config.train.steps=1"], job_env)
+    assert json.loads(_run(command, job_env))["steps"] == CONFIG.train.steps
     return workdir
 
 
-def test_an_embedded_agent_is_built_once_per_config(built, monkeypatch):
-    cache, folder = built
+def test_an_embedded_agent_is_built_once_per_config(tiny_agent, monkeypatch):
+    cache, folder = tiny_agent
     marker = json.loads((folder / "trace_jax_warmstart.json").read_text())
     print(f"\n[sft job] tiny agent build: {marker['build']}")
-    assert marker["config"] == "configs.warmstart_tiny" and marker["build"]["steps"] == 2
+    assert marker["config"] == "configs.warmstart_tiny" and marker["build"]["steps"] == CONFIG.train.steps
     assert (folder / "model.safetensors").is_file() and not list((cache / "agents").glob(".*"))  # workdir removed
 
     def no_training(*_):
         raise AssertionError("a cached agent was built again")
 
-    monkeypatch.setitem(warmstart.AGENTS, "tiny-agent", "configs.warmstart_tiny")
     monkeypatch.setattr(warmstart, "run_build", no_training)
-    assert warmstart.agent_dir("tiny-agent", cache) == folder  # from the cache
+    assert warmstart.agent_dir(AGENT, cache) == folder  # from the cache
     monkeypatch.setenv("TRACE_JAX_CACHE", str(cache))
-    assert resolve_model_dir("tiny-agent") == folder  # the name is a model name like any embedded one
-    config = warmstart.build_config("tiny-agent")
+    assert resolve_model_dir(AGENT) == folder  # the name is a model name like any embedded one
+    config = warmstart.build_config(AGENT)
     config.seed = 1
     monkeypatch.setattr(warmstart, "build_config", lambda name: config)
     with pytest.raises(AssertionError, match="built again"):  # another config: another agent
-        warmstart.agent_dir("tiny-agent", cache)
+        warmstart.agent_dir(AGENT, cache)
 
 
-def test_a_stopped_run_resumes_to_the_same_weights_and_lowers_the_loss(built, resumed):
-    _, folder = built
+def test_a_stopped_run_resumes_to_the_same_weights_and_lowers_the_loss(tiny_agent, resumed):
+    _, folder = tiny_agent
     losses = [json.loads(line)["learner/loss"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
-    assert len(losses) == 2 and losses[1] < losses[0]  # the same two trajectories, cloned better after one update
+    assert len(losses) == CONFIG.train.steps and losses[-1] < losses[0]
     merged, uninterrupted = load_file(resumed / "merged" / "model.safetensors"), load_file(folder / "model.safetensors")
     assert merged.keys() == uninterrupted.keys()
     for name in merged:
@@ -90,7 +76,8 @@ def test_a_stopped_run_resumes_to_the_same_weights_and_lowers_the_loss(built, re
 def test_the_merged_folder_is_the_base_with_the_peft_adapter(resumed):
     base, merged = load_model("smollm2-135m-instruct"), load_model(resumed / "merged")  # what --config.model= takes
     adapters = lora.load_peft(resumed / "adapter", base.cfg)
-    assert all(float(jnp.abs(w["b"][:, :28]).max()) == 0 < float(jnp.abs(w["b"][:, 28:]).max())
+    first = CONFIG.lora.first_layer
+    assert all(float(jnp.abs(w["b"][:, :first]).max()) == 0 < float(jnp.abs(w["b"][:, first:]).max())
                for w in adapters.weights.values())  # only the layers from lora.first_layer on were trained
     tokens = jnp.asarray([base.tokenizer.encode("Where is my order #W1234567?")])
     row_lora = lora.for_rows(adapters, jnp.zeros(1, jnp.int32))

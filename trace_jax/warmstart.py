@@ -26,7 +26,8 @@ from absl import logging
 from trace_jax.models.embedded import default_cache_dir
 
 # name -> the config module of the SFT job that builds it
-AGENTS = {"smollm2-135m-retail-agent": "configs.warmstart_embedded"}
+AGENTS = {"smollm2-135m-retail-agent": "configs.warmstart_embedded",
+          "smollm2-135m-tiny-agent": "configs.warmstart_tiny"}  # minutes to build: for CI and quick trials
 _MARKER = "trace_jax_warmstart.json"
 
 

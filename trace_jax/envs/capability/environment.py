@@ -9,13 +9,15 @@ pre-filled turns exactly as it would have written them (`<tool_call>` blocks) wi
 real results. Splits draw from disjoint seed streams; every task is a pure function of
 (capability, seed, difficulty, split, index).
 
-The reward has levels, so GRPO groups have variance while the agent is weak (only normal
-ends score above 0):
+The reward has levels, so GRPO groups have variance while the agent is weak:
   0.2  at least one well-formed call to an offered tool;
   0.5  every gold tool called by name;
   0.8  every gold call made with exactly the gold arguments, and the DB equals the gold
        replay's (no stray write);
-  1.0  all that, and every required fact stated in a text turn (τ²'s COMMUNICATE check).
+  1.0  all that, and the episode ended normally (the agent's final reply) with every
+       required fact stated in a text turn (τ²'s COMMUNICATE check).
+The call levels count however the episode ended (a right call followed by a loop of calls
+still earns 0.8), so a weak agent's partial work is told apart; only 1.0 needs the ending.
 """
 
 from __future__ import annotations
@@ -128,13 +130,12 @@ class CapabilityEpisode(SoloTicketEpisode):
                   "tool": {c["name"] for c in gold} <= {c["name"] for c in agent_calls},
                   "arguments": (all(c in agent_calls for c in gold)
                                 and self._environment.get_db_hash() == replay.get_db_hash()),
-                  "COMMUNICATE": not missing}
+                  "COMMUNICATE": self.end_reason in NORMAL_ENDS and not missing}
         reward = 0.0
-        if self.end_reason in NORMAL_ENDS:
-            for level, value in LEVELS.items():  # levels build on each other
-                if not checks[level]:
-                    break
-                reward = value
+        for level, value in LEVELS.items():  # levels build on each other
+            if not checks[level]:
+                break
+            reward = value
         info = {"end_reason": self.end_reason, "failed_communicate": missing,
                 "missing_calls": [f"{c['name']}({c['arguments']})" for c in gold if c not in agent_calls]}
         return Outcome(reward=reward, success=reward >= 1.0, components={k: float(v) for k, v in checks.items()},
