@@ -1,6 +1,5 @@
 """The GRPO job end to end on the embedded SmolLM2: bad configs fail at start naming the key, the tiny
-configs raise the training reward (on single-turn tasks, and on an environment from the tiny agent)
-and write TensorBoard metrics, and a SIGKILLed run resumes exactly.
+config raises the training reward and writes TensorBoard metrics, and a SIGKILLed run resumes exactly.
 
 The job runs as a subprocess (`python -m launch.grpo`), as a user would launch it. The
 processes share a JAX compilation cache so the second one does not compile again.

@@ -1,5 +1,5 @@
 """The SFT job on the embedded SmolLM2 (`configs/warmstart_tiny.py`: a few gold trajectories of the
-tool_calling capability environment, adapters on the top four layers), run as a user runs it
+tool_calling capability environment, adapters on the top six layers), run as a user runs it
 (subprocesses on one CPU device): the embedded agent it builds is built once per config and then
 taken from the cache; a stopped run resumes to the same weights; the loss falls; the PEFT adapter
 and the merged HF folder agree.

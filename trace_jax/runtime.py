@@ -7,14 +7,22 @@ back to the OS, so every run page-faults gigabytes afresh: measured here, 1.5 mi
 faults and 10-14 s of kernel time in a 20 s learner step. Keeping freed memory in the
 process instead (one arena, no mmap for large blocks, never trimmed) takes that step to
 14 s with no faults once the heap has grown. The cost: the process keeps its peak memory.
+Where JAX computes on a GPU or TPU the setting is left off: there XLA compiles on many
+threads, and one arena serialises their allocations (measured on an H100 host: the tiny
+warm start took 105 s without it, and had not finished its first step after 240 s with it,
+1,368 s of system time).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.metadata
+import os
 import platform
+import re
 import sys
+from collections.abc import Iterable, Mapping
 
 # mallopt(3) parameters from glibc's malloc.h.
 _M_TRIM_THRESHOLD = -1
@@ -26,9 +34,9 @@ def retain_freed_memory() -> bool:
     """Tells glibc malloc to reuse freed memory instead of returning it to the OS.
 
     Call it before JAX starts its threads (at the top of a program). Returns False, doing
-    nothing, where the C library is not glibc (macOS, musl).
+    nothing, where the C library is not glibc (macOS, musl) or JAX will not compute on the CPU.
     """
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or not computes_on_cpu():
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -39,6 +47,18 @@ def retain_freed_memory() -> bool:
     # One arena, so large blocks come from the main heap; no mmap per block; -1 (as size_t) = never trim.
     return all(mallopt(param, value) == 1 for param, value in
                ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
+
+
+def computes_on_cpu(environ: Mapping[str, str] | None = None, installed: Iterable[str] | None = None) -> bool:
+    """Whether JAX will compute on the CPU, decided without starting JAX: `JAX_PLATFORMS` names the
+    CPU first, or (unset) no GPU or TPU plugin is installed (jax-cuda*/rocm*-plugin, libtpu)."""
+    platforms = (os.environ if environ is None else environ).get("JAX_PLATFORMS", "")
+    if platforms:
+        return platforms.split(",")[0].strip() == "cpu"
+    if installed is None:
+        installed = (d.metadata["Name"] or "" for d in importlib.metadata.distributions())
+    accelerator = re.compile(r"jax-(cuda|rocm)\d*-plugin|libtpu(-nightly)?")
+    return not any(accelerator.fullmatch(name.lower().replace("_", "-")) for name in installed)
 
 
 def cpu_name() -> str:
