@@ -43,6 +43,11 @@ class Completion:
     text: str | None = None
 
 
+def power_of_two(n: int) -> int:
+    """The smallest power of two >= max(n, 1)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
 def bucket_size(n: int, minimum: int) -> int:
     """The smallest size of the form 2^k or 3 * 2^(k-1) that is >= max(n, minimum).
 
@@ -50,7 +55,7 @@ def bucket_size(n: int, minimum: int) -> int:
     number of distinct shapes, and so of compiled programs, grows only logarithmically.
     """
     n = max(int(n), minimum, 1)
-    power = 1 << (n - 1).bit_length()
+    power = power_of_two(n)
     return power * 3 // 4 if power >= 4 and power * 3 // 4 >= n else power
 
 
@@ -285,7 +290,7 @@ class Sampler:
     def _batch_size(self, rows: int) -> int:
         """`rows` rounded up to a power of two and to a multiple of the mesh's batch multiple."""
         multiple = self.plan.batch_multiple if self.plan else 1
-        return -(-(1 << (rows - 1).bit_length()) // multiple) * multiple
+        return -(-power_of_two(rows) // multiple) * multiple
 
     def _capacity(self, needed: int) -> int:
         """The cache length for `needed` positions: a power of two, at most the context limit.
@@ -297,7 +302,7 @@ class Sampler:
         maps reached the kernel's limit (vm.max_map_count, 65,530). Powers of two bound the
         programs for any run (31 for those episodes), for attention over at most twice the
         positions in use (docs/agentic_rl.md, third round)."""
-        return min(max(1 << (max(int(needed), 1) - 1).bit_length(), self.min_cache), self.max_context)
+        return min(max(power_of_two(needed), self.min_cache), self.max_context)
 
     def _rows_width(self, rows: int, batch: int) -> int:
         """How many rows a row prefill computes for `rows` fed rows of a `batch`-row cache: a power of
@@ -550,7 +555,7 @@ class Session:
         row_ids = np.full((width,), batch, np.int32)  # padding ids are dropped
         row_ids[:n] = rows
         longest = max(map(len, pieces))  # positions: a power of two from MIN_PIECE to the chunk
-        tokens = np.zeros((width, min(max(1 << (longest - 1).bit_length(), MIN_PIECE), sampler.prefill_chunk)), np.int32)
+        tokens = np.zeros((width, min(max(power_of_two(longest), MIN_PIECE), sampler.prefill_chunk)), np.int32)
         for i, piece in enumerate(pieces):
             tokens[i, : len(piece)] = piece
         num_new = np.zeros((width,), np.int32)

@@ -76,12 +76,20 @@ class Outcome:
     info: dict[str, Any]
 
 
+Call = dict  # a tool call as tasks state it: {"name": str, "arguments": dict}
+
+
+def call(name: str, **arguments) -> Call:
+    """The tool call `name(**arguments)`."""
+    return {"name": name, "arguments": arguments}
+
+
 @dataclasses.dataclass(frozen=True)
 class Gold:
     """What a perfect agent does: the task's gold tool calls ({"name", "arguments"}) in
     order, then one text message stating `facts` (the strings the task requires said)."""
 
-    tool_calls: tuple[dict, ...]
+    tool_calls: tuple[Call, ...]
     facts: tuple[str, ...]
 
 

@@ -28,10 +28,10 @@ from collections.abc import Callable
 
 from tau2.domains.retail.data_model import Order, RetailDB, User, UserAddress
 
+from trace_jax.envs.base import Call, call
+
 SPLITS = ("train", "heldout")
 HELDOUT_SHARE = 5  # one user in this many (by a stable hash of the user id) is held out
-
-Call = dict  # {"name": str, "arguments": dict}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,29 +83,25 @@ def _amount(value: float) -> str:
     return f"{value:.2f}".rstrip("0").rstrip(".")
 
 
-def _call(name: str, **arguments) -> Call:
-    return {"name": name, "arguments": arguments}
-
-
 def _identify(user: User, rng: random.Random, mode: str | None = None) -> tuple[str, Call]:
     """How the ticket identifies the customer (by e-mail or by name and zip) and the gold lookup."""
     mode = mode or rng.choice(("email", "name_zip"))
     name = f"{user.name.first_name} {user.name.last_name}"
     if mode == "email":
         intro = rng.choice((f"My email is {user.email}.", f"This is {name} ({user.email})."))
-        return intro, _call("find_user_id_by_email", email=user.email)
+        return intro, call("find_user_id_by_email", email=user.email)
     intro = rng.choice((f"I'm {name}, zip code {user.address.zip}.",
                         f"My name is {name} and my zip code is {user.address.zip}; I don't remember my email."))
-    return intro, _call("find_user_id_by_name_zip", first_name=user.name.first_name,
+    return intro, call("find_user_id_by_name_zip", first_name=user.name.first_name,
                         last_name=user.name.last_name, zip=user.address.zip)
 
 
 def _details(order: Order) -> Call:
-    return _call("get_order_details", order_id=order.order_id)
+    return call("get_order_details", order_id=order.order_id)
 
 
 def _user_details(user: User) -> Call:
-    return _call("get_user_details", user_id=user.user_id)
+    return call("get_user_details", user_id=user.user_id)
 
 
 def _entities(*items: User | Order) -> frozenset[str]:
@@ -176,7 +172,7 @@ def cancel_pending(pool: Pool, rng: random.Random) -> Draft:
     reason = rng.choice(sorted(REASONS))
     ticket = (f"{intro} Please cancel my order {order.order_id}; {rng.choice(REASONS[reason])}. "
               f"{rng.choice(CONFIRM)}")
-    calls = (find, _details(order), _call("cancel_pending_order", order_id=order.order_id, reason=reason))
+    calls = (find, _details(order), call("cancel_pending_order", order_id=order.order_id, reason=reason))
     return Draft(reason.replace(" ", "_"), ticket, calls, (), _entities(user, order))
 
 
@@ -195,7 +191,7 @@ def change_address(pool: Pool, rng: random.Random) -> Draft:
         text, new = rng.choice([(t, a) for t, a in pool.addresses if a != order.address])
         where = text
     ticket = f"{intro} Please ship my order {order.order_id} to {where} instead. {rng.choice(CONFIRM)}"
-    calls.append(_call("modify_pending_order_address", order_id=order.order_id, **new.model_dump()))
+    calls.append(call("modify_pending_order_address", order_id=order.order_id, **new.model_dump()))
     return Draft(variant, ticket, tuple(calls), (), _entities(user, order))
 
 
@@ -226,7 +222,7 @@ def return_delivered(pool: Pool, rng: random.Random) -> Draft:
     else:
         payment, to = original, "the original payment method"
     ticket = f"{intro} I'd like to return {what} from order {order.order_id}, refunded to {to}. {rng.choice(CONFIRM)}"
-    calls.append(_call("return_delivered_order_items", order_id=order.order_id, item_ids=items,
+    calls.append(call("return_delivered_order_items", order_id=order.order_id, item_ids=items,
                        payment_method_id=payment))
     return Draft("gift_card" if to == "my gift card" else "original", ticket, tuple(calls), (), _entities(user, order))
 
@@ -264,7 +260,7 @@ def _other_user(pool: Pool, rng: random.Random) -> Draft:
     ticket = (f"{intro} Please cancel my order {order.order_id}; {rng.choice(REASONS[reason])}. "
               f"My neighbour also asked me to cancel their order {other.order_id} for the same reason. "
               f"{rng.choice(CONFIRM)}")
-    calls = (find, _details(order), _call("cancel_pending_order", order_id=order.order_id, reason=reason))
+    calls = (find, _details(order), call("cancel_pending_order", order_id=order.order_id, reason=reason))
     return Draft("other_user", ticket, calls, (), _entities(user, order, pool.user(other), other))
 
 

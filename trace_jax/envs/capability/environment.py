@@ -33,14 +33,12 @@ from tau2.environment.environment import Environment
 from tau2.evaluator.evaluator_communicate import CommunicateEvaluator
 
 from trace_jax.agent.tool_calls import format_tool_call
-from trace_jax.envs.base import NORMAL_ENDS, Gold, Message, Outcome, TaskSpec
+from trace_jax.envs.base import NORMAL_ENDS, Call, Gold, Message, Outcome, TaskSpec
 from trace_jax.envs.embedded_retail import SOLO_INSTRUCTION, SoloTicketEpisode, system_prompt
 from trace_jax.envs.tau2_bridge import domain_state, execute
 
 SPLITS = ("train", "heldout")
 LEVELS = {"format": 0.2, "tool": 0.5, "arguments": 0.8, "COMMUNICATE": 1.0}  # see the module docstring
-
-Call = dict  # {"name": str, "arguments": dict}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ import random
 
 from tau2.domains.retail.data_model import Product
 
+from trace_jax.envs.base import call
 from trace_jax.envs.capability.environment import Capability, Scenario
 from trace_jax.envs.capability.world import address, build_world
 from trace_jax.envs.embedded_retail_families import address_text
@@ -24,10 +25,6 @@ from trace_jax.envs.embedded_retail_families import address_text
 REASONS = {"no longer needed": ("I don't need it anymore", "it's no longer needed", "I changed my mind about it"),
            "ordered by mistake": ("I ordered it by mistake", "I placed it by accident", "it was a mistaken order")}
 CONFIRM = ("I confirm, please go ahead.", "Yes, please do it.", "You have my confirmation.")
-
-
-def _call(name: str, **arguments) -> dict:
-    return {"name": name, "arguments": arguments}
 
 
 def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product]) -> Scenario:
@@ -38,28 +35,28 @@ def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product])
     status = "delivered" if variant == "return" else "pending"
     order = db.orders[rng.choice([o for o in user.orders if db.orders[o].status == status])]
     intro = f"My email is {user.email}."
-    lookups = [_call("find_user_id_by_email", email=user.email)]
+    lookups = [call("find_user_id_by_email", email=user.email)]
     if variant == "cancel":
         reason = rng.choice(sorted(REASONS))
         ask = f"Please cancel my order {order.order_id}, {rng.choice(REASONS[reason])}."
-        gold = _call("cancel_pending_order", order_id=order.order_id, reason=reason)
+        gold = call("cancel_pending_order", order_id=order.order_id, reason=reason)
     elif variant == "return":
         items = rng.sample(order.items, rng.randint(1, len(order.items)))
         names = " and ".join(f"the {i.name}" for i in items)
         gift_cards = sorted(p for p, m in user.payment_methods.items() if m.source == "gift_card")
         if gift_cards and rng.random() < 0.5:
             payment, to = gift_cards[0], "my gift card"
-            lookups.append(_call("get_user_details", user_id=user.user_id))
+            lookups.append(call("get_user_details", user_id=user.user_id))
         else:
             payment, to = order.payment_history[0].payment_method_id, "the original payment method"
         ask = f"I want to return {names} from order {order.order_id}, refunded to {to}."
-        gold = _call("return_delivered_order_items", order_id=order.order_id, item_ids=[i.item_id for i in items],
+        gold = call("return_delivered_order_items", order_id=order.order_id, item_ids=[i.item_id for i in items],
                      payment_method_id=payment)
     else:
         new = address(rng)
         ask = f"Please ship my order {order.order_id} to {address_text(new)} instead."
-        gold = _call("modify_pending_order_address", order_id=order.order_id, **new.model_dump())
-    lookups.append(_call("get_order_details", order_id=order.order_id))
+        gold = call("modify_pending_order_address", order_id=order.order_id, **new.model_dump())
+    lookups.append(call("get_order_details", order_id=order.order_id))
     return Scenario(variant=variant, db=db, ticket=f"{intro} {ask} {rng.choice(CONFIRM)}", prefilled=tuple(lookups),
                     gold_calls=(gold,))
 
