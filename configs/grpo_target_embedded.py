@@ -30,7 +30,7 @@ def get_config() -> ml_collections.ConfigDict:
         first_layer=20))
     config.rollout = ml_collections.ConfigDict(dict(
         tasks_per_step=4, group_size=4, temperature=1.0, top_p=1.0, batch_size=16, max_turns=6,
-        max_tokens_per_turn=256, max_errors=4, min_shared_prefix=64))
+        max_tokens_per_turn=256, max_errors=4, min_shared_prefix=64, train_tasks=config_dict.placeholder(int)))
     config.loss = ml_collections.ConfigDict(dict(aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.28,
                                                  kl_coef=0.0))
     config.optimizer = ml_collections.ConfigDict(dict(lr=5e-4, weight_decay=0.0, clip_norm=1.0))

@@ -1,9 +1,11 @@
 """absl entry points, one per job (`python -m launch.<job>`).
 
 Importing the package applies the process-wide runtime settings first
-(`trace_jax.runtime.retain_freed_memory`), so every job starts with them.
+(`trace_jax.runtime.retain_freed_memory`, then the persistent compilation cache), so every
+job starts with them.
 """
 
-from trace_jax.runtime import retain_freed_memory
+from trace_jax.runtime import enable_compilation_cache, retain_freed_memory
 
 retain_freed_memory()
+enable_compilation_cache()

@@ -9,7 +9,8 @@ the timed run's first `batch_size` first prompts, which share out the engine's g
 (each row samples generated / rows tokens, no stop token; warmed up the same way). `ratio` is the engine's generated
 tokens/s over the sampler's: what tool results, new episodes and rows idling between turns cost
 against pure decoding. The final line is JSON with both rates, the ratio, episodes per minute,
-the end reasons, the CPU, and a profile (where the time went, programs compiled after warm-up).
+the end reasons, the CPU, and a profile (where the time went, and the programs the timed run still
+needed: compiled, or loaded from the persistent compilation cache that an earlier run filled).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def _time_sampler(sampler: Sampler, prompts: list[list[int]], new_tokens: int) -
     return seconds
 
 
-def _compiled(sampler: Sampler) -> dict[str, int]:
-    """How many programs each of the sampler's jitted functions has compiled so far."""
+def _programs(sampler: Sampler) -> dict[str, int]:
+    """How many programs each of the sampler's jitted functions has so far (compiled or loaded)."""
     names = ("_prefill", "_take_rows", "_prefill_rows", "_put_rows", "_decode")
     return {name: getattr(sampler, name)._cache_size() for name in names}
 
@@ -74,10 +75,13 @@ def main(argv: list[str]) -> None:
     engine = RolloutEngine(env, sampler=sampler, tokenizer=model.tokenizer, config=config)
     tasks = env.tasks("heldout", _BATCH.value + _EPISODES.value)
     engine.run([Job(task) for task in tasks[: _BATCH.value]], key=jax.random.key(0))  # warm-up: compiles
-    compiled, start = _compiled(sampler), time.perf_counter()
+    events = collections.Counter()
+    jax.monitoring.register_event_listener(lambda name, **_: events.update([name]))
+    programs, start = _programs(sampler), time.perf_counter()
     trajectories = engine.run([Job(task) for task in tasks[_BATCH.value :]], key=jax.random.key(1))
     seconds = time.perf_counter() - start
-    compiled_in_run = {name: count - compiled[name] for name, count in _compiled(sampler).items()}
+    new_programs = {name: count - programs[name] for name, count in _programs(sampler).items()}
+    loaded = events["/jax/compilation_cache/cache_hits"]
     generated = sum(t.generated_tokens for t in trajectories)
     fed = sum(len(t.token_ids) for t in trajectories) - generated
     first_prompts = [t.token_ids[: t.loss_mask.index(1)] if 1 in t.loss_mask else t.token_ids
@@ -94,7 +98,8 @@ def main(argv: list[str]) -> None:
               "sampler": {"rows": len(first_prompts), "new_tokens_per_row": per_row,
                           "seconds": round(sampler_seconds, 1), "generated_tokens_per_s": round(sampler_rate, 1)},
               "ratio": round(engine_rate / sampler_rate, 3),
-              "profile": {**_profile(engine.stats), "compiled_in_timed_run": compiled_in_run},
+              "profile": {**_profile(engine.stats), "new_programs_in_timed_run": new_programs,
+                          "of_which_loaded_from_compilation_cache": loaded},
               "batch_size": _BATCH.value, "max_turns": _TURNS.value, "max_tokens_per_turn": _TOKENS.value}
     logging.info("rollouts: %s", result)
     if _JSON.value:

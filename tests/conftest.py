@@ -1,18 +1,27 @@
-"""Test-session setup: 8 fake CPU devices (for the sharding tests), offline hubs, fp32."""
+"""Test-session setup: 8 fake CPU devices (for the sharding tests), offline hubs, fp32, and one
+compilation cache for the session's processes (a fresh folder: a test's timing never depends on
+what earlier sessions left)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="trace_jax_xla_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import pathlib  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
-from trace_jax.runtime import retain_freed_memory  # noqa: E402
+from trace_jax.runtime import enable_compilation_cache, retain_freed_memory  # noqa: E402
 
 retain_freed_memory()  # as every launch entry point does (see launch/__init__.py)
+enable_compilation_cache()
 
 import pytest  # noqa: E402
 
@@ -34,17 +43,16 @@ def smollm2():
     return load_model("smollm2-135m-instruct")
 
 
-def _job_env(tmp_path_factory) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return {**env, "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache"))}
+def _job_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
 
 
-@pytest.fixture(scope="module")
-def job_env(tmp_path_factory) -> dict[str, str]:
+@pytest.fixture(scope="session")
+def job_env() -> dict[str, str]:
     """The environment a job subprocess runs in, as a user's: one CPU device (not the 8 fake ones
-    above; a job's mesh takes every device, which multiplies its memory) and a compilation cache
-    shared by the processes of one test module."""
-    return _job_env(tmp_path_factory)
+    above; a job's mesh takes every device, which multiplies its memory), and the session's
+    compilation cache."""
+    return _job_env()
 
 
 @pytest.fixture(scope="session")
@@ -54,6 +62,6 @@ def tiny_agent(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     cache = tmp_path_factory.mktemp("model_cache")
     build = "import sys; from trace_jax import warmstart; print(warmstart.agent_dir('smollm2-135m-tiny-agent', sys.argv[1]))"
     out = subprocess.run([sys.executable, "-c", build, str(cache)], cwd=pathlib.Path(__file__).resolve().parents[1],
-                         env=_job_env(tmp_path_factory), capture_output=True, text=True, timeout=1800)
+                         env=_job_env(), capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return cache, pathlib.Path(out.stdout.strip().splitlines()[-1])

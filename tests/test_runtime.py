@@ -1,7 +1,13 @@
-"""The process-wide malloc setting applies only where JAX computes on the CPU (on GPU and TPU hosts
-it serialises XLA's compile threads)."""
+"""Process-wide settings: the malloc setting applies only where JAX computes on the CPU (on GPU and
+TPU hosts it serialises XLA's compile threads); compiled programs persist per machine."""
 
-from trace_jax.runtime import computes_on_cpu
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+from trace_jax.runtime import compilation_cache_dir, computes_on_cpu
 
 
 def test_the_cpu_is_recognised_from_the_platforms_variable_or_the_installed_plugins():
@@ -10,3 +16,19 @@ def test_the_cpu_is_recognised_from_the_platforms_variable_or_the_installed_plug
     assert not computes_on_cpu({}, ["jax_rocm7_plugin"]) and not computes_on_cpu({}, ["libtpu"])
     assert computes_on_cpu({"JAX_PLATFORMS": "cpu"}, ["jax-cuda12-plugin"])  # a GPU build asked to run on the CPU
     assert not computes_on_cpu({"JAX_PLATFORMS": "cuda,cpu"}, ["jax"])
+
+
+def test_compiled_programs_persist_in_a_folder_named_after_the_machine(tmp_path, monkeypatch):
+    """Jobs keep compiled programs in the project's cache, one folder per kind of CPU (XLA:CPU compiles
+    for the host's instruction sets), unless JAX_COMPILATION_CACHE_DIR names one."""
+    assert compilation_cache_dir({"JAX_COMPILATION_CACHE_DIR": "/somewhere"}) == pathlib.Path("/somewhere")
+    monkeypatch.setenv("TRACE_JAX_CACHE", str(tmp_path))
+    folder = compilation_cache_dir({})
+    assert folder.parent == tmp_path / "xla" and re.fullmatch(r"[0-9a-f]{16}", folder.name)
+    assert compilation_cache_dir({}) == folder
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS")}
+    show = "import launch, jax; print(jax.config.jax_compilation_cache_dir)"
+    out = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(folder)

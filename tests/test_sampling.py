@@ -151,11 +151,31 @@ def test_a_session_feeds_rows_while_others_sample(model):
     assert row == 0 and out.token_ids == alone[0].token_ids
 
 
+def test_rows_that_open_alike_are_prefilled_once_and_copied(model):
+    """A GRPO group's episodes open with the same tokens: one row is prefilled, the others copy it, and
+    each then samples on its own (greedy: as if prefilled alone; logprobs rescore on a full forward)."""
+    cfg, params, _ = model
+    sampler = Sampler(cfg, params, min_shared_prefix=None)
+    p, q = [3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]
+    session = sampler.session(8)
+    session.feed([0, 1, 2, 3, 5], [p, q, p, p, q], max_new_tokens=6)
+    assert session.stats["copied_rows"] == 3 and session.stats["prefill_rows"] == 2
+    done = {}
+    while session.running:
+        done.update(session.step(jax.random.key(0)))
+    alone, _ = sampler.generate([p, q], key=jax.random.key(0), max_new_tokens=6)
+    for row, prompt, out in zip((0, 1, 2, 3, 5), (p, q, p, p, q), (alone[0], alone[1], alone[0], alone[0], alone[1])):
+        assert done[row].token_ids == out.token_ids
+        assert np.abs(_full_logprobs(params, cfg, prompt, done[row].token_ids) - np.array(done[row].logprobs)).max() <= 1e-4
+    sampled, _ = sampler.generate([p] * 4, key=jax.random.key(1), max_new_tokens=8, temperature=1.0)
+    assert len({tuple(o.token_ids) for o in sampled}) > 1  # copies draw their own tokens
+
+
 def test_a_session_compiles_few_programs_whatever_it_is_fed(model):
     """Feeds of any number of rows and any piece lengths compile one row prefill per (width: 1, 4 or
-    16 rows; length: a power of two from 32 to the chunk; cache length) and one decode per cache length, with
-    cache lengths powers of two: the programs of a long run stay few (each maps hundreds of kernels
-    into memory, and a process has a limit on maps)."""
+    16 rows; length: a power of two from 32 to the chunk; window: the fed rows' reach, a power of two up to
+    the cache length) and one decode per cache length, with cache lengths powers of two: the programs of a
+    long run stay few (each maps hundreds of kernels into memory, and a process has a limit on maps)."""
     cfg, params, _ = model
     sampler = Sampler(cfg, params, decode_chunk=4, min_cache=32, prefill_chunk=64)
     session, rng, capacities = sampler.session(16), np.random.default_rng(0), set()
@@ -170,8 +190,10 @@ def test_a_session_compiles_few_programs_whatever_it_is_fed(model):
             session.step(jax.random.key(0))
             capacities.add(session.cache.max_len)
     assert all(c & (c - 1) == 0 for c in capacities), capacities
-    assert programs("_prefill_rows") <= 3 * 2 * len(capacities)
-    assert programs("_take_rows") - before <= 3 * len(capacities) and programs("_decode") <= len(capacities)
+    windows = [w for w in (32, 64, 128, 256) if w <= max(capacities)]
+    assert programs("_prefill_rows") <= 3 * 2 * len(windows)
+    assert programs("_take_rows") - before <= 3 * len(windows) * len(capacities)
+    assert programs("_decode") <= len(capacities)
 
 
 def test_sampling_parameters_do_not_recompile_and_key_decides(model):

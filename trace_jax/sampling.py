@@ -135,19 +135,29 @@ def _prefill(params, adapters, cache, tokens, num_new, adapter_idx, *, cfg, cons
     return decoder.logits_from_hidden(params, last, cfg)[:, 0], cache
 
 
-def _take_rows(k, v, lengths, prefix_slot, prefix_len, row_ids):
-    """Rows `row_ids` of a cache (ids >= the batch give empty padding rows): their own buffers in
-    every layer, their lengths and prefixes. A turn's prefill then reads and writes those rows only,
-    not the whole batch."""
+def _take_rows(k, v, lengths, prefix_slot, prefix_len, row_ids, *, window):
+    """Rows `row_ids` of a cache (ids >= the batch give empty padding rows): the first `window`
+    positions of their own buffers in every layer, their lengths and prefixes. A turn's prefill then
+    reads and writes those rows only, and only as far as they reach, not the whole batch at the
+    cache's capacity (attention and the row moves cost rows x positions)."""
     row = lambda a: a.at[row_ids].get(mode="fill", fill_value=0)
-    return tuple(map(row, k)), tuple(map(row, v)), row(lengths), row(prefix_slot), row(prefix_len)
+    own = lambda a: a[:, :, :window].at[row_ids].get(mode="fill", fill_value=0)
+    return tuple(map(own, k)), tuple(map(own, v)), row(lengths), row(prefix_slot), row(prefix_len)
 
 
 def _put_rows(k, v, lengths, logits, row_ids, rows_k, rows_v, rows_lengths, row_logits):
-    """Writes rows taken by `_take_rows` (and since prefilled) back, with their next-token logits;
-    padding ids are dropped."""
+    """Writes rows taken by `_take_rows` (and since prefilled) back into their window, with their
+    next-token logits; padding ids are dropped."""
     row = lambda a, b: a.at[row_ids].set(b, mode="drop")
-    return tuple(map(row, k, rows_k)), tuple(map(row, v, rows_v)), row(lengths, rows_lengths), row(logits, row_logits)
+    own = lambda a, b: a.at[row_ids, :, : b.shape[2]].set(b, mode="drop")
+    return tuple(map(own, k, rows_k)), tuple(map(own, v, rows_v)), row(lengths, rows_lengths), row(logits, row_logits)
+
+
+def _copy_rows(k, v, lengths, logits, src, dst):
+    """Rows `dst` become copies of rows `src` (own buffers, lengths, next-token logits); ids >= the
+    batch are padding (copied from empty rows, written nowhere)."""
+    copy = lambda a: a.at[dst].set(a.at[src].get(mode="fill", fill_value=0), mode="drop")
+    return tuple(map(copy, k)), tuple(map(copy, v)), copy(lengths), copy(logits)
 
 
 def _decode(params, adapters, cache, logits, key, sampling, stop_ids, remaining, done, adapter_idx, return_early,
@@ -272,8 +282,9 @@ class Sampler:
         self._prefill = jax.jit(functools.partial(_prefill, cfg=cfg, constrain=constrain), donate_argnums=(2,))
         # Taken rows share the cache's prefix slots, so their prefill donates nothing.
         self._prefill_rows = jax.jit(functools.partial(_prefill, cfg=cfg, constrain=constrain))
-        self._take_rows = jax.jit(_take_rows)
+        self._take_rows = jax.jit(_take_rows, static_argnames="window")
         self._put_rows = jax.jit(_put_rows, donate_argnums=(0, 1, 2, 3))
+        self._copy_rows = jax.jit(_copy_rows, donate_argnums=(0, 1, 2, 3))
         self._decode = jax.jit(
             functools.partial(_decode, cfg=cfg, constrain=constrain, steps=decode_chunk, max_context=self.max_context),
             donate_argnums=(2,),
@@ -295,7 +306,8 @@ class Sampler:
     def _capacity(self, needed: int) -> int:
         """The cache length for `needed` positions: a power of two, at most the context limit.
 
-        Every cache length compiles its own decode, row prefills and row moves, each program with
+        Every cache length compiles its own decode and row moves (row prefills: every window, the
+        same powers of two up to the cache length), each program with
         hundreds of kernels, and XLA:CPU maps each kernel's code into memory apart: with the
         1.5x steps of `bucket_size` and a prefill window of its own, 16 episodes of the embedded
         agent compiled 97 programs, and GRPO processes died after 40 minutes when their memory
@@ -508,10 +520,13 @@ class Session:
         # Room for the prompts and the first decode chunk; `step` grows the cache as rows go on.
         self._fit(np.where(fits, lengths[rows] + new_len + np.minimum(max_new, sampler.decode_chunk), 0))
         parts = [list(p) if ok else [] for p, ok in zip(prompts, fits)]
+        copies = self._copies(rows, parts, settings["adapter_idx"])
         for offset in range(0, max(map(len, parts)), sampler.prefill_chunk):
-            members = [i for i, p in enumerate(parts) if len(p) > offset]
+            members = [i for i, p in enumerate(parts) if len(p) > offset and i not in copies]
             self._prefill_chunk(rows[members], [parts[i][offset: offset + sampler.prefill_chunk] for i in members],
                                 settings["adapter_idx"][members])
+        if copies:
+            self._copy_rows(rows[list(copies.values())], rows[list(copies)])
         for name, values in settings.items():
             self._settings[name][rows] = values
         self._remaining[rows] = max_new
@@ -522,6 +537,32 @@ class Session:
             self._finish[r] = FINISH_LENGTH if ok else FINISH_CONTEXT
             if not self._running[r]:
                 self._complete(r)
+
+    def _copies(self, rows: np.ndarray, parts: list[list[int]], adapter_idx: np.ndarray) -> dict[int, int]:
+        """{i: j} for each fed row i that starts empty, on the same prefix and with the same adapter and
+        tokens as an earlier fed row j: a GRPO group's episodes open alike, so one is prefilled and the
+        others copy its row."""
+        lengths, slots, held = (np.asarray(a) for a in (self.cache.lengths, self.cache.prefix_slot,
+                                                           self.cache.prefix_len))
+        first: dict[tuple, int] = {}
+        copies = {}
+        for i, r in enumerate(rows.tolist()):
+            if parts[i] and lengths[r] == 0:
+                j = first.setdefault((slots[r], held[r], adapter_idx[i], tuple(parts[i])), i)
+                if j != i:
+                    copies[i] = j
+        return copies
+
+    def _copy_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Rows `dst` become copies of the prefilled rows `src`, in one call."""
+        sampler, batch, start = self.sampler, self.cache.batch, time.perf_counter()
+        width = sampler._rows_width(len(dst), batch)
+        ids = lambda values: sampler._put(np.pad(values, (0, width - len(values)), constant_values=batch), "batch")
+        k, v, lengths, self._logits = sampler._copy_rows(self.cache.k, self.cache.v, self.cache.lengths, self._logits,
+                                                         ids(src), ids(dst))
+        self.cache = self.cache.replace(k=k, v=v, lengths=lengths)
+        self._logits.block_until_ready()
+        self.stats.update(prefill_s=time.perf_counter() - start, copied_rows=len(dst))
 
     def _fit(self, needed: np.ndarray, shrink: bool = False) -> None:
         """Resizes the cache to the capacity bucket of the most positions a row needs: grows it when
@@ -563,9 +604,11 @@ class Session:
         row_adapter = np.full((width,), lora_lib.NO_ADAPTER, np.int32)
         row_adapter[:n] = adapter_idx
         put, start, cache = sampler._put, time.perf_counter(), self.cache
+        reach = int(np.max(np.asarray(cache.lengths)[rows] + num_new[:n]))  # own positions filled after the feed
+        window = min(sampler._capacity(reach), cache.max_len)
         row_ids = put(row_ids, "batch")
         k, v, row_lengths, prefix_slot, prefix_len = sampler._take_rows(
-            cache.k, cache.v, cache.lengths, cache.prefix_slot, cache.prefix_len, row_ids)
+            cache.k, cache.v, cache.lengths, cache.prefix_slot, cache.prefix_len, row_ids, window=window)
         taken = cache.replace(k=k, v=v, lengths=row_lengths, prefix_slot=prefix_slot, prefix_len=prefix_len)
         row_logits, taken = sampler._prefill_rows(sampler.params, sampler.adapters, taken, put(tokens, "batch"),
                                                   put(num_new, "batch"), put(row_adapter, "batch"))

@@ -23,7 +23,7 @@ import sys
 
 from absl import logging
 
-from trace_jax.models.embedded import default_cache_dir
+from trace_jax.runtime import default_cache_dir
 
 # name -> the config module of the SFT job that builds it
 AGENTS = {"smollm2-135m-retail-agent": "configs.warmstart_embedded",

@@ -21,6 +21,8 @@ import gguf
 import numpy as np
 from safetensors.numpy import save_file
 
+from trace_jax.runtime import default_cache_dir
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -64,11 +66,6 @@ _GLOBAL_NAMES = {
 # llama.cpp's pre-tokenizer name -> whether digits are split one by one before byte-level BPE
 # (SmolLM2/StarCoder style, matching the HF tokenizer.json's `Digits(individual_digits=True)`).
 _PRE_TOKENIZER_SPLITS_DIGITS = {"gpt2": False, "smollm": True, "starcoder": True}
-
-
-def default_cache_dir() -> pathlib.Path:
-    """`$TRACE_JAX_CACHE`, else `~/.cache/trace_jax`."""
-    return pathlib.Path(os.environ.get("TRACE_JAX_CACHE") or pathlib.Path.home() / ".cache" / "trace_jax")
 
 
 def embedded_gguf_path(name: str = _DEFAULT_MODEL) -> pathlib.Path:

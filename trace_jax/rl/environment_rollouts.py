@@ -2,8 +2,9 @@
 rollout engine, scored by the environment's own evaluator.
 
 A step plays each of the next `rollout.tasks_per_step` training tasks `rollout.group_size`
-times at the rollout temperature; every trajectory becomes one learner sequence (the exact
-ids the agent saw, the loss on its sampled turns, the sampler's logprobs). Held-out
+times at the rollout temperature (with `rollout.train_tasks`, the steps cycle through the split's
+first that many); every trajectory becomes one learner sequence (the exact ids the agent saw,
+the loss on its sampled turns, the sampler's logprobs). Held-out
 evaluation is the evaluation job's code path: greedy episodes of `eval.split`, written to
 `eval/step_<k>.jsonl` with their per-family table (success with 95% intervals, pass^1).
 The base agent's evaluation may come from an evaluation job's workdir (`eval.base_run`) of the
@@ -63,7 +64,8 @@ class EnvironmentRollouts:
                  workdir: pathlib.Path):
         self.config, self.tokenizer, self.workdir = config, tokenizer, workdir
         self.env = make_environment(config.env)
-        available = self.env.tasks(config.env.split, num_train_tasks)
+        pool = config.rollout.train_tasks
+        available = self.env.tasks(config.env.split, num_train_tasks if pool is None else min(pool, num_train_tasks))
         if not available:
             raise ValueError(f"config.env.split = {config.env.split!r} has no tasks")
         self.train_tasks = [available[i % len(available)] for i in range(num_train_tasks)]  # finite sets cycle

@@ -82,6 +82,9 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
             ("rollout.max_turns", positive_int, "a positive int"),
             ("rollout.max_tokens_per_turn", positive_int, "a positive int"),
             ("rollout.max_errors", lambda v: isinstance(v, int) and v >= 0, "an int >= 0"),
+            ("rollout.train_tasks", lambda v: v is None or positive_int(v),
+             "None (the next tasks of the split every step) or a positive int (the steps cycle through the "
+             "split's first train_tasks tasks)"),
         ]
     return checks + [
         ("task", lambda v: v in TASK_SETS, f"one of {sorted(TASK_SETS)} (or give config.env instead)"),
