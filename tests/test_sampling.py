@@ -353,9 +353,14 @@ def test_shared_prefix_prefill_equals_per_row_prefill(model, case):
     assert shared_cache.batch == plain_cache.batch
     assert np.array_equal(np.asarray(shared_cache.sequence_lengths), np.asarray(plain_cache.sequence_lengths))
     # The prefix is prefilled once per adapter, then only the suffixes; without sharing, whole prompts.
+    # Either way a row that opens like an earlier one (same adapter and tokens) is copied, not prefilled.
     assert sharing.prefills[0][:groups] == [shared_len] * groups and not any(sharing.prefills[0][groups:])
-    assert sharing.prefills[1][: len(prompts)] == [len(p) - shared_len for p in prompts]
-    assert plain.prefills == [[len(p) for p in prompts] + [0] * (plain_cache.batch - len(prompts))]
+    first: dict[tuple, int] = {}
+    prefilled = [first.setdefault((a, tuple(p)), i) == i
+                 for i, (p, a) in enumerate(zip(prompts, np.broadcast_to(adapter_idx, len(prompts)).tolist()))]
+    assert sharing.prefills[1][: len(prompts)] == [(len(p) - shared_len) * f for p, f in zip(prompts, prefilled)]
+    assert plain.prefills == [[len(p) * f for p, f in zip(prompts, prefilled)]
+                              + [0] * (plain_cache.batch - len(prompts))]
 
     turn2, rows = [[70, 71], [72]], [3, 0]
     kwargs = dict(key=jax.random.key(1), max_new_tokens=6, rows=rows,
