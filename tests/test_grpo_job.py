@@ -77,9 +77,10 @@ def _wait_for_checkpoint(workdir: pathlib.Path, step: int, child: subprocess.Pop
 def test_sigkilled_run_resumes_to_the_same_adapter(full_run, job_env, tmp_path):
     """A run restarted from the uninterrupted run's checkpoint of step STEPS - 1 trains the last step,
     and is SIGKILLed as soon as it has saved that step (during its final evaluation). Restarted on the
-    same workdir, the job resumes from the killed process's checkpoint and ends with the uninterrupted
-    run's adapter and final reward. One trained step shows that a resumed run continues exactly; the
-    kill shows that a checkpoint is whole once saved. (One step of training instead of a second run.)"""
+    same workdir, the job resumes from the killed process's checkpoint, makes and logs the interrupted
+    evaluation, and ends with the uninterrupted run's adapter and final reward. One trained step shows
+    that a resumed run continues exactly; the kill shows that a checkpoint is whole once saved. (One
+    step of training instead of a second run.)"""
     full_dir, full_summary, _ = full_run
     workdir, last = tmp_path / "resumed", STEPS - 1
     (workdir / "checkpoints").mkdir(parents=True)
@@ -98,6 +99,9 @@ def test_sigkilled_run_resumes_to_the_same_adapter(full_run, job_env, tmp_path):
     assert f"resumed from step {STEPS}" in out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert {**summary, "seconds": 0} == {**full_summary, "seconds": 0}
+    # The evaluation the kill interrupted is made by the resumed process and logged once.
+    logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["eval/reward"]) for r in logged if "eval/reward" in r] == [(STEPS, summary["final_reward"])]
     resumed, uninterrupted = _adapter_at(workdir, STEPS), _adapter_at(full_dir, STEPS)
     diffs = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
              for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted), strict=True)]

@@ -520,7 +520,7 @@ class Session:
         # Room for the prompts and the first decode chunk; `step` grows the cache as rows go on.
         self._fit(np.where(fits, lengths[rows] + new_len + np.minimum(max_new, sampler.decode_chunk), 0))
         parts = [list(p) if ok else [] for p, ok in zip(prompts, fits)]
-        copies = self._copies(rows, parts, settings["adapter_idx"])
+        copies = self._copies(rows, parts, settings["adapter_idx"], lengths)
         for offset in range(0, max(map(len, parts)), sampler.prefill_chunk):
             members = [i for i, p in enumerate(parts) if len(p) > offset and i not in copies]
             self._prefill_chunk(rows[members], [parts[i][offset: offset + sampler.prefill_chunk] for i in members],
@@ -538,12 +538,12 @@ class Session:
             if not self._running[r]:
                 self._complete(r)
 
-    def _copies(self, rows: np.ndarray, parts: list[list[int]], adapter_idx: np.ndarray) -> dict[int, int]:
-        """{i: j} for each fed row i that starts empty, on the same prefix and with the same adapter and
-        tokens as an earlier fed row j: a GRPO group's episodes open alike, so one is prefilled and the
-        others copy its row."""
-        lengths, slots, held = (np.asarray(a) for a in (self.cache.lengths, self.cache.prefix_slot,
-                                                           self.cache.prefix_len))
+    def _copies(self, rows: np.ndarray, parts: list[list[int]], adapter_idx: np.ndarray,
+                lengths: np.ndarray) -> dict[int, int]:
+        """{i: j} for each fed row i that starts empty (`lengths`: the rows' own lengths), on the same
+        prefix and with the same adapter and tokens as an earlier fed row j: a GRPO group's episodes
+        open alike, so one is prefilled and the others copy its row."""
+        slots, held = np.asarray(self.cache.prefix_slot), np.asarray(self.cache.prefix_len)
         first: dict[tuple, int] = {}
         copies = {}
         for i, r in enumerate(rows.tolist()):

@@ -29,7 +29,7 @@ from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine, Trajector
 from trace_jax.agent.scripted import GoldAgent, ScriptedUser
 from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import ENVIRONMENTS, make_environment
-from trace_jax.metrics import MetricsWriter, Progress
+from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
 from trace_jax.models.loading import save_hf_checkpoint
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, learned_tokens, pack_sequences, padded_tokens
@@ -113,13 +113,6 @@ class FrozenStreams:
         return out
 
 
-def _logged_loss(workdir: pathlib.Path, step: int) -> float | None:
-    """The loss metrics.jsonl holds for `step` (a run resumed after its last step trains nothing)."""
-    path = workdir / "metrics.jsonl"
-    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    return next((line["learner/loss"] for line in reversed(lines) if line["step"] == step), None)
-
-
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
     """Runs (or resumes) the job in `workdir`; returns the summary also written to summary.json."""
     validate_config(config)
@@ -177,7 +170,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         merged = lora.merge(run.model.params, jax.device_get(run.adapters()), ADAPTER)
         save_hf_checkpoint(merged, run.model.path, workdir / "merged", run.model.cfg)
     summary = {"steps": int(state.step), "trajectories": len(kept), "gold_played": len(played),
-               "final_loss": metrics.get("learner/loss", _logged_loss(workdir, state.step)),
+               "final_loss": metrics.get("learner/loss", logged_scalars(workdir, state.step).get("learner/loss")),
                "seconds": round(time.monotonic() - start_time, 1)}
     (workdir / "summary.json").write_text(json.dumps(summary))
     return summary

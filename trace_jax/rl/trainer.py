@@ -14,8 +14,10 @@ steps and at the end (see the rollout sources for what they report).
 Everything a resumed run needs is in the checkpoint (adapter, optimizer state, step,
 RNG key, task cursor, wall time so far), and step k's sampling key is folded from the run key and k, so a
 run killed after any checkpoint and restarted on the same workdir continues exactly as if
-it had never stopped. Files in the workdir: checkpoints/, tensorboard/, metrics.jsonl,
-base_eval.json, summary.json (and eval/ for environments).
+it had never stopped; a step's metrics are logged before its evaluation, and an evaluation a kill
+interrupted is made on resume (an environment's plays only the episodes it lacks). Files in the
+workdir: checkpoints/, tensorboard/, metrics.jsonl, base_eval.json, summary.json (and eval/ for
+environments).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from absl import logging
 from trace_jax import lora
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS
-from trace_jax.metrics import MetricsWriter, Progress
+from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
 from trace_jax.rl.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from trace_jax.rl.batching import pack_sequences, padded_tokens
 from trace_jax.rl.checkpoint import TrainState
@@ -130,6 +132,25 @@ def _base_eval(workdir: pathlib.Path, evaluate: Callable[[int, int], dict[str, f
     return metrics
 
 
+def _eval_due(step: int, config: ml_collections.ConfigDict) -> bool:
+    """Whether the adapter after `step` is evaluated: every `eval.every` steps and at the end."""
+    return step % config.eval.every == 0 or step == num_steps(config)
+
+
+def _resumed_eval(workdir: pathlib.Path, step: int, evaluate: Callable[[int, int], dict[str, float]],
+                  writer: MetricsWriter, config: ml_collections.ConfigDict) -> dict[str, float] | None:
+    """The held-out metrics of the checkpointed `step` a run resumes from: read back when logged, and
+    evaluated now when a kill interrupted that evaluation (an environment's resumes from its episodes)."""
+    if not _eval_due(step, config):
+        return None
+    logged = {k: v for k, v in logged_scalars(workdir, step).items() if k.startswith("eval/")}
+    if "eval/reward" in logged:
+        return logged
+    metrics = evaluate(ADAPTER, step)
+    writer.write(step, metrics)
+    return metrics
+
+
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, float]:
     """Runs (or resumes) the job in `workdir`; returns the summary also written to summary.json."""
     validate_config(config)
@@ -156,7 +177,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
                                  remat=config.train.remat, temperature=config.rollout.temperature,
                                  frozen_layers=config.lora.first_layer)
 
-    latest_eval = base if state.step == 0 else None
+    latest_eval = base if state.step == 0 else _resumed_eval(workdir, state.step, evaluate, writer, config)
     progress = Progress(steps, start=state.step, every_s=config.log_every_s)
     weights, opt_state = state.adapter_weights, state.opt_state
     for step in range(state.step, steps):
@@ -185,16 +206,15 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
                                                   "elapsed_s": round(elapsed(), 1)})
         start_time = time.monotonic()  # the cursor now holds the time so far
         run.checkpointer.save(state, force=step + 1 == steps)
-        if (step + 1) % config.eval.every == 0 or step + 1 == steps:
+        writer.write(step + 1, metrics)  # before the evaluation, which a kill may interrupt
+        held_out = ""
+        if _eval_due(step + 1, config):
             latest_eval = evaluate(ADAPTER, step + 1)
-            metrics.update(latest_eval)
-        writer.write(step + 1, metrics)
-        progress.update(step + 1, f"reward {metrics['rollout/reward']:.3f}"
-                        + (f"  held-out {metrics['eval/reward']:.3f}" if "eval/reward" in metrics else ""))
+            writer.write(step + 1, latest_eval)
+            held_out = f"  held-out {latest_eval['eval/reward']:.3f}"
+        progress.update(step + 1, f"reward {metrics['rollout/reward']:.3f}{held_out}")
     run.checkpointer.close()
     run.state = state
-    if latest_eval is None:  # resumed after the last step: evaluate the final adapter again
-        latest_eval = evaluate(ADAPTER, steps)
     writer.close()
     export_adapter(run, workdir)
     summary = {**source.summary(base, latest_eval), "steps": int(state.step),
