@@ -557,12 +557,17 @@ class Session:
         """Rows `dst` become copies of the prefilled rows `src`, in one call."""
         sampler, batch, start = self.sampler, self.cache.batch, time.perf_counter()
         width = sampler._rows_width(len(dst), batch)
-        ids = lambda values: sampler._put(np.pad(values, (0, width - len(values)), constant_values=batch), "batch")
+        ids = lambda values: sampler._put(self._row_ids(values, width), "batch")
         k, v, lengths, self._logits = sampler._copy_rows(self.cache.k, self.cache.v, self.cache.lengths, self._logits,
                                                          ids(src), ids(dst))
         self.cache = self.cache.replace(k=k, v=v, lengths=lengths)
         self._logits.block_until_ready()
         self.stats.update(prefill_s=time.perf_counter() - start, copied_rows=len(dst))
+
+    def _row_ids(self, rows: np.ndarray, width: int) -> np.ndarray:
+        """`rows` padded to `width` ids with the batch size, an id the row moves read as an empty row
+        and write nowhere."""
+        return np.pad(np.asarray(rows, np.int32), (0, width - len(rows)), constant_values=self.cache.batch)
 
     def _fit(self, needed: np.ndarray, shrink: bool = False) -> None:
         """Resizes the cache to the capacity bucket of the most positions a row needs: grows it when
@@ -593,8 +598,7 @@ class Session:
         rows only (taken out of the cache, prefilled, put back)."""
         sampler, n, batch = self.sampler, len(rows), self.cache.batch
         width = sampler._rows_width(n, batch)
-        row_ids = np.full((width,), batch, np.int32)  # padding ids are dropped
-        row_ids[:n] = rows
+        row_ids = self._row_ids(rows, width)
         longest = max(map(len, pieces))  # positions: a power of two from MIN_PIECE to the chunk
         tokens = np.zeros((width, min(max(power_of_two(longest), MIN_PIECE), sampler.prefill_chunk)), np.int32)
         for i, piece in enumerate(pieces):
