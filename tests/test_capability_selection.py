@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from trace_jax.trace.selection import InvalidRun, LabellingRun, load_runs, scores, select
+from trace_jax.trace.selection import InvalidRun, LabellingRun, intervals, load_runs, resample, scores, select
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FAILED = [f"f{i}" for i in range(20)]
@@ -112,3 +112,26 @@ def test_the_cli_reads_a_folder_drops_invalid_runs_and_prints_one_json_line(tmp_
     empty = subprocess.run([*command[:3], f"--runs={tmp_path / 'none'}"], cwd=REPO, capture_output=True, text=True,
                            timeout=120)
     assert empty.returncode != 0 and "no valid labelling run" in empty.stderr
+
+
+def test_a_resample_keeps_the_outcome_totals_and_each_drawn_trajectorys_labels():
+    by_task = _labels(6, 8, 3)
+    run = LabellingRun.from_json(_run({"c": by_task, "all_na": {t: "NA" for t in FAILED + PASSED}}))
+    again = resample(run, np.random.default_rng(7), attempt=3)
+    assert again.to_json() == resample(run, np.random.default_rng(7), attempt=3).to_json()  # seeded
+    assert (again.attempt, again.total_failed, again.total_passed) == (3, 20, 10)
+    drawn = {i: key.split("_")[0].upper() for key, ids in again.labels["c"].items() for i in ids}
+    assert len(drawn) == 30 and all(label == by_task[i.split("#")[0]] for i, label in drawn.items())
+    assert len({i.split("#")[0] for i in drawn}) < 30  # drawn with replacement
+
+
+def test_bootstrap_intervals_cover_the_sampling_spread_and_handle_empty_outcomes():
+    exact = LabellingRun.from_json(_run({"c": _labels(20, 0, 0)}))  # every failure lacks it, no success does
+    assert intervals([exact], num=200)["c"] == {"delta": [1.0, 1.0], "cov": [1.0, 1.0]}
+    failed = [f"f{i}" for i in range(400)]  # Cov 0.4 over 400 failures: binomial 95% half-width 0.048
+    cells = {"lacking_failed": failed[:160], "present_failed": failed[160:], "na_failed": [],
+             "lacking_passed": [], "present_passed": [], "na_passed": []}
+    no_success = LabellingRun.from_json({"totals": {"total_failed": 400, "total_passed": 0}, "labels": {"c": cells}})
+    span = intervals([no_success], num=2000, seed=1)["c"]
+    assert span["cov"] == pytest.approx([0.4 - 0.048, 0.4 + 0.048], abs=0.012)
+    assert span["delta"] == span["cov"]  # ER- = Cov here (no NA), and ER+ = 0 with no success

@@ -23,6 +23,7 @@ from tau2.data_model.simulation import RewardInfo, SimulationRun, TerminationRea
 from tau2.data_model.tasks import RewardType, Task
 from tau2.environment.db import DB
 from tau2.environment.environment import Environment
+from tau2.environment.toolkit import ToolType
 from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
 from tau2.registry import registry
 
@@ -159,6 +160,8 @@ class DomainState:
         self.db = self._agent_db.db  # the pristine agent-side DB: read it, never write it
         self.policy: str = loaded.get_policy()
         self.tool_schemas: list[dict] = [tool.openai_schema for tool in loaded.get_tools()]
+        self.write_tools = frozenset(tool.name for tool in loaded.get_tools()
+                                     if loaded.tools.tool_type(tool.name) == ToolType.WRITE)
         self.user_tool_schemas: list[dict] = ([tool.openai_schema for tool in loaded.get_user_tools()]
                                               if loaded.user_tools is not None else [])
         if cached_domain_name(domain) not in registry.get_domains():

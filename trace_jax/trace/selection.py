@@ -103,6 +103,73 @@ def select(runs: Sequence[LabellingRun], *, delta: float = 0.2, coverage: float 
     return sorted(rows, key=lambda row: (not row["selected"], -row["mean_cov"], row["name"]))
 
 
+_CODES = {"na": 0, "present": 1, "lacking": 2}
+
+
+def _ids(run: LabellingRun, outcome: str) -> list[str]:
+    """The run's failed or passed trajectory ids, sorted (every capability's lists hold the same ones)."""
+    lists = next(iter(run.labels.values()))
+    return sorted(i for label in _CODES for i in lists[f"{label}_{outcome}"])
+
+
+def _codes(run: LabellingRun, capability: str, outcome: str) -> np.ndarray:
+    """Each failed (or passed) trajectory's label on `capability`: 0 NA, 1 PRESENT, 2 LACKING (NA if unlabelled)."""
+    cells = run.labels.get(capability, {})
+    code = {i: c for label, c in _CODES.items() for i in cells.get(f"{label}_{outcome}", ())}
+    return np.array([code.get(i, 0) for i in _ids(run, outcome)], dtype=np.int8)
+
+
+def resample(run: LabellingRun, rng: np.random.Generator, attempt: int) -> LabellingRun:
+    """A bootstrap resample of the run's trajectories, failed and passed ones apart (so |D-| and |D+|
+    stay); the k-th draw of id `x` becomes `x#k`, so the lists still partition distinct ids."""
+    draws = {}
+    for outcome in ("failed", "passed"):
+        ids = _ids(run, outcome)
+        draws[outcome] = [ids[j] for j in rng.integers(0, max(len(ids), 1), len(ids))]
+    labels = {}
+    for name, cells in run.labels.items():
+        key = {i: k for k, ids in cells.items() for i in ids}
+        lists: dict[str, list[str]] = {k: [] for k in LISTS}
+        for outcome, ids in draws.items():
+            for k, i in enumerate(ids):
+                lists[key[i]].append(f"{i}#{k}")
+        labels[name] = lists
+    return LabellingRun.from_json({"attempt": attempt, "totals": {"total_failed": run.total_failed,
+                                                                  "total_passed": run.total_passed},
+                                   "labels": labels})
+
+
+def _gap_and_coverage(failed: np.ndarray, passed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Delta and Cov of label codes with trajectories on the last axis (rates with a zero denominator are 0)."""
+    def rate(numerator, denominator):
+        return np.where(denominator > 0, numerator / np.maximum(denominator, 1), 0.0)
+    lf, pf = (failed == 2).sum(-1), (failed == 1).sum(-1)
+    lp, pp = (passed == 2).sum(-1), (passed == 1).sum(-1)
+    return rate(lf, lf + pf) - rate(lp, lp + pp), rate(lf, np.full_like(lf, failed.shape[-1]))
+
+
+def intervals(runs: Sequence[LabellingRun], num: int = 1000, seed: int = 0,
+              level: float = 0.95) -> dict[str, dict[str, list[float]]]:
+    """Bootstrap intervals of Delta and Cov per capability (beyond the paper): `num` resamples of the
+    trajectories, failed and passed apart, taken from the runs in turn; the central `level` share."""
+    rng = np.random.default_rng(seed)
+    shares = [num // len(runs) + (r < num % len(runs)) for r in range(len(runs))]
+    names = sorted({name for run in runs for name in run.labels})
+    samples: dict[str, tuple[list, list]] = {name: ([], []) for name in names}
+    for run, count in zip(runs, shares):
+        sizes = {o: len(_ids(run, o)) for o in ("failed", "passed")}
+        draws = {o: rng.integers(0, max(n, 1), (count, n)) for o, n in sizes.items()}
+        for name in names:
+            gap, cov = _gap_and_coverage(_codes(run, name, "failed")[draws["failed"]],
+                                         _codes(run, name, "passed")[draws["passed"]])
+            samples[name][0].append(gap)
+            samples[name][1].append(cov)
+    tails = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
+    return {name: {"delta": np.percentile(np.concatenate(gaps), tails).tolist(),
+                   "cov": np.percentile(np.concatenate(covs), tails).tolist()}
+            for name, (gaps, covs) in samples.items()}
+
+
 def load_runs(folder: str | pathlib.Path) -> tuple[list[LabellingRun], list[str]]:
     """The valid runs among `folder`'s *.json files (by name), and a reason for each one dropped."""
     runs, dropped = [], []

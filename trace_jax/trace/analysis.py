@@ -1,0 +1,184 @@
+"""TRACE stage 1 as a resumable step: candidates, labelling runs, selection, `capabilities.json` and a report.
+
+Everything goes under `<workdir>/analysis/`: `candidates.json` (the analyst's dictionary),
+`labellings/NN.json` (each labelling with its evidence), `runs/NN.json` (the K-of-N runs in
+the authors' interchange format, so `launch.select_capabilities --runs=.../runs` gives the
+same selection), `capabilities.json` and `analysis.md`. A file that exists is read back, so
+a killed analysis resumes where it stopped and a finished one is not redone.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Sequence
+
+import ml_collections
+import numpy as np
+
+from trace_jax.config_checks import Check, check_config, number, positive_int
+from trace_jax.files import write_json_atomic
+from trace_jax.llm.client import ChatClient
+from trace_jax.trace import selection
+from trace_jax.trace.analyst import (
+    LACKING,
+    Analyst,
+    CapabilityCard,
+    Labelling,
+    LabellingFailed,
+    labelling_from_json,
+    labelling_to_json,
+    to_run,
+)
+from trace_jax.trace.llm_analyst import LLMAnalyst
+from trace_jax.trace.programmatic_analyst import ProgrammaticAnalyst
+from trace_jax.trace.trajectories import ScoredTrajectory
+
+EXAMPLES = 3  # failed trajectories quoted per selected capability in the report
+ANALYSTS = ("programmatic", "llm")
+
+
+def analysis_defaults() -> ml_collections.ConfigDict:
+    """Stage 1's settings (the paper's where it gives them)."""
+    return ml_collections.ConfigDict({
+        "analyst": "programmatic",  # or "llm": trace_jax.trace.programmatic_analyst / llm_analyst
+        "runs": 10,  # labelling runs N (the authors' code: 10)
+        "min_runs": 8,  # K: runs a capability must pass in
+        "delta": 0.2,  # least contrastive gap ER- - ER+
+        "coverage": 0.1,  # least share of failures labelled LACKING
+        "max_selected": 4,  # selected capabilities carried on to synthesis, by coverage (0: all)
+        "seed": 0,  # bootstrap resamples (programmatic runs and the intervals)
+        "interval_resamples": 1000,
+        # the LLM analyst's (the endpoint is the pipeline's `llm` block)
+        "discovery_tokens": 12000,  # trajectories shown at discovery, in tokens
+        "message_chars": 300,  # each message's content cut to this many characters (the authors' ~300)
+        "max_candidates": 10,
+        "label_batch": 10,  # trajectories per labelling request
+    })
+
+
+def _checks(config: ml_collections.ConfigDict) -> list[Check]:
+    runs = config.get("runs")
+    return [("analysis.analyst", lambda v: v in ANALYSTS, f"one of {ANALYSTS}"),
+            ("analysis.runs", positive_int, "an int >= 1"),
+            ("analysis.min_runs", lambda v: positive_int(v) and v <= runs, f"an int in [1, analysis.runs = {runs}]"),
+            ("analysis.delta", lambda v: number(v) and -1 <= v <= 1, "a number in [-1, 1]"),
+            ("analysis.coverage", lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+            ("analysis.max_selected", lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0: all)"),
+            ("analysis.seed", lambda v: isinstance(v, int), "an int"),
+            *((f"analysis.{key}", positive_int, "an int >= 1") for key in (
+                "interval_resamples", "discovery_tokens", "message_chars", "max_candidates", "label_batch"))]
+
+
+def validate_analysis_config(config: ml_collections.ConfigDict) -> None:
+    """Fails at start naming the key that is missing or wrong (`config` is the `analysis` block)."""
+    check_config(ml_collections.ConfigDict({"analysis": config}), _checks(config))
+
+
+def make_analyst(config: ml_collections.ConfigDict, env, workdir: str | pathlib.Path) -> Analyst:
+    """The analyst `config.analysis.analyst` names; the LLM one talks to `config.llm`'s endpoint and caches
+    its replies under `<workdir>/analysis/llm_cache`, the programmatic one reads `env`'s τ² domain."""
+    validate_analysis_config(config.analysis)
+    if config.analysis.analyst == "llm":
+        settings = config.analysis
+        return LLMAnalyst(ChatClient(config.llm, pathlib.Path(workdir) / "analysis" / "llm_cache"),
+                          discovery_tokens=settings.discovery_tokens, message_chars=settings.message_chars,
+                          max_candidates=settings.max_candidates, label_batch=settings.label_batch)
+    state = getattr(env, "state", None)
+    if state is None:
+        raise ValueError(f"config.analysis.analyst = 'programmatic' labels τ² retail-style trajectories; environment "
+                         f"{env.name!r} has no τ² domain: use analyst='llm'")
+    return ProgrammaticAnalyst(state.write_tools, state.tool_schemas)
+
+
+def _candidates(analyst: Analyst, trajectories, folder: pathlib.Path) -> list[CapabilityCard]:
+    path = folder / "candidates.json"
+    if not path.exists():
+        write_json_atomic(path, [card.to_json() for card in analyst.discover(trajectories)])
+    return [CapabilityCard(**card) for card in json.loads(path.read_text())]
+
+
+def _labellings(analyst: Analyst, trajectories, cards, runs: int, folder: pathlib.Path) -> tuple[list, list]:
+    """The analyst's labellings (one if it is deterministic) and the attempts it had to drop."""
+    labellings, dropped = [], []
+    for attempt in range(1 if analyst.deterministic else runs):
+        path = folder / "labellings" / f"{attempt:02d}.json"
+        if not path.exists():
+            try:
+                labelling = analyst.label(trajectories, cards, attempt)
+            except LabellingFailed as error:
+                labelling = {"dropped": str(error)}
+            else:
+                labelling = {"labels": labelling_to_json(labelling)}
+            write_json_atomic(path, labelling)
+        data = json.loads(path.read_text())
+        if "dropped" in data:
+            dropped.append(f"labelling {attempt}: {data['dropped']}")
+        else:
+            labellings.append(labelling_from_json(data["labels"]))
+    return labellings, dropped
+
+
+def analyze(trajectories: Sequence[ScoredTrajectory], analyst: Analyst, config: ml_collections.ConfigDict,
+            workdir: str | pathlib.Path) -> dict:
+    """Runs (or resumes) stage 1 and returns `capabilities.json`'s content."""
+    validate_analysis_config(config)
+    folder = pathlib.Path(workdir) / "analysis"
+    if (folder / "capabilities.json").exists():
+        return json.loads((folder / "capabilities.json").read_text())
+    cards = _candidates(analyst, trajectories, folder)
+    labellings, dropped = _labellings(analyst, trajectories, cards, config.runs, folder)
+    if not labellings:
+        raise RuntimeError(f"every labelling run was dropped: {dropped}")
+    full = [to_run(labelling, trajectories, i) for i, labelling in enumerate(labellings)]
+    if analyst.deterministic:
+        rng = np.random.default_rng(config.seed)
+        runs = [selection.resample(full[0], rng, i) for i in range(config.runs)]
+    else:
+        runs = full
+    for i, run in enumerate(runs):
+        write_json_atomic(folder / "runs" / f"{i:02d}.json", run.to_json())
+    rows = selection.select(runs, delta=config.delta, coverage=config.coverage, min_runs=config.min_runs)
+    spans = selection.intervals(full, num=config.interval_resamples, seed=config.seed)
+    by_name = {card.name: card for card in cards}
+    for row in rows:
+        row.update(delta_interval=spans[row["name"]]["delta"], cov_interval=spans[row["name"]]["cov"],
+                   **by_name[row["name"]].to_json())
+        row["examples"] = _examples(labellings[0], trajectories, row["name"])
+    chosen = [row for row in rows if row["selected"]][: config.max_selected or None]
+    result = {"selected": [row["name"] for row in chosen], "candidates": rows,
+              "failed": sum(not t.success for t in trajectories), "passed": sum(t.success for t in trajectories),
+              "runs": len(runs), "dropped_labellings": dropped, "settings": config.to_dict()}
+    (folder / "analysis.md").write_text(report(result))
+    write_json_atomic(folder / "capabilities.json", result)
+    return result
+
+
+def _examples(labelling: Labelling, trajectories: Sequence[ScoredTrajectory], name: str) -> list[dict]:
+    """The first failed trajectories labelled LACKING, with the evidence."""
+    lacking = [t for t in trajectories if not t.success and labelling[name][t.id].label == LACKING]
+    return [{"id": t.id, "family": t.family, "evidence": labelling[name][t.id].evidence} for t in lacking[:EXAMPLES]]
+
+
+def report(result: dict) -> str:
+    """`analysis.md`: every candidate's numbers, then the evidence behind each selected one."""
+    lines = [f"# Capability analysis\n\n{result['failed']} failed and {result['passed']} successful trajectories, "
+             f"{result['runs']} labelling runs; kept when Delta >= {result['settings']['delta']} and "
+             f"Cov >= {result['settings']['coverage']} in >= {result['settings']['min_runs']} runs.\n",
+             "| capability | Cov (mean ± std) | Cov 95% CI | Delta (mean ± std) | Delta 95% CI | runs passed "
+             "| used |",
+             "|---|---|---|---|---|---|---|"]
+    for row in result["candidates"]:
+        lo, hi = row["cov_interval"]
+        dlo, dhi = row["delta_interval"]
+        used = "yes" if row["name"] in result["selected"] else ("selected, not used" if row["selected"] else "no")
+        lines.append(f"| {row['name']} | {row['mean_cov']:.3f} ± {row['std_cov']:.3f} | [{lo:.3f}, {hi:.3f}] | "
+                     f"{row['mean_delta']:.3f} ± {row['std_delta']:.3f} | [{dlo:.3f}, {dhi:.3f}] | "
+                     f"{row['runs_passed']}/{row['runs_total']} | {used} |")
+    for reason in result["dropped_labellings"]:
+        lines.append(f"\nDropped {reason}")
+    for row in result["candidates"]:
+        if row["name"] in result["selected"]:
+            lines += [f"\n## {row['name']}\n", row["description"], f"\nLacking: {row['lacking']}\n"]
+            lines += [f"- `{e['id']}` ({e['family']}): {e['evidence']}" for e in row["examples"]]
+    return "\n".join(lines) + "\n"
