@@ -1,0 +1,51 @@
+"""TRACE stage 4's router on the embedded SmolLM2: single-token labels checked at start, and every
+decision and label logit equal to an independent transformers computation (its own tokenizer and
+chat template, its own forward) on the same prompts."""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from trace_jax.envs.embedded_retail import EmbeddedRetail
+from trace_jax.trace.routing import NO_ADAPTER, RouteOption, Router, label_token_ids, router_messages
+
+OPTIONS = [RouteOption("tool_calling", "Makes the write call a request needs with exactly the right arguments.",
+                       'cancel_pending_order(order_id="#W1", reason="no longer needed")'),
+           RouteOption("communication", "States the facts the customer asked for in the final reply.",
+                       "Your order #W2 is delivered; you paid 52.1."),
+           RouteOption("precondition", "Checks the order's status before acting and refuses what the policy forbids.",
+                       "Order #W3 is delivered, so it cannot be cancelled.")]
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    env = EmbeddedRetail()
+    return [env.episode(task).reset() for task in env.tasks("heldout", 7)]  # one ticket of each family
+
+
+def test_labels_must_be_single_distinct_tokens(smollm2):
+    assert len(label_token_ids(smollm2.tokenizer, list("ABCDE"))) == 5
+    with pytest.raises(ValueError, match="router label 'Zebra crossing' is .* tokens"):
+        label_token_ids(smollm2.tokenizer, ["A", "Zebra crossing"])
+    with pytest.raises(ValueError, match="at most 25"):
+        Router(smollm2, OPTIONS * 9)
+
+
+def test_decisions_equal_an_independent_transformers_computation(smollm2, conversations):
+    router = Router(smollm2, OPTIONS, batch_size=4)  # 7 conversations: a full and a partial batch
+    indices, weights = router.route(conversations)
+    logits = router.logits(conversations)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2.path)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(smollm2.path, dtype=torch.float32).eval()
+    label_ids = [hf_tokenizer.convert_tokens_to_ids(label) for label in "ABCD"]
+    for row, conversation in enumerate(conversations):
+        messages = router_messages(OPTIONS, conversation, list("ABCD"))
+        ids = list(hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+        assert ids == router.prompt_ids(conversation)
+        with torch.no_grad():
+            reference = hf_model(torch.tensor([ids])).logits[0, -1, label_ids].numpy()
+        assert np.abs(logits[row] - reference).max() <= 1e-3, row
+        assert indices[row] == int(reference.argmax()) - 1
+    assert np.allclose(weights.sum(axis=1), 1.0) and (weights.argmax(axis=1) - 1 == np.array(indices)).all()
+    assert set(indices) <= {NO_ADAPTER, 0, 1, 2}
