@@ -1,7 +1,8 @@
 """Built-in capability environments through the real rollout engine and τ²'s retail tools: the gold
-agent scores 1.0 and doing nothing 0.0 on every task of every difficulty, each reward level is
-reached by the agent it describes, tasks are deterministic per seed with disjoint splits, worlds
-hold no customer of τ²'s retail DB, and bad settings fail naming the key."""
+agent scores 1.0 and doing nothing 0.0 on 200 seeds of every capability and difficulty, each reward
+level is reached by the agent it describes, an agent without the capability fails where it is
+needed, tasks are deterministic per seed with disjoint splits, worlds hold no customer of τ²'s
+retail DB, and bad settings fail naming the key."""
 
 import jax
 import ml_collections
@@ -15,6 +16,7 @@ from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment
 from trace_jax.envs.tau2_bridge import domain_state
 
 TASKS = 40
+SEEDS = 200
 
 
 def _env(capability="tool_calling", **kwargs):
@@ -23,7 +25,7 @@ def _env(capability="tool_calling", **kwargs):
 
 
 def _play(env, agent, tasks):
-    engine = RolloutEngine(env, agent=agent, user=ScriptedUser(), config=RolloutConfig(batch_size=8, max_turns=4))
+    engine = RolloutEngine(env, agent=agent, user=ScriptedUser(), config=RolloutConfig(batch_size=8, max_turns=8))
     return engine.run([Job(task, 0, -1) for task in tasks], key=jax.random.key(0))
 
 
@@ -49,7 +51,7 @@ class _Scripted:
 def test_gold_scores_one_and_nothing_scores_zero_at_every_difficulty(capability):
     for difficulty in range(CAPABILITIES[capability].max_difficulty + 1):
         env = _env(capability, difficulty=difficulty)
-        tasks = env.tasks("train", TASKS) + env.tasks("heldout", TASKS // 4)
+        tasks = env.tasks("train", SEEDS - SEEDS // 4) + env.tasks("heldout", SEEDS // 4)
         assert {t.outcome.reward for t in _play(env, GoldAgent(), tasks)} == {1.0}, difficulty
         assert {t.outcome.reward for t in _play(env, NoopAgent(), tasks)} == {0.0}, difficulty
 
@@ -67,13 +69,55 @@ def test_each_reward_level_is_reached_by_the_agent_it_describes():
         assert all((t.end_reason == "agent_stop") == agent.replies for t in played)
 
 
-def test_tasks_are_deterministic_per_seed_with_disjoint_splits_and_new_customers():
-    first, again, other_seed = _env(difficulty=2), _env(difficulty=2), _env(difficulty=2, seed=1)
+class _Blind:
+    """An agent without the capability: its turns are `plan(episode)`, then a text turn."""
+
+    def __init__(self, plan):
+        self.plan, self._turns = plan, {}
+
+    def reply(self, episode):
+        turns = self._turns.setdefault(id(episode), list(self.plan(episode)))
+        return turns.pop(0) if turns else "Done, as you asked."
+
+    def forget(self, episode):
+        self._turns.pop(id(episode), None)
+
+
+def _calls(calls):
+    return [format_tool_call(c["name"], c["arguments"]) for c in calls]
+
+
+def _read_and_cancel(episode):
+    order_id = episode.gold().tool_calls[0]["arguments"]["order_id"]
+    return _calls([episode.gold().tool_calls[0], {"name": "cancel_pending_order",
+                                                  "arguments": {"order_id": order_id, "reason": "no longer needed"}}])
+
+
+@pytest.mark.parametrize("capability, difficulty, plan, most", [
+    ("precondition", 1, _read_and_cancel, 0.5),  # acts without checking: every forbidden task fails
+    ("precondition", 1, lambda e: _calls(e.gold().tool_calls[:1]), 0.5),  # refuses every request
+    ("multi_step", 0, lambda e: _calls(e.gold().tool_calls[:2]), 0.0),  # does only the first request
+    ("error_recovery", 0, lambda e: _calls([dict(e.scenario.prefilled[0])] * 2), 0.0),  # repeats the failing call
+    ("communication", 2, lambda e: _calls(e.gold().tool_calls), 0.0),  # reads, but states no fact
+    ("structured_data", 1, lambda e: _calls([{"name": "cancel_pending_order", "arguments": {  # takes the first order
+        "order_id": e.scenario.prefilled[2]["arguments"]["order_id"], **{
+            k: v for k, v in e.gold().tool_calls[0]["arguments"].items() if k == "reason"}}}]), 0.5),
+])
+def test_an_agent_without_the_capability_fails_where_it_is_needed(capability, difficulty, plan, most):
+    env = _env(capability, difficulty=difficulty)
+    played = _play(env, _Blind(plan), env.tasks("train", TASKS))
+    success = sum(t.outcome.success for t in played) / len(played)
+    assert success <= most, success
+
+
+@pytest.mark.parametrize("capability", sorted(CAPABILITIES))
+def test_tasks_are_deterministic_per_seed_with_disjoint_splits_and_new_customers(capability):
+    first, again, other_seed = (_env(capability, difficulty=2), _env(capability, difficulty=2),
+                                _env(capability, difficulty=2, seed=1))
     tickets = lambda env, split: [env.scenario(t).ticket for t in env.tasks(split, TASKS)]
     assert tickets(first, "train") == tickets(again, "train")
     assert tickets(first, "train") != tickets(other_seed, "train")
     assert not set(tickets(first, "train")) & set(tickets(first, "heldout"))
-    assert len({t.family for t in first.tasks("train", TASKS)}) == 3
     target = domain_state("retail").db
     for task in first.tasks("train", TASKS):
         world = first.scenario(task).db

@@ -78,7 +78,7 @@ def address_text(address: UserAddress) -> str:
     return ", ".join(p for p in parts if p)
 
 
-def _amount(value: float) -> str:
+def amount_text(value: float) -> str:
     """A dollar amount as a fact: no trailing zeros, so "608.9" matches "608.90" too."""
     return f"{value:.2f}".rstrip("0").rstrip(".")
 
@@ -131,7 +131,7 @@ def order_status(pool: Pool, rng: random.Random) -> Draft:
     intro, find = _identify(user, rng, "email")
     ask = rng.choice((f"What is the status of my order {order.order_id}, and how much was I charged for it?",
                       f"Could you tell me where my order {order.order_id} stands and the amount I paid?"))
-    facts = (order.status, _amount(order.payment_history[0].amount))
+    facts = (order.status, amount_text(order.payment_history[0].amount))
     return Draft("status", f"{intro} {ask}", (find, _details(order)), facts, _entities(user, order))
 
 

@@ -12,8 +12,9 @@ real results. Splits draw from disjoint seed streams; every task is a pure funct
 The reward has levels, so GRPO groups have variance while the agent is weak:
   0.2  at least one well-formed call to an offered tool;
   0.5  every gold tool called by name;
-  0.8  every gold call made with exactly the gold arguments, and the DB equals the gold
-       replay's (no stray write);
+  0.8  every gold call made with exactly the gold arguments, no other write attempted (even
+       one the system rejects: trying a forbidden write is the failure), and the DB equals
+       the gold replay's;
   1.0  all that, and the episode ended normally (the agent's final reply) with every
        required fact stated in a text turn (τ²'s COMMUNICATE check).
 The call levels count however the episode ended (a right call followed by a loop of calls
@@ -117,6 +118,8 @@ class CapabilityEpisode(SoloTicketEpisode):
         gold = self.scenario.gold_calls
         agent_calls = [{"name": c["name"], "arguments": c["arguments"]}
                        for m in self.messages[self._opening:] for c in m.get("tool_calls") or ()]
+        write_tools = domain_state("retail").write_tools
+        stray = [c for c in agent_calls if c["name"] in write_tools and c not in gold]
         replay = _environment(self.scenario.db)
         for i, call in enumerate(self.scenario.prefilled + gold):
             execute(replay, {"id": f"gold_{i}", **call})
@@ -126,7 +129,7 @@ class CapabilityEpisode(SoloTicketEpisode):
                    if not c.met]
         checks = {"format": bool(agent_calls),
                   "tool": {c["name"] for c in gold} <= {c["name"] for c in agent_calls},
-                  "arguments": (all(c in agent_calls for c in gold)
+                  "arguments": (all(c in agent_calls for c in gold) and not stray
                                 and self._environment.get_db_hash() == replay.get_db_hash()),
                   "COMMUNICATE": self.end_reason in NORMAL_ENDS and not missing}
         reward = 0.0
@@ -135,7 +138,8 @@ class CapabilityEpisode(SoloTicketEpisode):
                 break
             reward = value
         info = {"end_reason": self.end_reason, "failed_communicate": missing,
-                "missing_calls": [f"{c['name']}({c['arguments']})" for c in gold if c not in agent_calls]}
+                "missing_calls": [f"{c['name']}({c['arguments']})" for c in gold if c not in agent_calls],
+                "stray_writes": [f"{c['name']}({c['arguments']})" for c in stray]}
         return Outcome(reward=reward, success=reward >= 1.0, components={k: float(v) for k, v in checks.items()},
                        info=info)
 

@@ -98,16 +98,17 @@ def _order(rng: random.Random, user: User, catalogue: list[Product], status: str
 
 
 def build_world(rng: random.Random, catalogue: dict[str, Product], num_customers: int = 4,
-                orders_per_customer: tuple[int, int] = (2, 4), max_items: int = 4) -> RetailDB:
-    """`num_customers` invented customers, each with orders of every status in turn (the first one
-    pending, the second delivered, then drawn) of 1 to `max_items` products sampled from `catalogue`."""
+                orders_per_customer: tuple[int, int] = (2, 4), max_items: int = 4,
+                first_statuses: tuple[str, ...] = ("pending", "delivered")) -> RetailDB:
+    """`num_customers` invented customers, each with orders of 1 to `max_items` products sampled from
+    `catalogue`, whose statuses are `first_statuses` in turn, then drawn."""
     products = [catalogue[k] for k in sorted(catalogue)]
     users: dict[str, User] = {}
     orders: dict[str, Order] = {}
     for _ in range(num_customers):
         user = _customer(rng, set(users))
         for index in range(rng.randint(*orders_per_customer)):
-            status = ("pending", "delivered")[index] if index < 2 else rng.choice(STATUSES)
+            status = first_statuses[index] if index < len(first_statuses) else rng.choice(STATUSES)
             order_id = f"#W{rng.randint(1_000_000, 9_999_999)}"
             while order_id in orders:
                 order_id = f"#W{rng.randint(1_000_000, 9_999_999)}"
