@@ -1,0 +1,77 @@
+"""Stage 2's calibration gates: statistics and pass@k against hand-computed values, the difficulty
+walk, and a real calibration through the evaluation job (scripted agents, real environments)."""
+
+import json
+import math
+
+import ml_collections
+import numpy as np
+import pytest
+
+from trace_jax.trace.calibration import (
+    calibrate,
+    calibrate_capability,
+    calibration_defaults,
+    calibration_table,
+    gate_failures,
+    group_stats,
+)
+
+
+def test_group_stats_and_pass_at_k_are_the_hand_computed_values():
+    rewards = np.array([[1.0, 0.0, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]])
+    stats = group_stats(rewards, rewards == 1.0)
+    assert stats["mean"] == pytest.approx(4 / 12) and stats["std"] == pytest.approx(np.std(rewards))
+    assert (stats["informative"], stats["all_zero"], stats["all_success"]) == (pytest.approx(1 / 3),) * 2 + (0.0,)
+    assert stats["pass@1"] == pytest.approx((1 / 4) / 3)  # one success in four, in one group of three
+    assert stats["pass@2"] == pytest.approx((1 - math.comb(3, 2) / math.comb(4, 2)) / 3)
+    assert stats["pass@4"] == pytest.approx(1 / 3) and "pass@8" not in stats
+    assert stats["std"] == pytest.approx(0.312, abs=1e-3)  # mean 1/3 and std pass; a third of groups informative
+    assert gate_failures(stats, calibration_defaults()) == ["informative groups 0.33 <= 0.6"]
+
+
+def _measure(means: dict[int, float]):
+    """Rewards of mean `means[d]` with full variance: half the groups 0/1 mixed, the rest constant."""
+    def measure(difficulty):
+        p = means[difficulty]
+        rewards = (np.random.default_rng(difficulty).random((20, 8)) < p).astype(float)
+        return rewards, rewards == 1.0
+    return measure
+
+
+def test_the_difficulty_walks_to_the_gates_or_the_environment_is_dropped():
+    config = calibration_defaults()
+    config.min_informative = 0.5
+    walked = calibrate(_measure({0: 0.95, 1: 0.45, 2: 0.1}), config, max_difficulty=2)
+    assert walked["calibrated"] and walked["difficulty"] == 1 and [t["difficulty"] for t in walked["tries"]] == [0, 1]
+    config.start_difficulty = 2
+    down = calibrate(_measure({0: 0.95, 1: 0.45, 2: 0.1}), config, max_difficulty=2)
+    assert down["difficulty"] == 1 and [t["difficulty"] for t in down["tries"]] == [2, 1]
+    config.start_difficulty = 0
+    flips = calibrate(_measure({0: 0.9, 1: 0.1}), config, max_difficulty=1)  # too easy, then too hard: no loop
+    assert not flips["calibrated"] and [t["difficulty"] for t in flips["tries"]] == [0, 1]
+    assert flips["reason"].startswith("mean reward 0.") and "outside [0.3, 0.6]" in flips["reason"]
+
+
+def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_calibrate(tmp_path):
+    base = ml_collections.ConfigDict(dict(
+        model="unused-by-scripted-agents", dtype="float32", adapter="", seed=0, env={"name": "embedded_retail"},
+        split="heldout", num_tasks=1, trials=1, log_every_s=0.0,
+        rollout=dict(batch_size=4, max_turns=8, max_tokens_per_turn=64, max_errors=4, temperature=0.0, top_p=1.0,
+                     user_temperature=0.0)))
+    config = calibration_defaults()
+    config.update(seeds=3, samples=2)
+    gold = calibrate_capability("multi_step", 2, base, config, tmp_path / "gold", agent="gold")
+    assert not gold["calibrated"] and [t["difficulty"] for t in gold["tries"]] == [0, 1, 2]  # too easy everywhere
+    assert all(t["mean"] == 1.0 and t["episodes"] == 6 for t in gold["tries"])
+    records = [json.loads(line) for line in (tmp_path / "gold" / "difficulty_2" / "episodes.jsonl").open()]
+    assert len(records) == 6 and {r["trial"] for r in records} == {0, 1}
+    assert records[0]["task_id"].startswith("capability/multi_step/0/2/train/")
+    noop = calibrate_capability("multi_step", 2, base, config, tmp_path / "noop", agent="noop")
+    assert [t["difficulty"] for t in noop["tries"]] == [0] and noop["tries"][0]["mean"] == 0.0  # too hard at 0
+    assert calibrate_capability("multi_step", 2, base, config, tmp_path / "noop", agent="gold") == noop  # read back
+    table = calibration_table([gold, noop])
+    assert table.count("\n") == 1 + 4 and "| multi_step | 2 | 6 | 1.000 |" in table
+    config.samples = 1
+    with pytest.raises(ValueError, match="config.calibration.samples = 1 is invalid"):
+        calibrate_capability("multi_step", 2, base, config, tmp_path / "bad")
