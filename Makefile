@@ -20,11 +20,12 @@ $(VENV)/.test: $(VENV)/.runtime
 setup: $(VENV)/.runtime
 setup-test: $(VENV)/.test
 
-# Main job: the embedded base agent (SmolLM2-135M-Instruct, no adapter) on the embedded retail
-# environment's held-out tickets, scored by tau2's evaluator; prints the per-family table.
-WORKDIR ?= runs/embedded_retail
+# Main job: TRACE end to end on the embedded defaults with small budgets (configs/trace_quick.py): the
+# embedded base agent on the embedded retail environment, capability analysis, a calibrated capability
+# environment, a GRPO adapter, routing and the held-out evaluation; prints the table and one JSON line.
+WORKDIR ?= runs/trace_quick
 run: setup
-	$(PY) -m launch.evaluate --config=configs/embedded_retail.py --workdir=$(WORKDIR)
+	$(PY) -m launch.trace --config=configs/trace_quick.py --workdir=$(WORKDIR)
 
 # pytest exits 5 when it collects no test: that must fail loudly, not pass.
 test: setup-test

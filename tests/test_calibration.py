@@ -27,7 +27,7 @@ def test_group_stats_and_pass_at_k_are_the_hand_computed_values():
     assert stats["pass@2"] == pytest.approx((1 - math.comb(3, 2) / math.comb(4, 2)) / 3)
     assert stats["pass@4"] == pytest.approx(1 / 3) and "pass@8" not in stats
     assert stats["std"] == pytest.approx(0.312, abs=1e-3)  # mean 1/3 and std pass; a third of groups informative
-    assert gate_failures(stats, calibration_defaults()) == ["informative groups 0.33 <= 0.6"]
+    assert gate_failures(stats, calibration_defaults()) == ["informative groups 0.33 < 0.6"]
 
 
 def _measure(means: dict[int, float]):

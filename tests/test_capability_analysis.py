@@ -13,7 +13,7 @@ import pytest
 from scripted_llm_server import ScriptedLLMServer
 
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
-from trace_jax.agent.scripted import ScriptedUser
+from trace_jax.agent.scripted import PlannedAgent, ScriptedUser
 from trace_jax.agent.tool_calls import format_tool_call
 from trace_jax.envs.embedded_retail import EmbeddedRetail
 from trace_jax.envs.tau2_bridge import domain_state
@@ -23,20 +23,6 @@ from trace_jax.trace.analyst import LACKING, NA, PRESENT
 from trace_jax.trace.programmatic_analyst import CARDS, ProgrammaticAnalyst
 from trace_jax.trace.selection import load_runs, select
 from trace_jax.trace.trajectories import compact, load_trajectories
-
-
-class _Plan:
-    """Plays, per episode, the texts `plan(episode)` returns, one per turn, then "Done." forever."""
-
-    def __init__(self, plan):
-        self.plan, self._turns = plan, {}
-
-    def reply(self, episode):
-        turns = self._turns.setdefault(id(episode), list(self.plan(episode)))
-        return turns.pop(0) if turns else "Done."
-
-    def forget(self, episode):
-        self._turns.pop(id(episode), None)
 
 
 def _call(c, **changes):
@@ -93,7 +79,7 @@ def played():
     records = {}
     for name, (family, plan) in PLANS.items():  # each behaviour on its own task
         task = pools[family].pop(0)
-        engine = RolloutEngine(env, agent=_Plan(plan), user=ScriptedUser(), config=RolloutConfig(batch_size=1))
+        engine = RolloutEngine(env, agent=PlannedAgent(plan), user=ScriptedUser(), config=RolloutConfig(batch_size=1))
         records[name] = engine.run([Job(task, 0, -1)], key=jax.random.key(0))[0].record()
     trajectories = dict(zip(records, load_trajectories(records.values(), env)))
     return env, records, trajectories

@@ -11,10 +11,12 @@ user-side gold calls for the gold agent (telecom), and stops after the agent's n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import jax
 import ml_collections
@@ -61,20 +63,36 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     check_config(config, _checks())
 
 
-def _engine(config: ml_collections.ConfigDict, env, agent: str) -> tuple[RolloutEngine, int]:
-    """The rollout engine for `agent` and the agent's adapter index."""
+@dataclasses.dataclass(frozen=True)
+class Routes:
+    """Per-task adapters (TRACE's Select & Adapt): PEFT folders, and each task's index among them
+    (lora.NO_ADAPTER, the default, for the base model); the tasks run mixed in one batch."""
+
+    adapters: tuple[str, ...]
+    by_task: dict[str, int]
+
+    def __post_init__(self):
+        bad = {t: i for t, i in self.by_task.items() if not lora.NO_ADAPTER <= i < len(self.adapters)}
+        if bad:
+            raise ValueError(f"routes name adapters outside [-1, {len(self.adapters) - 1}]: {dict(list(bad.items())[:3])}")
+
+
+def _engine(config: ml_collections.ConfigDict, env, agent: str,
+            routes: Routes | None) -> tuple[RolloutEngine, Callable[[str], int]]:
+    """The rollout engine for `agent` and each task's adapter index."""
     rollout = RolloutConfig(**config.rollout.to_dict())
     if agent != "model":
         gold = agent == "gold"
         scripted, user = (GoldAgent() if gold else NoopAgent()), ScriptedUser(user_actions=gold)
-        return RolloutEngine(env, agent=scripted, user=user, config=rollout), lora.NO_ADAPTER
+        return RolloutEngine(env, agent=scripted, user=user, config=rollout), lambda task_id: lora.NO_ADAPTER
     model = load_model(config.model, config.dtype)
-    adapters, adapter_idx = None, lora.NO_ADAPTER
-    if config.adapter:
-        adapters, adapter_idx = lora.stack_adapters([lora.load_peft(config.adapter, model.cfg)]), 0
+    folders = routes.adapters if routes else (config.adapter,) if config.adapter else ()
+    adapters = lora.stack_adapters([lora.load_peft(f, model.cfg) for f in folders]) if folders else None
     sampler = Sampler(model.cfg, model.params, adapters=adapters, detokenize=model.tokenizer.decode)
     engine = RolloutEngine(env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=model.tokenizer, config=rollout)
-    return engine, adapter_idx
+    if routes:
+        return engine, lambda task_id: routes.by_task.get(task_id, lora.NO_ADAPTER)
+    return engine, lambda task_id: 0 if config.adapter else lora.NO_ADAPTER
 
 
 def play(engine: RolloutEngine, jobs: list[Job], *, key: jax.Array, episodes_path: pathlib.Path,
@@ -127,13 +145,16 @@ def recorded_episodes(episodes_path: pathlib.Path) -> list[dict]:
     return records
 
 
-def run_marker(config: ml_collections.ConfigDict, agent: str) -> dict:
+def run_marker(config: ml_collections.ConfigDict, agent: str, routes: Routes | None = None) -> dict:
     """What identifies an evaluation's episodes: its config, the agent, and for the model the
-    fingerprints of its weights and adapter (a rebuilt embedded agent keeps its name)."""
+    fingerprints of its weights and adapter(s) (a rebuilt embedded agent keeps its name) and the routes."""
     marker = {"config": config.to_dict(), "agent": agent}
     if agent == "model":
         marker["weights"] = weights_fingerprint(resolve_model_dir(config.model))
         marker["adapter"] = weights_fingerprint(config.adapter) if config.adapter else ""
+        if routes:
+            marker["routes"] = {"adapters": [weights_fingerprint(f) for f in routes.adapters],
+                                "by_task": dict(sorted(routes.by_task.items()))}
     return marker
 
 
@@ -161,19 +182,23 @@ def summarize_run(records: list[dict], trials: int) -> tuple[dict, str]:
     return summary, format_table(rows)
 
 
-def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, agent: str = "model") -> dict:
-    """Runs the evaluation into `workdir`; returns the summary also written to summary.json."""
+def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, agent: str = "model",
+             routes: Routes | None = None) -> dict:
+    """Runs the evaluation into `workdir` (with `routes`, each task under its own adapter, in place
+    of `config.adapter`); returns the summary also written to summary.json."""
     if agent not in AGENTS:
         raise ValueError(f"agent {agent!r} is invalid; it must be one of {', '.join(AGENTS)}")
     validate_config(config)
+    if routes and config.adapter:
+        raise ValueError("config.adapter must be '' when the tasks are routed among adapters")
     start = time.monotonic()
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    _keep_episodes_of_same_run(workdir, run_marker(config, agent))
+    _keep_episodes_of_same_run(workdir, run_marker(config, agent, routes))
     env = make_environment(config.env)
     tasks = env.tasks(config.split, config.num_tasks)
-    engine, adapter_idx = _engine(config, env, agent)
-    jobs = [Job(task, trial, adapter_idx) for trial in range(config.trials) for task in tasks]
+    engine, adapter_of = _engine(config, env, agent, routes)
+    jobs = [Job(task, trial, adapter_of(task.task_id)) for trial in range(config.trials) for task in tasks]
     records = play(engine, jobs, key=jax.random.key(config.seed), episodes_path=workdir / "episodes.jsonl",
                    log_every_s=config.log_every_s)
     summary, table = summarize_run(records, config.trials)

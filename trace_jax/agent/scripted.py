@@ -1,4 +1,5 @@
-"""Scripted actors for conformance checks and baselines: the gold agent, the noop agent, scripted users.
+"""Scripted actors for conformance checks and baselines: the gold agent, planned agents, the noop agent,
+scripted users.
 
 They speak through the same rollout engine and evaluation path as the model, as raw
 assistant text (tool calls in the project's `<tool_call>` format), so a gold run tests
@@ -51,6 +52,21 @@ class GoldAgent:
     def forget(self, episode: Episode) -> None:
         """Drops the episode's turn counter once it has ended."""
         self._next.pop(id(episode), None)
+
+
+class PlannedAgent:
+    """Plays, per episode, the turns `plan(episode)` returns (raw assistant texts), then `final` on every
+    further turn: an agent with a known behaviour (a flaw, a shortcut) for tests and checks."""
+
+    def __init__(self, plan, final: str = "Done."):
+        self.plan, self.final, self._turns = plan, final, {}
+
+    def reply(self, episode: Episode) -> str:
+        turns = self._turns.setdefault(id(episode), list(self.plan(episode)))
+        return turns.pop(0) if turns else self.final
+
+    def forget(self, episode: Episode) -> None:
+        self._turns.pop(id(episode), None)
 
 
 class NoopAgent:

@@ -4,7 +4,7 @@ succeeds and its groups have reward variance, as the paper requires.
 The base agent plays `seeds` training tasks `samples` times each at the rollout temperature
 (paper: 20 x 8 at 1.0) through the evaluation job, so the episodes are resumable and
 tabled like any evaluation. Gates (config keys; the paper's values by default): mean reward
-in [min_mean, max_mean], reward std > min_std, a share > min_informative of groups whose
+in [min_mean, max_mean], reward std >= min_std, a share >= min_informative of groups whose
 rewards are not all equal. pass@k is reported beside them. A built-in generator walks its
 difficulty knob (up when too easy, down when too hard); an environment that cannot pass is
 reported and dropped.
@@ -77,10 +77,10 @@ def gate_failures(stats: dict, config: ml_collections.ConfigDict) -> list[str]:
     failures = []
     if not config.min_mean <= stats["mean"] <= config.max_mean:
         failures.append(f"mean reward {stats['mean']:.3f} outside [{config.min_mean}, {config.max_mean}]")
-    if not stats["std"] > config.min_std:
-        failures.append(f"reward std {stats['std']:.3f} <= {config.min_std}")
-    if not stats["informative"] > config.min_informative:
-        failures.append(f"informative groups {stats['informative']:.2f} <= {config.min_informative}")
+    if not stats["std"] >= config.min_std:
+        failures.append(f"reward std {stats['std']:.3f} < {config.min_std}")
+    if not stats["informative"] >= config.min_informative:
+        failures.append(f"informative groups {stats['informative']:.2f} < {config.min_informative}")
     return failures
 
 

@@ -1,0 +1,47 @@
+"""TRACE on the embedded default (CPU): the embedded base agent on the embedded retail environment.
+
+  python -m launch.trace --config=configs/trace_embedded.py --workdir=runs/trace_embedded \
+      [--config.target.base_run=runs/embedded_retail]
+
+The base agent (SmolLM2-135M-Instruct with its warm start merged) plays 140 train tickets for
+the analysis (20 per family) and the 200 held-out tickets of configs/embedded_retail.py, which
+`target.base_run` may name instead of playing them again. The programmatic analyst selects the
+capabilities; each selected one's built-in environment is calibrated with 16 seeds x 8 samples
+at temperature 1 against the paper's gates, then trained with GRPO (equal steps per capability,
+the adapter on the top layers as in configs/grpo_target_embedded.py); the router picks one
+adapter per held-out ticket, and every adapter is also evaluated alone for the oracle.
+"""
+
+import ml_collections
+
+from configs import embedded_retail, grpo_target_embedded
+from trace_jax.llm import llm_defaults
+from trace_jax.trace.analysis import analysis_defaults
+from trace_jax.trace.calibration import calibration_defaults
+
+
+def get_config() -> ml_collections.ConfigDict:
+    evaluation = embedded_retail.get_config()
+    config = ml_collections.ConfigDict()
+    config.model = evaluation.model
+    config.dtype = evaluation.dtype
+    config.seed = 0
+    config.log_every_s = 30.0
+    config.target = ml_collections.ConfigDict(dict(
+        env=evaluation.env.to_dict(), rollout=evaluation.rollout.to_dict(), analysis_split="train", analysis_tasks=140,
+        heldout_split="heldout", heldout_tasks=evaluation.num_tasks, base_run=""))
+    config.analysis = analysis_defaults()
+    config.analysis.max_selected = 2  # CPU: two adapters (the paper trained four)
+    config.llm = llm_defaults()  # used when analysis.analyst = "llm"
+    config.calibration = calibration_defaults()
+    config.calibration.update(seeds=16, samples=8)  # 128 rollouts per try (the paper: >= 100)
+    grpo = grpo_target_embedded.get_config()
+    config.training = ml_collections.ConfigDict({key: grpo[key].to_dict() if hasattr(grpo[key], "to_dict")
+                                                 else grpo[key] for key in ("advantage", "lora", "rollout", "loss",
+                                                                            "optimizer", "train", "eval", "mesh")})
+    config.training.train.rollout_budget = None
+    config.training.train.steps = 8  # per capability, the same for each
+    config.training.eval.update(num_tasks=16, every=1000)  # the capability environment's held-out tasks
+    config.routing = ml_collections.ConfigDict(dict(max_messages=10, batch_size=8))
+    config.final = ml_collections.ConfigDict(dict(per_adapter=True))
+    return config

@@ -1,0 +1,95 @@
+"""The TRACE pipeline end to end, as a user runs it (`configs/trace_tiny.py`: the tiny agent, tiny
+budgets, open gates): every stage's artifacts are written, the routed final evaluation runs each
+task under the adapter the router chose, the report and its plots exist, the JSON line carries the
+summary, and a rerun finds every stage done and repeats nothing."""
+
+import importlib
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from configs import trace_tiny
+from trace_jax.trace.pipeline import STAGES, validate_config
+from trace_jax.trace.trace_report import oracle_routes
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = trace_tiny.get_config()
+
+
+def _run(workdir, env):
+    command = [sys.executable, "-m", "launch.trace", "--config=configs/trace_tiny.py", f"--workdir={workdir}"]
+    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out
+
+
+def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tiny_agent, job_env, tmp_path):
+    cache, _ = tiny_agent
+    env = {**job_env, "TRACE_JAX_CACHE": str(cache)}
+    summary, out = _run(tmp_path, env)
+    print(f"\n[trace pipeline] tiny config: {summary}")
+    heldout = CONFIG.target.heldout_tasks
+    assert set(summary) >= {"base_success", "trace_success", "capabilities", "episodes", "seconds"}
+    assert summary["episodes"] == {"base": heldout, "trace": heldout}
+    assert len(summary["capabilities"]) == CONFIG.analysis.max_selected and summary["trained"] == summary["capabilities"]
+    name = summary["capabilities"][0]
+    stages = json.loads((tmp_path / "stages.json").read_text())
+    assert list(stages) == list(STAGES) and all(stage["seconds"] >= 0 for stage in stages.values())
+    for path in ["base_analysis/episodes.jsonl", "heldout/base/summary.json", "analysis/capabilities.json",
+                 "analysis/analysis.md", f"environments/{name}/calibration.json",
+                 f"adapters/{name}/adapter/adapter_config.json", "report.md",
+                 *(f"plots/{p}.png" for p in ("selection", "calibration", "training", "heldout"))]:
+        assert (tmp_path / path).is_file(), path
+    assert len(list((tmp_path / "analysis" / "runs").glob("*.json"))) == CONFIG.analysis.runs
+    calibration = json.loads((tmp_path / "environments" / name / "calibration.json").read_text())
+    assert calibration["calibrated"] and calibration["tries"][0]["episodes"] == 2 * 2
+    routed = stages["routing"]["result"]["by_task"]
+    records = [json.loads(line) for line in (tmp_path / "heldout" / "trace" / "episodes.jsonl").open()]
+    assert len(records) == heldout and all(r["adapter_idx"] == routed[r["task_id"]] for r in records)
+    assert sum(summary["routing"].values()) == heldout and summary["oracle"] is None  # final.per_adapter is off
+    report = (tmp_path / "report.md").read_text()
+    assert "## Held-out success per family" in report and f"| {name} | 0 |" in report  # calibration table row
+    assert "| all |" in out.stdout  # the held-out table is printed
+    again, _ = _run(tmp_path, env)
+    assert {k: v for k, v in again.items() if k != "this_run_seconds"} == \
+        {k: v for k, v in summary.items() if k != "this_run_seconds"}
+    assert again["this_run_seconds"] < 60  # nothing replayed, nothing retrained
+
+
+@pytest.mark.parametrize("name", ["trace_embedded", "trace_quick", "trace_tiny", "trace_tau2_retail",
+                                  "trace_tau2_airline"])
+def test_every_pipeline_config_validates_or_names_the_key_a_user_must_set(name):
+    config = importlib.import_module(f"configs.{name}").get_config()
+    if name.startswith("trace_tau2"):
+        with pytest.raises(ValueError, match=r"config.model = '' is invalid"):
+            validate_config(config)
+        config.model = "/path/to/hf_checkpoint"
+    if config.analysis.analyst == "llm":
+        with pytest.raises(ValueError, match=r"config.llm.model = '' is invalid"):
+            validate_config(config)
+        config.llm.model = "some-model"
+    validate_config(config)
+    config.calibration.samples = 1
+    with pytest.raises(ValueError, match="config.calibration.samples = 1 is invalid"):
+        validate_config(config)
+
+
+def _episodes(folder, outcomes):
+    """An evaluation folder whose episodes.jsonl holds one record per (task id, family, success)."""
+    folder.mkdir(parents=True)
+    lines = [json.dumps({"task_id": t, "family": f, "success": s, "trial": 0}) for t, f, s in outcomes]
+    (folder / "episodes.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_the_oracle_takes_the_best_system_per_family_and_scores_the_router(tmp_path):
+    tasks = [("a1", "a", 0), ("a2", "a", 0), ("b1", "b", 0), ("b2", "b", 0)]  # two families, two tasks each
+    _episodes(tmp_path / "base", [(t, f, t == "b1") for t, f, _ in tasks])  # base: 1 of 2 on b
+    _episodes(tmp_path / "heldout" / "x", [(t, f, f == "a") for t, f, _ in tasks])  # x: 2 of 2 on a
+    _episodes(tmp_path / "heldout" / "y", [(t, f, t == "b2") for t, f, _ in tasks])  # y ties base on b
+    routed = {"a1": 0, "a2": -1, "b1": -1, "b2": 1}
+    oracle = oracle_routes(tmp_path, str(tmp_path / "base"), ["x", "y"], routed)
+    assert oracle["by_family"] == {"a": "x", "b": "general_service"}  # a tie goes to the base model
+    assert oracle["success"] == 3 / 4 and oracle["accuracy"] == 2 / 4 and oracle["episodes"] == 4

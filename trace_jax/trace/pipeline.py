@@ -1,0 +1,234 @@
+"""TRACE as one resumable job: base evaluation -> analysis -> environments -> training -> routing -> final
+evaluation -> report.
+
+Every stage writes to the workdir and is recorded in `stages.json` with its wall time once done;
+a rerun skips finished stages, and the stage a kill interrupted resumes from what its jobs wrote
+(evaluations from their episodes, GRPO from its checkpoints, analysis and calibration from their
+files). Layout:
+
+  base_analysis/      the base agent on the target's analysis split (the analyst's trajectories)
+  heldout/base/       the base agent on the held-out split (or `target.base_run`, checked to be that run)
+  analysis/           stage 1 (`trace_jax.trace.analysis`)
+  environments/<c>/   stage 2: calibration of each selected capability's built-in environment
+  adapters/<c>/       stage 3: the GRPO job per calibrated capability; its PEFT adapter in adapter/
+  routing.json        stage 4: each held-out task's adapter, the router's weights and the distribution
+  heldout/trace/      the routed final evaluation, every task under its own adapter in one batch
+  heldout/<c>/        each adapter alone on every held-out task (for the oracle routing)
+  report.md, plots/, summary.json
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from collections.abc import Callable
+
+import ml_collections
+from absl import logging
+
+from trace_jax.config_checks import Check, check_config, positive_int
+from trace_jax.envs import make_environment
+from trace_jax.envs.base import Gold
+from trace_jax.envs.capability import CAPABILITIES
+from trace_jax.evaluation import Routes, evaluate, recorded_episodes, run_marker
+from trace_jax.files import write_json_atomic
+from trace_jax.llm.client import validate_llm_config
+from trace_jax.lora import NO_ADAPTER
+from trace_jax.models.model import load_model
+from trace_jax.rl import trainer as grpo
+from trace_jax.trace.analysis import analyze, make_analyst, validate_analysis_config
+from trace_jax.trace.calibration import calibrate_capability, environment_config, validate_calibration_config
+from trace_jax.trace.routing import RouteOption, Router
+from trace_jax.trace.trace_report import oracle_routes, write_report
+from trace_jax.trace.trajectories import compact, from_record, load_trajectories
+
+STAGES = ("base", "analysis", "environments", "training", "routing", "final", "report")
+EXAMPLE_CHARS = 600  # a routing example's length
+
+
+def _checks() -> list[Check]:
+    return [("target.analysis_split", lambda v: isinstance(v, str) and bool(v), "a split of the target environment"),
+            ("target.analysis_tasks", positive_int, "a positive int"),
+            ("target.heldout_split", lambda v: isinstance(v, str) and bool(v), "a split of the target environment"),
+            ("target.heldout_tasks", positive_int, "a positive int"),
+            ("target.base_run", lambda v: isinstance(v, str), '"" or the workdir of the base held-out evaluation'),
+            ("routing.max_messages", positive_int, "a positive int"),
+            ("routing.batch_size", positive_int, "a positive int"),
+            ("final.per_adapter", lambda v: isinstance(v, bool), "True (each adapter alone too: the oracle) or False")]
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """Fails at start naming the first wrong key, in any stage's block."""
+    check_config(config, _checks())
+    validate_analysis_config(config.analysis)
+    validate_calibration_config(config.calibration)
+    grpo.validate_config(_training_config(config, "tool_calling", 0))
+    if config.analysis.analyst == "llm":
+        validate_llm_config(config.llm)
+
+
+def _evaluation_config(config: ml_collections.ConfigDict, split: str, num_tasks: int) -> ml_collections.ConfigDict:
+    """An evaluation job's config for the base agent on the target (greedy, the target's limits)."""
+    return ml_collections.ConfigDict(dict(
+        model=config.model, dtype=config.dtype, adapter="", seed=config.seed, env=config.target.env.to_dict(),
+        split=split, num_tasks=num_tasks, trials=1, rollout=config.target.rollout.to_dict(),
+        log_every_s=config.log_every_s))
+
+
+def _training_config(config: ml_collections.ConfigDict, capability: str, difficulty: int) -> ml_collections.ConfigDict:
+    """The GRPO job's config for one capability's environment (equal iterations for every capability)."""
+    training = ml_collections.ConfigDict(config.training.to_dict())
+    training.update(model=config.model, dtype=config.dtype, seed=config.seed, log_every_s=config.log_every_s)
+    training.env = {**environment_config(capability, difficulty, config.calibration), "split": "train"}
+    return training
+
+
+class Pipeline:
+    """One TRACE run in `workdir` (see the module docstring)."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path):
+        validate_config(config)
+        self.config, self.workdir = config, pathlib.Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._stages_path = self.workdir / "stages.json"
+        self.stages: dict = json.loads(self._stages_path.read_text()) if self._stages_path.exists() else {}
+        self.target = make_environment(config.target.env)
+
+    def _stage(self, name: str, run: Callable[[], dict]) -> dict:
+        """Runs a stage unless `stages.json` records it done; returns its result."""
+        number = f"{STAGES.index(name) + 1}/{len(STAGES)}"
+        if name in self.stages:
+            logging.info("stage %s %s: done before (%.0f s)", number, name, self.stages[name]["seconds"])
+            return self.stages[name]["result"]
+        logging.info("stage %s %s: starting", number, name)
+        start = time.monotonic()
+        result = run()
+        self.stages[name] = {"seconds": round(time.monotonic() - start, 1), "result": result}
+        write_json_atomic(self._stages_path, self.stages)
+        logging.info("stage %s %s: done in %.0f s", number, name, self.stages[name]["seconds"])
+        return result
+
+    def run(self) -> dict:
+        """Runs (or resumes) every stage; returns the summary also written to summary.json."""
+        start = time.monotonic()
+        self._stage("base", self._base)
+        analysis = self._stage("analysis", self._analysis)
+        environments = self._stage("environments", lambda: self._environments(analysis["selected"]))
+        adapters = self._stage("training", lambda: self._training(environments))
+        routing = self._stage("routing", lambda: self._routing(adapters))
+        self._stage("final", lambda: self._final(adapters, routing))
+        summary = self._stage("report", lambda: write_report(self.workdir, self.stages, self.config))
+        summary["seconds"] = round(sum(s["seconds"] for s in self.stages.values()), 1)
+        summary["this_run_seconds"] = round(time.monotonic() - start, 1)
+        write_json_atomic(self.workdir / "summary.json", summary)
+        return summary
+
+    def _base(self) -> dict:
+        target = self.config.target
+        analysis = evaluate(_evaluation_config(self.config, target.analysis_split, target.analysis_tasks),
+                            self.workdir / "base_analysis")
+        heldout_config = _evaluation_config(self.config, target.heldout_split, target.heldout_tasks)
+        if target.base_run:
+            _check_base_run(pathlib.Path(target.base_run), heldout_config)
+            heldout_dir = pathlib.Path(target.base_run)
+            heldout = json.loads((heldout_dir / "summary.json").read_text())
+        else:
+            heldout_dir = self.workdir / "heldout" / "base"
+            heldout = evaluate(heldout_config, heldout_dir)
+        return {"analysis_success": analysis["success"], "heldout_success": heldout["success"],
+                "heldout_dir": str(heldout_dir)}
+
+    def _analysis(self) -> dict:
+        records = recorded_episodes(self.workdir / "base_analysis" / "episodes.jsonl")
+        trajectories = load_trajectories(records, self.target)
+        result = analyze(trajectories, make_analyst(self.config, self.target, self.workdir), self.config.analysis,
+                         self.workdir)
+        return {"selected": result["selected"], "failed": result["failed"], "passed": result["passed"]}
+
+    def _environments(self, selected: list[str]) -> dict:
+        """Calibrates each selected capability's built-in environment (episodes cut as training cuts them);
+        keeps those that pass the gates."""
+        base = _evaluation_config(self.config, "train", self.config.calibration.seeds)
+        base.rollout.update({k: self.config.training.rollout[k] for k in ("max_turns", "max_tokens_per_turn",
+                                                                           "max_errors")})
+        results = {}
+        for name in selected:
+            if name not in CAPABILITIES:
+                results[name] = {"calibrated": False, "difficulty": None, "tries": [],
+                                 "reason": "no built-in generator for this capability"}
+                continue
+            results[name] = calibrate_capability(name, CAPABILITIES[name].max_difficulty, base,
+                                                 self.config.calibration, self.workdir / "environments" / name)
+        return results
+
+    def _training(self, environments: dict) -> dict:
+        """One GRPO adapter per calibrated environment, in selection order; name -> adapter folder."""
+        adapters = {}
+        for name, result in environments.items():
+            if result["calibrated"]:
+                folder = self.workdir / "adapters" / name
+                grpo.train(_training_config(self.config, name, result["difficulty"]), folder)
+                adapters[name] = str(folder / "adapter")
+        return adapters
+
+    def _routing(self, adapters: dict) -> dict:
+        """Each held-out task's adapter index (among `adapters`, in order), from the router."""
+        tasks = self.target.tasks(self.config.target.heldout_split, self.config.target.heldout_tasks)
+        if not adapters:
+            return {"by_task": {t.task_id: NO_ADAPTER for t in tasks}, "labels": ["general_service"], "weights": {}}
+        cards = {c["name"]: c for c in json.loads((self.workdir / "analysis" / "capabilities.json").read_text())[
+            "candidates"]}
+        options = [RouteOption(name, cards[name]["description"], self._example(name)) for name in adapters]
+        router = Router(load_model(self.config.model, self.config.dtype), options,
+                        max_messages=self.config.routing.max_messages, batch_size=self.config.routing.batch_size)
+        indices, weights = router.route([self.target.episode(t).reset() for t in tasks])
+        return {"by_task": {t.task_id: i for t, i in zip(tasks, indices)},
+                "labels": ["general_service", *adapters],
+                "weights": {t.task_id: [round(float(w), 4) for w in row] for t, row in zip(tasks, weights)},
+                "examples": {o.name: o.example for o in options}}
+
+    def _example(self, name: str) -> str:
+        """One successful episode of the capability's environment from its calibration, compacted (tool
+        calls as name(args), contents cut short)."""
+        folder = self.workdir / "environments" / name
+        calibration = json.loads((folder / "calibration.json").read_text())
+        records = recorded_episodes(folder / f"difficulty_{calibration['difficulty']}" / "episodes.jsonl")
+        success = next((r for r in records if r["success"]), None)
+        if success is None:
+            return "(no successful episode in calibration)"
+        turns = compact(from_record(success, Gold((), ()), tools=[]), message_chars=120)["messages"]
+        return " | ".join(f"{m['role']}: {m.get('tool_calls') or m['content']}" for m in turns)[:EXAMPLE_CHARS]
+
+    def _final(self, adapters: dict, routing: dict) -> dict:
+        """The routed held-out evaluation and, with `final.per_adapter`, each adapter alone (the oracle's input)."""
+        heldout = _evaluation_config(self.config, self.config.target.heldout_split, self.config.target.heldout_tasks)
+        folders = tuple(adapters.values())
+        routes = Routes(folders, routing["by_task"]) if folders else None
+        runs = {"trace": evaluate(heldout, self.workdir / "heldout" / "trace", routes=routes)["success"]}
+        if self.config.final.per_adapter:
+            for name, folder in adapters.items():
+                alone = ml_collections.ConfigDict(heldout.to_dict())
+                alone.adapter = folder
+                runs[name] = evaluate(alone, self.workdir / "heldout" / name)["success"]
+        oracle = oracle_routes(self.workdir, self.stages["base"]["result"]["heldout_dir"], list(adapters),
+                               routing["by_task"]) if self.config.final.per_adapter and adapters else None
+        return {"success": runs, "oracle": oracle}
+
+
+def _check_base_run(folder: pathlib.Path, heldout_config: ml_collections.ConfigDict) -> None:
+    """Fails naming the key unless `folder` is an evaluation of this base agent on these held-out tasks."""
+    marker = folder / "run.json"
+    if not marker.exists() or not (folder / "summary.json").exists():
+        raise ValueError(f"config.target.base_run = {str(folder)!r} is not a finished evaluation's workdir "
+                         "(run.json and summary.json)")
+    expected = json.loads(json.dumps(run_marker(heldout_config, "model"), sort_keys=True, default=str))
+    found = json.loads(marker.read_text())
+    for key in ("weights", "adapter"):
+        if found.get(key) != expected.get(key):
+            raise ValueError(f"config.target.base_run: its run has {key} {found.get(key)!r}, this pipeline's base "
+                             f"agent has {expected.get(key)!r}")
+    differing = [k for k, v in expected["config"].items() if k != "log_every_s" and found["config"].get(k) != v]
+    if differing:
+        raise ValueError(f"config.target.base_run: its evaluation differs in {differing} from this pipeline's "
+                         "held-out evaluation")
