@@ -41,7 +41,8 @@ def test_decisions_equal_an_independent_transformers_computation(smollm2, conver
     label_ids = [hf_tokenizer.convert_tokens_to_ids(label) for label in "ABCD"]
     for row, conversation in enumerate(conversations):
         messages = router_messages(OPTIONS, conversation, list("ABCD"))
-        ids = list(hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+        encoded = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+        ids = list(encoded["input_ids"])
         assert ids == router.prompt_ids(conversation)
         with torch.no_grad():
             reference = hf_model(torch.tensor([ids])).logits[0, -1, label_ids].numpy()

@@ -34,7 +34,8 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
     heldout = CONFIG.target.heldout_tasks
     assert set(summary) >= {"base_success", "trace_success", "capabilities", "episodes", "seconds"}
     assert summary["episodes"] == {"base": heldout, "trace": heldout}
-    assert len(summary["capabilities"]) == CONFIG.analysis.max_selected and summary["trained"] == summary["capabilities"]
+    assert len(summary["capabilities"]) == CONFIG.analysis.max_selected
+    assert summary["trained"] == summary["capabilities"]
     name = summary["capabilities"][0]
     stages = json.loads((tmp_path / "stages.json").read_text())
     assert list(stages) == list(STAGES) and all(stage["seconds"] >= 0 for stage in stages.values())

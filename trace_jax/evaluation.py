@@ -74,7 +74,8 @@ class Routes:
     def __post_init__(self):
         bad = {t: i for t, i in self.by_task.items() if not lora.NO_ADAPTER <= i < len(self.adapters)}
         if bad:
-            raise ValueError(f"routes name adapters outside [-1, {len(self.adapters) - 1}]: {dict(list(bad.items())[:3])}")
+            shown = dict(list(bad.items())[:3])
+            raise ValueError(f"routes name adapters outside [-1, {len(self.adapters) - 1}]: {shown}")
 
 
 def _engine(config: ml_collections.ConfigDict, env, agent: str,

@@ -38,7 +38,8 @@ def oracle_routes(workdir: pathlib.Path, base_dir: str, names: list[str], routed
     families = sorted({r["family"] for r in systems[NO_ADAPTER]})
     best = {}
     for family in families:
-        wins = {index: sum(r["success"] for r in records if r["family"] == family) for index, records in systems.items()}
+        wins = {index: sum(r["success"] for r in records if r["family"] == family)
+                for index, records in systems.items()}
         best[family] = max(wins, key=lambda index: (wins[index], index == NO_ADAPTER, -index))
     tasks = [r for r in systems[NO_ADAPTER] if r["task_id"] in routed]
     choice = {r["task_id"]: best[r["family"]] for r in tasks}
@@ -160,7 +161,8 @@ def write_report(workdir: pathlib.Path, stages: dict, config: ml_collections.Con
              *(f"| {name} | {stage['seconds']:.0f} |" for name, stage in stages.items()),
              "\n## 1. Capability analysis\n",
              f"{analysis['failed']} failed and {analysis['passed']} successful base trajectories; selected "
-             f"{analysis['selected'] or 'none'} (details: analysis/analysis.md).\n", "![selection](plots/selection.png)\n",
+             f"{analysis['selected'] or 'none'} (details: analysis/analysis.md).\n",
+             "![selection](plots/selection.png)\n",
              "## 2. Environments and calibration\n", calibration_table(calibrations) if calibrations else "(none)",
              *(f"\n- {c['capability']}: dropped ({c['reason']})" for c in calibrations if not c["calibrated"]),
              "\n![calibration](plots/calibration.png)\n", "## 3. Adapters\n",
