@@ -76,6 +76,10 @@ def test_every_pipeline_config_validates_or_names_the_key_a_user_must_set(name):
     config.calibration.samples = 1
     with pytest.raises(ValueError, match="config.calibration.samples = 1 is invalid"):
         validate_config(config)
+    config.calibration.samples = 2
+    config.target.rollout.top_p = 0.0
+    with pytest.raises(ValueError, match=r"config.target.rollout.top_p = 0.0 is invalid"):
+        validate_config(config)
 
 
 def _episodes(folder, outcomes):

@@ -32,6 +32,7 @@ from trace_jax.envs import make_environment
 from trace_jax.envs.base import Gold
 from trace_jax.envs.capability import CAPABILITIES
 from trace_jax.evaluation import Routes, evaluate, recorded_episodes, run_marker
+from trace_jax.evaluation import validate_config as validate_evaluation_config
 from trace_jax.files import write_json_atomic
 from trace_jax.llm.client import validate_llm_config
 from trace_jax.lora import NO_ADAPTER
@@ -61,6 +62,11 @@ def _checks() -> list[Check]:
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Fails at start naming the first wrong key, in any stage's block."""
     check_config(config, _checks())
+    try:
+        validate_evaluation_config(_evaluation_config(config, config.target.heldout_split, config.target.heldout_tasks))
+    except ValueError as error:  # the evaluation's env and rollout blocks are the pipeline's target.*
+        message = str(error).replace("config.rollout.", "config.target.rollout.")
+        raise ValueError(message.replace("config.env.", "config.target.env.")) from None
     validate_analysis_config(config.analysis)
     validate_calibration_config(config.calibration)
     grpo.validate_config(_training_config(config, "tool_calling", 0))
