@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterable, Sequence
 
 from trace_jax.agent.tool_calls import parse_assistant_output
-from trace_jax.envs.base import Environment, Gold, Message
+from trace_jax.envs.base import NORMAL_ENDS, Environment, Gold, Message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +113,7 @@ def _cut(text: str, limit: int) -> str:
 def failure_reasons(trajectory: ScoredTrajectory) -> list[str]:
     """Each reward component below 1 with the evaluator's diagnostic, and an abnormal end."""
     info, reasons = trajectory.info, []
-    if trajectory.end_reason not in ("agent_stop", "user_stop"):
+    if trajectory.end_reason not in NORMAL_ENDS:
         reasons.append(f"episode ended abnormally ({trajectory.end_reason}), which scores 0")
     if trajectory.components.get("DB", 1.0) < 1.0:
         reasons.append("DB: the final database differs from the gold replay's")
