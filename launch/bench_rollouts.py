@@ -33,6 +33,7 @@ _EPISODES = flags.DEFINE_integer("episodes", 32, "Episodes in the timed run.")
 _BATCH = flags.DEFINE_integer("batch_size", 16, "Sampler rows (episodes played at once).")
 _TURNS = flags.DEFINE_integer("max_turns", 6, "Agent turns per episode.")
 _TOKENS = flags.DEFINE_integer("max_tokens_per_turn", 128, "Tokens per turn.")
+_DTYPE = flags.DEFINE_string("dtype", "float32", "Compute dtype (float32 on CPU; bfloat16 suits accelerators).")
 _JSON = flags.DEFINE_bool("json", False, "Print the final result as one JSON line.")
 
 
@@ -67,7 +68,7 @@ def _profile(stats) -> dict:
 
 def main(argv: list[str]) -> None:
     del argv
-    model = load_model(_MODEL.value, "float32")
+    model = load_model(_MODEL.value, _DTYPE.value)
     sampler = Sampler(model.cfg, model.params, detokenize=model.tokenizer.decode)
     env = EmbeddedRetail(seed=0)
     config = RolloutConfig(batch_size=_BATCH.value, max_turns=_TURNS.value,
@@ -89,7 +90,8 @@ def main(argv: list[str]) -> None:
     per_row = max(1, round(generated / len(first_prompts)))
     sampler_seconds = _time_sampler(sampler, first_prompts, per_row)
     engine_rate, sampler_rate = generated / seconds, len(first_prompts) * per_row / sampler_seconds
-    result = {"model": _MODEL.value, "cpu": runtime.cpu_name(), "episodes": len(trajectories),
+    result = {"model": _MODEL.value, "cpu": runtime.cpu_name(),
+              "device": jax.devices()[0].device_kind, "dtype": _DTYPE.value, "episodes": len(trajectories),
               "seconds": round(seconds, 1), "episodes_per_min": round(60 * len(trajectories) / seconds, 2),
               "generated_tokens": generated, "generated_tokens_per_s": round(engine_rate, 1),
               "fed_tokens": fed, "mean_turns": round(sum(t.num_turns for t in trajectories) / len(trajectories), 2),
