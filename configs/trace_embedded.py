@@ -18,6 +18,7 @@ from configs import embedded_retail, grpo_target_embedded
 from trace_jax.llm import llm_defaults
 from trace_jax.trace.analysis import analysis_defaults
 from trace_jax.trace.calibration import calibration_defaults
+from trace_jax.trace.env_writer import env_writer_defaults
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -42,6 +43,10 @@ def get_config() -> ml_collections.ConfigDict:
     config.training.train.rollout_budget = None
     config.training.train.steps = 8  # per capability, the same for each
     config.training.eval.update(num_tasks=16, every=1000)  # the capability environment's held-out tasks
-    config.routing = ml_collections.ConfigDict(dict(max_messages=10, batch_size=8))
+    # "batch": a 135M router otherwise puts every ticket on label A (trace_jax/trace/routing.py)
+    config.routing = ml_collections.ConfigDict(dict(max_messages=10, batch_size=8, calibration="batch"))
     config.final = ml_collections.ConfigDict(dict(per_adapter=True))
+    # "builtin": the programmatic analyst's capabilities all have generators; "auto"/"llm" write with config.llm
+    config.environments = ml_collections.ConfigDict(dict(source="builtin"))
+    config.env_writer = env_writer_defaults()
     return config

@@ -4,9 +4,9 @@
       --config.model=/path/to/hf_checkpoint --config.llm.model=... [--config.llm.base_url=...]
 
 As configs/trace_tau2_retail.py on τ²'s airline domain, with the LLM analyst (the programmatic
-one's labellers read retail's tools). The built-in capability environments are retail ones, so
-until LLM-written environments land (issue 19) every airline capability is reported and dropped
-at synthesis; the analysis stage is complete.
+one's labellers read retail's tools). The built-in capability environments and the authoring API
+of LLM-written ones are over retail's data model, so every airline capability is reported and
+dropped at synthesis until the authoring API covers airline; the analysis stage is complete.
 """
 
 import ml_collections
@@ -19,4 +19,5 @@ def get_config() -> ml_collections.ConfigDict:
     config.target.env.domain = "airline"
     config.target.update(analysis_tasks=30, heldout_tasks=20)  # τ²'s airline train / test split sizes
     config.analysis.analyst = "llm"
+    config.environments.source = "builtin"  # see above: no airline environments yet
     return config

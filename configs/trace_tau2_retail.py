@@ -36,4 +36,6 @@ def get_config() -> ml_collections.ConfigDict:
     config.training.optimizer.lr = 1e-5
     config.training.train.update(steps=40, micro_batch_tokens=16384, remat=True)
     config.training.eval.update(num_tasks=32, batch_size=32)
+    config.routing.calibration = "none"  # the paper's router: the raw label logits of the frozen base model
+    config.environments.source = "auto"  # built-in generators, and the LLM writes the others (config.llm)
     return config

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from trace_jax.envs.embedded_retail import EmbeddedRetail
-from trace_jax.trace.routing import NO_ADAPTER, RouteOption, Router, label_token_ids, router_messages
+from trace_jax.trace.routing import NO_ADAPTER, RouteOption, Router, calibrate, label_token_ids, router_messages
 
 OPTIONS = [RouteOption("tool_calling", "Makes the write call a request needs with exactly the right arguments.",
                        'cancel_pending_order(order_id="#W1", reason="no longer needed")'),
@@ -50,3 +50,16 @@ def test_decisions_equal_an_independent_transformers_computation(smollm2, conver
         assert indices[row] == int(reference.argmax()) - 1
     assert np.allclose(weights.sum(axis=1), 1.0) and (weights.argmax(axis=1) - 1 == np.array(indices)).all()
     assert set(indices) <= {NO_ADAPTER, 0, 1, 2}
+    # Batch calibration decides on the same (checked) logits less each label's mean over the five tickets.
+    calibrated, _ = Router(smollm2, OPTIONS, batch_size=4, calibration="batch").route(conversations)
+    assert calibrated == [int(i) - 1 for i in (logits - logits.mean(axis=0)).argmax(axis=1)]
+
+
+def test_batch_calibration_removes_a_bias_shared_by_every_task():
+    logits = np.random.RandomState(0).randn(12, 4)
+    biased = logits + np.array([3.0, 0.0, -1.0, 0.5])  # the label prior a small router has
+    assert (calibrate(biased, "batch").argmax(1) == calibrate(logits, "batch").argmax(1)).all()
+    assert (calibrate(biased, "none") == biased).all() and (calibrate(biased, "none").argmax(1) == 0).mean() > 0.5
+    assert np.allclose(calibrate(logits, "batch").mean(axis=0), 0.0)
+    with pytest.raises(ValueError, match="router calibration 'contextual'"):
+        calibrate(logits, "contextual")

@@ -28,7 +28,8 @@ except ImportError:  # τ² (which brings loguru) is an optional extra
 
 def make_environment(config: ml_collections.ConfigDict) -> Environment:
     """The environment `config.name` names: "embedded_retail" (with `seed`, `families`), "tau2" (with `domain`)
-    or "capability" (with `capability`, `seed`, `difficulty`, `policy`)."""
+    or "capability" (with `capability`, `seed`, `difficulty`, `policy`; a written capability's `scenarios`: the
+    file its validated module exported)."""
     if config.name == "embedded_retail":
         from trace_jax.envs.embedded_retail import EmbeddedRetail
 
@@ -37,6 +38,10 @@ def make_environment(config: ml_collections.ConfigDict) -> Environment:
         from trace_jax.envs.tau2_domains import Tau2Environment
 
         return Tau2Environment(config.domain)
+    if config.name == "capability" and config.get("scenarios"):
+        from trace_jax.envs.capability.sandbox import ExportedEnvironment
+
+        return ExportedEnvironment(config.scenarios, difficulty=config.difficulty, policy=config.policy)
     if config.name == "capability":
         from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment
 

@@ -106,10 +106,12 @@ def calibrate(measure: Measure, config: ml_collections.ConfigDict, max_difficult
             "reason": "; ".join(tries[-1]["failures"]) + " at every difficulty it could move to"}
 
 
-def environment_config(capability: str, difficulty: int, config: ml_collections.ConfigDict) -> dict:
-    """The `env` block of a built-in capability environment (seed 0: calibration, training and the
-    pipeline's examples all draw from its train split)."""
-    return dict(name="capability", capability=capability, seed=0, difficulty=difficulty, policy=config.policy)
+def environment_config(capability: str, difficulty: int, config: ml_collections.ConfigDict,
+                       scenarios: str | None = None) -> dict:
+    """The `env` block of a capability environment, built-in or (with `scenarios`, its exported tasks) written
+    by the LLM (seed 0: calibration, training and the pipeline's examples all draw from its train split)."""
+    env = dict(name="capability", capability=capability, seed=0, difficulty=difficulty, policy=config.policy)
+    return {**env, "scenarios": scenarios} if scenarios else env
 
 
 def rewards_by_group(records: list[dict], seeds: int, samples: int) -> tuple[np.ndarray, np.ndarray]:
@@ -124,10 +126,12 @@ def rewards_by_group(records: list[dict], seeds: int, samples: int) -> tuple[np.
 
 
 def calibrate_capability(capability: str, max_difficulty: int, base_eval: ml_collections.ConfigDict,
-                         config: ml_collections.ConfigDict, folder: pathlib.Path, agent: str = "model") -> dict:
-    """Calibrates one built-in environment against the base agent of `base_eval` (an evaluation job's
-    config; `agent` as the evaluation job takes it); each difficulty's episodes go to
-    `folder/difficulty_<d>/` and the result to `folder/calibration.json` (read back when it exists)."""
+                         config: ml_collections.ConfigDict, folder: pathlib.Path, agent: str = "model",
+                         scenarios: str | None = None) -> dict:
+    """Calibrates one capability environment (built-in, or written with its exported `scenarios`) against the
+    base agent of `base_eval` (an evaluation job's config; `agent` as the evaluation job takes it); each
+    difficulty's episodes go to `folder/difficulty_<d>/` and the result to `folder/calibration.json` (read
+    back when it exists)."""
     validate_calibration_config(config)
     result_path = folder / "calibration.json"
     if result_path.exists():
@@ -135,7 +139,7 @@ def calibrate_capability(capability: str, max_difficulty: int, base_eval: ml_col
 
     def measure(difficulty: int) -> tuple[np.ndarray, np.ndarray]:
         run = ml_collections.ConfigDict(base_eval.to_dict())
-        run.env = environment_config(capability, difficulty, config)
+        run.env = environment_config(capability, difficulty, config, scenarios)
         run.update(split="train", num_tasks=config.seeds, trials=config.samples)
         run.rollout.temperature = config.temperature
         workdir = folder / f"difficulty_{difficulty}"

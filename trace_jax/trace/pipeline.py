@@ -9,7 +9,8 @@ files). Layout:
   base_analysis/      the base agent on the target's analysis split (the analyst's trajectories)
   heldout/base/       the base agent on the held-out split (or `target.base_run`, checked to be that run)
   analysis/           stage 1 (`trace_jax.trace.analysis`)
-  environments/<c>/   stage 2: calibration of each selected capability's built-in environment
+  environments/<c>/   stage 2: calibration of each selected capability's environment; written/ holds the
+                      LLM-written module, its attempts and exported tasks (`trace_jax.trace.env_writer`)
   adapters/<c>/       stage 3: the GRPO job per calibrated capability; its PEFT adapter in adapter/
   routing.json        stage 4: each held-out task's adapter, the router's weights and the distribution
   heldout/trace/      the routed final evaluation, every task under its own adapter in one batch
@@ -34,18 +35,21 @@ from trace_jax.envs.capability import CAPABILITIES
 from trace_jax.evaluation import Routes, evaluate, recorded_episodes, run_marker
 from trace_jax.evaluation import validate_config as validate_evaluation_config
 from trace_jax.files import write_json_atomic
-from trace_jax.llm.client import validate_llm_config
+from trace_jax.llm.client import ChatClient, validate_llm_config
 from trace_jax.lora import NO_ADAPTER
 from trace_jax.models.model import load_model
 from trace_jax.rl import trainer as grpo
 from trace_jax.trace.analysis import analyze, make_analyst, validate_analysis_config
+from trace_jax.trace.analyst import CapabilityCard
 from trace_jax.trace.calibration import calibrate_capability, environment_config, validate_calibration_config
-from trace_jax.trace.routing import RouteOption, Router
+from trace_jax.trace.env_writer import validate_env_writer_config, write_environment
+from trace_jax.trace.routing import CALIBRATIONS, RouteOption, Router
 from trace_jax.trace.trace_report import oracle_routes, write_report
 from trace_jax.trace.trajectories import compact, from_record, load_trajectories
 
 STAGES = ("base", "analysis", "environments", "training", "routing", "final", "report")
 EXAMPLE_CHARS = 600  # a routing example's length
+SOURCES = ("builtin", "auto", "llm")  # environments.source: built-in generators only, built-in else written, written
 
 
 def _checks() -> list[Check]:
@@ -56,7 +60,9 @@ def _checks() -> list[Check]:
             ("target.base_run", lambda v: isinstance(v, str), '"" or the workdir of the base held-out evaluation'),
             ("routing.max_messages", positive_int, "a positive int"),
             ("routing.batch_size", positive_int, "a positive int"),
-            ("final.per_adapter", lambda v: isinstance(v, bool), "True (each adapter alone too: the oracle) or False")]
+            ("routing.calibration", lambda v: v in CALIBRATIONS, " or ".join(f'"{c}"' for c in CALIBRATIONS)),
+            ("final.per_adapter", lambda v: isinstance(v, bool), "True (each adapter alone too: the oracle) or False"),
+            ("environments.source", lambda v: v in SOURCES, " or ".join(f'"{s}"' for s in SOURCES))]
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -70,7 +76,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     validate_analysis_config(config.analysis)
     validate_calibration_config(config.calibration)
     grpo.validate_config(_training_config(config, "tool_calling", 0))
-    if config.analysis.analyst == "llm":
+    if config.environments.source != "builtin":
+        validate_env_writer_config(config.env_writer)
+    if config.analysis.analyst == "llm" or config.environments.source == "llm":  # "auto": checked if it writes
         validate_llm_config(config.llm)
 
 
@@ -82,11 +90,12 @@ def _evaluation_config(config: ml_collections.ConfigDict, split: str, num_tasks:
         log_every_s=config.log_every_s))
 
 
-def _training_config(config: ml_collections.ConfigDict, capability: str, difficulty: int) -> ml_collections.ConfigDict:
+def _training_config(config: ml_collections.ConfigDict, capability: str, difficulty: int,
+                     scenarios: str | None = None) -> ml_collections.ConfigDict:
     """The GRPO job's config for one capability's environment (equal iterations for every capability)."""
     training = ml_collections.ConfigDict(config.training.to_dict())
     training.update(model=config.model, dtype=config.dtype, seed=config.seed, log_every_s=config.log_every_s)
-    training.env = {**environment_config(capability, difficulty, config.calibration), "split": "train"}
+    training.env = {**environment_config(capability, difficulty, config.calibration, scenarios), "split": "train"}
     return training
 
 
@@ -153,20 +162,43 @@ class Pipeline:
         return {"selected": result["selected"], "failed": result["failed"], "passed": result["passed"]}
 
     def _environments(self, selected: list[str]) -> dict:
-        """Calibrates each selected capability's built-in environment (episodes cut as training cuts them);
-        keeps those that pass the gates."""
+        """Calibrates each selected capability's environment, built-in or written by the LLM as
+        `environments.source` says (episodes cut as training cuts them); keeps those that pass the gates."""
         base = _evaluation_config(self.config, "train", self.config.calibration.seeds)
         base.rollout.update({k: self.config.training.rollout[k] for k in ("max_turns", "max_tokens_per_turn",
                                                                            "max_errors")})
+        source = self.config.environments.source
         results = {}
         for name in selected:
-            if name not in CAPABILITIES:
-                results[name] = {"calibrated": False, "difficulty": None, "tries": [],
-                                 "reason": "no built-in generator for this capability"}
-                continue
-            results[name] = calibrate_capability(name, CAPABILITIES[name].max_difficulty, base,
-                                                 self.config.calibration, self.workdir / "environments" / name)
+            folder = self.workdir / "environments" / name
+            if source == "llm" or (source == "auto" and name not in CAPABILITIES):
+                synthesis = self._write(name, folder / "written")
+                if not synthesis.accepted:
+                    results[name] = {"calibrated": False, "difficulty": None, "tries": [], "reason":
+                                     f"no LLM-written module passed validation in {synthesis.attempts} attempts"}
+                    continue
+                difficulties = len(synthesis.reports[-1].gold_success)
+                results[name] = {**calibrate_capability(name, difficulties - 1, base, self.config.calibration, folder,
+                                                        scenarios=synthesis.scenarios),
+                                 "scenarios": synthesis.scenarios}
+            elif name in CAPABILITIES:
+                results[name] = calibrate_capability(name, CAPABILITIES[name].max_difficulty, base,
+                                                     self.config.calibration, folder)
+            else:
+                results[name] = {"calibrated": False, "difficulty": None, "tries": [], "reason":
+                                 "no built-in generator for this capability (environments.source = 'auto' writes one)"}
         return results
+
+    def _write(self, name: str, folder: pathlib.Path):
+        """The LLM-written environment of capability `name`, from its analysis card and evidence."""
+        validate_llm_config(self.config.llm)
+        cards = {c["name"]: c for c in json.loads((self.workdir / "analysis" / "capabilities.json").read_text())[
+            "candidates"]}
+        card = cards[name]
+        evidence = [e["evidence"] for e in card.get("examples", [])]
+        client = ChatClient(self.config.llm, self.workdir / "environments" / "llm_cache")
+        return write_environment(CapabilityCard(name, card["description"], card["lacking"]), evidence, client, folder,
+                                 self.config.env_writer)
 
     def _training(self, environments: dict) -> dict:
         """One GRPO adapter per calibrated environment, in selection order; name -> adapter folder."""
@@ -174,7 +206,7 @@ class Pipeline:
         for name, result in environments.items():
             if result["calibrated"]:
                 folder = self.workdir / "adapters" / name
-                grpo.train(_training_config(self.config, name, result["difficulty"]), folder)
+                grpo.train(_training_config(self.config, name, result["difficulty"], result.get("scenarios")), folder)
                 adapters[name] = str(folder / "adapter")
         return adapters
 
@@ -187,7 +219,8 @@ class Pipeline:
             "candidates"]}
         options = [RouteOption(name, cards[name]["description"], self._example(name)) for name in adapters]
         router = Router(load_model(self.config.model, self.config.dtype), options,
-                        max_messages=self.config.routing.max_messages, batch_size=self.config.routing.batch_size)
+                        max_messages=self.config.routing.max_messages, batch_size=self.config.routing.batch_size,
+                        calibration=self.config.routing.calibration)
         indices, weights = router.route([self.target.episode(t).reset() for t in tasks])
         return {"by_task": {t.task_id: i for t, i in zip(tasks, indices)},
                 "labels": ["general_service", *adapters],

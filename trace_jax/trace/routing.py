@@ -6,6 +6,11 @@ successful example from its environment. The task's opening messages follow (the
 `max_messages` of them, system prompt left out), then the question. The label whose token has
 the highest next-token logit wins, and its adapter serves the whole episode; a softmax over
 the label logits gives the weights reported beside the decision.
+
+A small router has a strong prior for some labels whatever the conversation (SmolLM2-135M puts
+0.6-0.7 on "A" for every retail ticket). `calibration="batch"` removes it as batch calibration
+does (Zhou et al., 2024), in log space: each label's logit less its mean over the routed tasks,
+so a bias the model adds to one label for every task changes no decision. It needs no labels.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from trace_jax.models.model import Model
 from trace_jax.models.tokenizer import ChatTokenizer
 
 NO_ADAPTER = -1  # the adapter index of general service: the base model alone
+CALIBRATIONS = ("none", "batch")
 GENERAL = ("general_service", "No specialised training: for requests that no other skill fits.")
 
 INSTRUCTION = ("You are the routing classifier of a customer-service agent system. Each skill below is a version "
@@ -68,6 +74,14 @@ def router_messages(options: Sequence[RouteOption], conversation: Sequence[Messa
             {"role": "user", "content": "Conversation:\n" + "\n".join(lines) + "\n\n" + QUESTION}]
 
 
+def calibrate(logits: np.ndarray, method: str) -> np.ndarray:
+    """[N, labels] logits as the decision reads them: unchanged ("none"), or each label's logit less its
+    mean over the N tasks ("batch")."""
+    if method not in CALIBRATIONS:
+        raise ValueError(f"router calibration {method!r}; choose one of {', '.join(CALIBRATIONS)}")
+    return logits - logits.mean(axis=0, keepdims=True) if method == "batch" and len(logits) else logits
+
+
 @functools.partial(jax.jit, static_argnames="cfg")
 def _last_logits(params, tokens, lengths, label_ids, cfg):
     """The label logits at each row's last real token (rows right-padded: causal attention keeps them exact)."""
@@ -79,9 +93,12 @@ def _last_logits(params, tokens, lengths, label_ids, cfg):
 class Router:
     """Routes conversations among `options` with `model` (no adapter), one decision per conversation."""
 
-    def __init__(self, model: Model, options: Sequence[RouteOption], max_messages: int = 10, batch_size: int = 8):
+    def __init__(self, model: Model, options: Sequence[RouteOption], max_messages: int = 10, batch_size: int = 8,
+                 calibration: str = "none"):
         if len(options) + 1 > len(string.ascii_uppercase):
             raise ValueError(f"{len(options)} capabilities: the router has labels for at most 25")
+        calibrate(np.zeros((0, 1)), calibration)  # fails now on an unknown method
+        self.calibration = calibration
         self.model, self.options = model, list(options)
         self.labels = list(string.ascii_uppercase[: len(options) + 1])
         self.label_ids = label_token_ids(model.tokenizer, self.labels)
@@ -109,8 +126,8 @@ class Router:
 
     def route(self, conversations: Sequence[Sequence[Message]]) -> tuple[list[int], np.ndarray]:
         """Per conversation, the adapter index that serves it (NO_ADAPTER or a capability's position in
-        `options`), and the softmax weights over the labels."""
-        logits = self.logits(conversations)
+        `options`), and the softmax weights over the labels (after calibration, routed together)."""
+        logits = calibrate(self.logits(conversations), self.calibration)
         weights = np.exp(logits - logits.max(axis=1, keepdims=True))
         weights /= weights.sum(axis=1, keepdims=True)
         return [NO_ADAPTER if i == 0 else int(i) - 1 for i in logits.argmax(axis=1)], weights

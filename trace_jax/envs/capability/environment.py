@@ -182,6 +182,10 @@ class CapabilityEnvironment:
         key = f"{self.capability.name}/{self.seed}/{self.difficulty}/{split}/{index}"
         task_id = f"{self.name}/{key}"
         if task_id not in self._scenarios:
-            scenario = self.capability.generate(random.Random(key), self.difficulty, self._catalogue)
+            scenario = self._draw(split, index, key)
             self._scenarios[task_id] = (TaskSpec(task_id, split, scenario.variant), scenario)
         return self._scenarios[task_id]
+
+    def _draw(self, split: str, index: int, key: str) -> Scenario:
+        """Task `index` of `split`: the generator's scenario for the task's key."""
+        return self.capability.generate(random.Random(key), self.difficulty, self._catalogue)

@@ -1,0 +1,402 @@
+"""Validation and export of an LLM-written capability module (see `authoring`) in a separate process.
+
+The module's source is never imported by the caller: `validate_module` writes it to a temporary
+folder and runs `python -m trace_jax.envs.capability.sandbox <spec.json>` there, in a new session,
+under a wall-clock timeout; the child loads τ²'s retail catalogue first, then limits its own address
+space and CPU time (`resource.setrlimit`, the module's budget on top of the child's start-up) before it
+loads the module. These are limits against runaway code, not a security boundary.
+
+The child builds the module's `Capability` and, for seeds 0..N-1 at every difficulty, generates the
+scenario (twice: it must be deterministic), checks it, and plays the gold solution and an agent that
+does nothing through `CapabilityEpisode` (the standard reward). Seed i at difficulty d is train task i
+of `CapabilityEnvironment(capability, seed=0, difficulty=d)`. A module passes when the gold solution
+scores 1.0 on >= `min_gold_success` of the seeds at each difficulty, doing nothing scores at most
+`max_empty_reward` on average, and no seed raises (a gold call that is malformed or that τ² answers with
+an error, a scenario that breaks the API or changes between equal rngs all count as raising). A passing
+module's train and held-out tasks can be exported to JSON in the same run (catalogue products stored
+once); `ExportedEnvironment` serves them where `CapabilityEnvironment` is used, so training uses the
+written environment without importing its code. Failure reports hold no temporary paths or timings,
+so a conversation that quotes them is the same in a rerun (and the LLM client's cache answers it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import pathlib
+import random
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import traceback
+import types
+
+from tau2.domains.retail.data_model import Product, RetailDB
+
+from trace_jax.agent.scripted import GoldAgent, NoopAgent
+from trace_jax.agent.tool_calls import parse_assistant_output
+from trace_jax.envs.base import END_MAX_TURNS, Outcome, TaskSpec
+from trace_jax.envs.capability.authoring import AuthoringError, capability_from_module, check_scenario
+from trace_jax.envs.capability.environment import (
+    SPLITS,
+    Capability,
+    CapabilityEnvironment,
+    CapabilityEpisode,
+    Scenario,
+)
+from trace_jax.envs.tau2_bridge import domain_state
+from trace_jax.files import write_json_atomic
+
+MODULE_FILE = "module.py"  # the module's name in the child's folder (and in its tracebacks)
+SHOWN = 3  # distinct exceptions and gold failures quoted in a report
+TRACE_CHARS = 1200  # a quoted traceback's tail
+_SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD")  # environment variables the child does not get
+
+
+@dataclasses.dataclass(frozen=True)
+class Checks:
+    """What a module must pass: `seeds` seeds at every difficulty, and the thresholds on them."""
+
+    seeds: int = 100
+    min_gold_success: float = 0.95  # share of seeds, at each difficulty, where the gold solution scores 1.0
+    max_empty_reward: float = 0.1  # mean reward of the agent that does nothing, at each difficulty
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """The child's limits: wall clock for the whole run; CPU time and memory on top of its start-up."""
+
+    timeout_s: float = 600.0
+    cpu_s: float = 300.0
+    memory_mb: int = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidationReport:
+    """A module's validation: its rates per difficulty, the first problems, and whether it passed."""
+
+    passed: bool
+    checks: Checks
+    error: str = ""  # what stopped the whole run (no code, import, API, limits, crash); "" when none did
+    name: str = ""  # the module's NAME once it loaded
+    gold_success: tuple[float, ...] = ()  # by difficulty
+    empty_reward: tuple[float, ...] = ()  # by difficulty
+    exceptions: int = 0  # plays (seed, difficulty) that raised
+    first_exceptions: tuple[str, ...] = ()  # the first distinct ones, each with the plays that raised it
+    gold_failures: tuple[str, ...] = ()  # the first plays where the gold solution scored below 1.0
+    exported: int = 0  # scenarios written by the export
+
+    @classmethod
+    def failed(cls, error: str, checks: Checks, name: str = "") -> ValidationReport:
+        """A report of a run that something stopped before any verdict on the seeds."""
+        return cls(passed=False, checks=checks, error=error, name=name)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> ValidationReport:
+        tuples = {k: tuple(v) for k, v in data.items() if isinstance(v, list)}
+        return cls(**{**data, **tuples, "checks": Checks(**data["checks"])})
+
+    def failure_report(self) -> str:
+        """What failed, in words meant for the module's author ("" when the module passed)."""
+        if self.passed:
+            return ""
+        if self.error:
+            return self.error
+        checks, levels = self.checks, ", ".join(str(d) for d in range(len(self.gold_success)))
+        lines = [f"The module was played on {checks.seeds} seeds at each of its difficulties ({levels})."]
+        if self.exceptions:
+            lines.append(f"{self.exceptions} plays raised an exception or broke the authoring API (none may); the "
+                         "first problems:")
+            lines += self.first_exceptions
+        if min(self.gold_success) < checks.min_gold_success:
+            shares = ", ".join(f"{s:.0%}" for s in self.gold_success)
+            lines.append(f"The gold solution scored 1.0 on {shares} of the seeds at difficulties {levels} (it must on "
+                         f">= {checks.min_gold_success:.0%} at each; a seed that raised counts as a failure)"
+                         + ("; the first failures:" if self.gold_failures else "."))
+            lines += self.gold_failures
+        if max(self.empty_reward) > checks.max_empty_reward:
+            means = ", ".join(f"{r:.2f}" for r in self.empty_reward)
+            lines.append(f"An agent that does nothing scored {means} on average at difficulties {levels} (it must "
+                         f"score <= {checks.max_empty_reward} at each).")
+        return "\n".join(lines)
+
+
+def _passed(report: ValidationReport) -> bool:
+    checks = report.checks
+    return (not report.error and not report.exceptions and bool(report.gold_success)
+            and min(report.gold_success) >= checks.min_gold_success
+            and max(report.empty_reward) <= checks.max_empty_reward)
+
+
+# --- the caller's side ---
+
+def validate_module(source: str, *, name: str | None = None, checks: Checks = Checks(), limits: Limits = Limits(),
+                    export: pathlib.Path | None = None, export_tasks: int = 200) -> ValidationReport:
+    """Validates `source` in a child process (see the module docstring); given `export`, a module that passes
+    also writes `export_tasks` train and held-out tasks per difficulty there. With `name`, the module's NAME
+    must be it. Whatever the module does (loops, allocates, crashes), this returns a report."""
+    with tempfile.TemporaryDirectory(prefix="trace_jax_sandbox_") as tmp:
+        folder = pathlib.Path(tmp)
+        (folder / MODULE_FILE).write_text(source)
+        spec = {"name": name, "checks": dataclasses.asdict(checks), "cpu_s": limits.cpu_s,
+                "memory_mb": limits.memory_mb, "export": None if export is None else str(pathlib.Path(export).resolve()),
+                "export_tasks": export_tasks, "out": "report.json"}
+        (folder / "spec.json").write_text(json.dumps(spec))
+        with open(folder / "stderr.txt", "w+b") as stderr:
+            process = subprocess.Popen([sys.executable, "-m", __name__, "spec.json"], cwd=folder, env=_child_env(),
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                                       start_new_session=True)
+            try:
+                process.wait(timeout=limits.timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):  # the group may have just ended
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                return ValidationReport.failed(f"The module ran past the wall-clock limit of {limits.timeout_s:g} s "
+                                               "and was stopped: make generate quick and free of endless loops.", checks)
+            stderr.seek(max(0, stderr.seek(0, os.SEEK_END) - TRACE_CHARS))
+            tail = stderr.read().decode(errors="replace")
+        if (folder / "report.json").exists():
+            return ValidationReport.from_json(json.loads((folder / "report.json").read_text()))
+        return ValidationReport.failed(_death(process.returncode, tail, limits), checks)
+
+
+def _child_env() -> dict[str, str]:
+    """The caller's environment without anything that looks like a credential; the repository on the path,
+    and a fixed hash seed (set order is then the same in every run)."""
+    env = {k: v for k, v in os.environ.items() if not any(word in k.upper() for word in _SECRET_WORDS)}
+    root = str(pathlib.Path(__file__).resolve().parents[3])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONHASHSEED"] = "0"
+    return env
+
+
+def _death(returncode: int, stderr: str, limits: Limits) -> str:
+    """Why a child that wrote no report died, in words for the module's author."""
+    if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        return (f"The module ran past the CPU-time limit of {limits.cpu_s:g} s and was stopped (signal "
+                f"{signal.Signals(-returncode).name}): make generate quick and free of endless loops.")
+    if "MemoryError" in stderr:
+        return f"The module ran past the memory limit of {limits.memory_mb} MB (MemoryError) and was stopped."
+    return f"The sandbox process died (exit code {returncode}) without a report; its last output:\n{stderr.strip()}"
+
+
+# --- scenarios as JSON (catalogue products stored once per file) ---
+
+def _pack(scenario: Scenario, products: dict[str, dict]) -> dict:
+    """The scenario as JSON; its DB's products go to `products` under a hash of their content."""
+    db = scenario.db.model_dump(mode="json")
+    refs = {}
+    for product_id, product in db["products"].items():
+        ref = hashlib.sha256(json.dumps(product, sort_keys=True).encode()).hexdigest()[:16]
+        products.setdefault(ref, product)
+        refs[product_id] = ref
+    return {"variant": scenario.variant, "ticket": scenario.ticket, "prefilled": list(scenario.prefilled),
+            "gold_calls": list(scenario.gold_calls), "facts": list(scenario.facts), "db": {**db, "products": refs}}
+
+
+def _unpack(data: dict, products: dict[str, dict]) -> Scenario:
+    db = {**data["db"], "products": {p: products[ref] for p, ref in data["db"]["products"].items()}}
+    return Scenario(variant=data["variant"], db=RetailDB.model_validate(db), ticket=data["ticket"],
+                    prefilled=tuple(data["prefilled"]), gold_calls=tuple(data["gold_calls"]),
+                    facts=tuple(data["facts"]))
+
+
+def _exported_only(rng: random.Random, difficulty: int, catalogue: dict[str, Product]) -> Scenario:
+    raise RuntimeError("an exported environment serves the scenarios of its file; it generates none")
+
+
+class ExportedEnvironment(CapabilityEnvironment):
+    """A written capability's tasks from the file its validated module exported: the same tasks, episodes and
+    reward as `CapabilityEnvironment(its capability, seed=0)`, without importing the module's code."""
+
+    def __init__(self, path: str | pathlib.Path, difficulty: int = 0, policy: bool = True,
+                 num_tasks: int | None = None):
+        """`num_tasks`: how many tasks `tasks(split)` gives by default (None: every exported one)."""
+        self.path = pathlib.Path(path)
+        data = json.loads(self.path.read_text())
+        capability = Capability(name=data["name"], description=data["description"], generate=_exported_only,
+                                tools=tuple(tuple(t) for t in data["tools"]))
+        super().__init__(capability, seed=0, difficulty=difficulty, policy=policy,
+                         num_tasks=data["tasks"] if num_tasks is None else num_tasks)
+        self._products = data["products"]
+        self._pool = {split: data["scenarios"][split][difficulty] for split in SPLITS}
+
+    def _draw(self, split: str, index: int, key: str) -> Scenario:
+        pool = self._pool[split]
+        if index >= len(pool):
+            raise ValueError(f"{self.path} holds {len(pool)} {split} tasks of difficulty {self.difficulty}; "
+                             f"task {index} was asked for: export more (config.env_writer.export_tasks)")
+        return _unpack(pool[index], self._products)
+
+
+# --- the child's side ---
+
+def _short(error: BaseException) -> str:
+    """An exception as the author should read it: the API's own errors by message, others by the traceback's
+    frames in the module (or, where it has none, the last two) and the exception."""
+    if isinstance(error, AuthoringError):
+        return f"AuthoringError: {error}"
+    trace = traceback.TracebackException.from_exception(error)
+    frames = [f for f in trace.stack if f.filename == MODULE_FILE] or list(trace.stack)[-2:]
+    text = "".join(["Traceback (most recent call last):\n", *traceback.StackSummary.from_list(frames).format(),
+                    *trace.format_exception_only()]).strip()
+    return text if len(text) <= TRACE_CHARS else "..." + text[-TRACE_CHARS:]
+
+
+def _scenario(capability: Capability, catalogue: dict[str, Product], difficulty: int, split: str,
+              index: int) -> Scenario:
+    """Task `index` of `split` as `CapabilityEnvironment(capability, seed=0)` draws it, checked, generated twice
+    (it must not change) and passed through its JSON form (as the export serves it)."""
+    key = f"{capability.name}/0/{difficulty}/{split}/{index}"
+    first, again = (capability.generate(random.Random(key), difficulty, catalogue) for _ in range(2))
+    check_scenario(first, difficulty, capability.tools[difficulty])
+    products: dict[str, dict] = {}
+    data = _pack(first, products)
+    if _pack(again, {}) != data:
+        raise AuthoringError("generate gave two different scenarios for equal rngs: draw every random value from "
+                             "rng and choose from sorted lists")
+    return _unpack(data, products)
+
+
+def _play(env: CapabilityEnvironment, spec: TaskSpec, scenario: Scenario, agent: GoldAgent | NoopAgent) -> Outcome:
+    """One episode of a scripted agent, its turns parsed as the rollout engine parses them; a gold call that is
+    malformed or that τ² answers with an error raises AuthoringError."""
+    episode = CapabilityEpisode(spec, scenario, env.system_prompt, env.tools)
+    episode.reset()
+    for _ in range(len(scenario.gold_calls) + 2):
+        parsed = parse_assistant_output(agent.reply(episode), env.tools)
+        if parsed.errors:
+            raise AuthoringError(f"a gold call is not a valid call of the offered tools: {parsed.errors[0]}")
+        calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]
+        message = {"role": "assistant", "content": parsed.content, **({"tool_calls": calls} if calls else {})}
+        result = episode.step(message)
+        failed = [o["content"] for o in result.observations if str(o["content"]).startswith("Error")]
+        if failed:
+            raise AuthoringError(f"the gold call {calls[0]['name']}({json.dumps(calls[0]['arguments'])}) fails in "
+                                 f"τ²: {failed[0]}; every gold call must succeed on the scenario's db")
+        if episode.end_reason is not None:
+            break
+    else:
+        episode.end(END_MAX_TURNS)
+    return episode.evaluate()
+
+
+def _gold_failure(seed: int, difficulty: int, scenario: Scenario, outcome: Outcome) -> str:
+    info = outcome.info
+    problems = [f"{k}: {info[k]}" for k in ("missing_calls", "stray_writes", "failed_communicate") if info.get(k)]
+    return (f"seed {seed}, difficulty {difficulty} (variant {scenario.variant!r}): reward {outcome.reward}; "
+            + ("; ".join(problems) or f"components {outcome.components}"))
+
+
+def _grouped(problems: dict[str, list[str]]) -> list[str]:
+    """The first SHOWN distinct problems, each after the plays that raised it."""
+    return [f"{len(plays)} plays ({', '.join(plays[:SHOWN])}{', ...' if len(plays) > SHOWN else ''}): {text}"
+            for text, plays in list(problems.items())[:SHOWN]]
+
+
+def _validate(module: types.ModuleType, name: str | None, checks: Checks,
+              catalogue: dict[str, Product]) -> tuple[ValidationReport, Capability | None]:
+    """The module's report on the seeds (see the module docstring) and its capability (None when it broke the API)."""
+    try:
+        capability = capability_from_module(module, name)
+    except AuthoringError as error:
+        return ValidationReport.failed(f"The module breaks the authoring API: {error}", checks), None
+    problems: dict[str, list[str]] = {}  # an exception's text -> the plays that raised it
+    gold_failures, gold_success, empty_reward = [], [], []
+    for difficulty in range(capability.max_difficulty + 1):
+        env = CapabilityEnvironment(capability, difficulty=difficulty, policy=False)
+        gold, empty = [], []
+        for seed in range(checks.seeds):
+            try:
+                scenario = _scenario(capability, catalogue, difficulty, "train", seed)
+                spec = TaskSpec(f"validation/{difficulty}/{seed}", "train", scenario.variant)
+                outcome = _play(env, spec, scenario, GoldAgent())
+                empty.append(_play(env, spec, scenario, NoopAgent()).reward)
+            except MemoryError:
+                raise
+            except BaseException as error:  # noqa: BLE001 - the module's code may raise anything, SystemExit too
+                problems.setdefault(_short(error), []).append(f"seed {seed} at difficulty {difficulty}")
+                continue
+            gold.append(outcome.reward >= 1.0)
+            if outcome.reward < 1.0:
+                gold_failures.append(_gold_failure(seed, difficulty, scenario, outcome))
+        gold_success.append(sum(gold) / checks.seeds)
+        empty_reward.append(sum(empty) / max(1, len(empty)))
+    report = ValidationReport(passed=False, checks=checks, name=capability.name, gold_success=tuple(gold_success),
+                              empty_reward=tuple(empty_reward), exceptions=sum(map(len, problems.values())),
+                              first_exceptions=tuple(_grouped(problems)), gold_failures=tuple(gold_failures[:SHOWN]))
+    return dataclasses.replace(report, passed=_passed(report)), capability
+
+
+def _export(capability: Capability, catalogue: dict[str, Product], tasks: int, path: pathlib.Path) -> int:
+    """Writes `tasks` train and held-out scenarios per difficulty to `path`; returns how many."""
+    products: dict[str, dict] = {}
+    scenarios = {split: [[_pack(_scenario(capability, catalogue, difficulty, split, index), products)
+                          for index in range(tasks)] for difficulty in range(capability.max_difficulty + 1)]
+                 for split in SPLITS}
+    write_json_atomic(path, {"name": capability.name, "description": capability.description,
+                             "tools": [list(t) for t in capability.tools], "tasks": tasks, "products": products,
+                             "scenarios": scenarios})
+    return tasks * len(SPLITS) * (capability.max_difficulty + 1)
+
+
+def _limit(cpu_s: float, memory_mb: int) -> None:
+    """Caps this process's CPU time and address space at what it has used so far plus the module's budget."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = math.ceil(used.ru_utime + used.ru_stime + cpu_s)
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))  # SIGXCPU at the soft limit, SIGKILL at the hard one
+    status = pathlib.Path("/proc/self/status").read_text()
+    vm_size_kb = int(next(line for line in status.splitlines() if line.startswith("VmSize:")).split()[1])
+    memory = vm_size_kb * 1024 + memory_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _load() -> types.ModuleType:
+    """The module from `MODULE_FILE` in the working folder, under that relative name (tracebacks show it)."""
+    module = types.ModuleType("written_capability")
+    module.__file__ = MODULE_FILE
+    sys.modules[module.__name__] = module  # as an import registers it (dataclasses look their module up)
+    exec(compile(pathlib.Path(MODULE_FILE).read_text(), MODULE_FILE, "exec"), module.__dict__)  # noqa: S102 - in the child
+    return module
+
+
+def _child(spec: dict) -> ValidationReport:
+    """The child's whole run: limits, load, validation and, for a module that passes, the export."""
+    catalogue = domain_state("retail").db.products  # loaded before the limits: they budget the module alone
+    checks = Checks(**spec["checks"])
+    _limit(spec["cpu_s"], spec["memory_mb"])
+    memory_error = f"The module ran past the memory limit of {spec['memory_mb']} MB (MemoryError) and was stopped."
+    try:
+        module = _load()
+        report, capability = _validate(module, spec["name"], checks, catalogue)
+    except MemoryError:
+        return ValidationReport.failed(memory_error, checks)
+    except BaseException as error:  # noqa: BLE001 - the module's code may raise anything, SystemExit too
+        return ValidationReport.failed(f"The module failed to load or to build its capability:\n{_short(error)}",
+                                       checks)
+    if not report.passed or not spec["export"]:
+        return report
+    try:
+        exported = _export(capability, catalogue, spec["export_tasks"], pathlib.Path(spec["export"]))
+    except MemoryError:
+        return ValidationReport.failed(memory_error, checks, report.name)
+    except BaseException as error:  # noqa: BLE001 - as above
+        return ValidationReport.failed(f"Generating the tasks to export failed:\n{_short(error)}", checks,
+                                       report.name)
+    return dataclasses.replace(report, exported=exported)
+
+
+if __name__ == "__main__":
+    _spec = json.loads(pathlib.Path(sys.argv[1]).read_text())
+    write_json_atomic(pathlib.Path(_spec["out"]), _child(_spec).to_json())

@@ -1,0 +1,203 @@
+"""TRACE stage 2 by synthesis: an LLM writes a capability's environment as a module of the authoring API.
+
+The writer shows the LLM the authoring API (`trace_jax.envs.capability.authoring`'s docstring), a complete
+example module that passes validation, τ²'s retail tools and the capability (its description, what
+lacking it looks like, evidence from the analysis), and asks for one module in a ```python block. The
+module is validated in the sandbox (`trace_jax.envs.capability.sandbox`); a reply without code, or a
+module that fails, is answered in the same conversation with the failure report and asked again, up to
+`max_attempts` attempts. Files, in the capability's folder:
+
+  attempt_<i>.py, attempt_<i>.json   each attempt's module (when the reply held one) and report
+  module.py, validation.json         the accepted module and its report
+  scenarios.json                     its exported train and held-out tasks (`ExportedEnvironment`)
+  synthesis.json                     the outcome: accepted or not, attempts, requests, every report
+
+A rerun resumes: an accepted module is not regenerated, an attempt whose module is already on disk is
+not validated again, and the client's disk cache answers repeated requests without sending them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+from collections.abc import Sequence
+
+import ml_collections
+from absl import logging
+
+from trace_jax.config_checks import Check, check_config, number, positive_int
+from trace_jax.envs.capability import authoring
+from trace_jax.envs.capability.sandbox import Checks, ExportedEnvironment, Limits, ValidationReport, validate_module
+from trace_jax.files import write_json_atomic
+from trace_jax.llm.client import ChatClient
+from trace_jax.trace.analyst import CapabilityCard
+
+EXAMPLE = pathlib.Path(authoring.__file__).with_name("example_written.py")
+_CODE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+SYSTEM = ("You are an expert Python engineer who writes training environments for LLM customer-service agents of "
+          "an online retail store (τ²-bench retail). You write one complete Python module against the authoring "
+          "API below and reply with the whole module in one ```python code block.\n\n" + authoring.__doc__)
+
+REQUEST = """Write the capability environment for this capability of the agent:
+
+NAME = {name!r}
+description: {description}
+what an agent lacking it does: {lacking}
+evidence from the agent's failed tasks:
+{evidence}
+
+τ²'s retail tools (TOOLS names a subset of them):
+{tools}
+
+An example module for another capability, which passes validation:
+```python
+{example}
+```
+
+Design tasks that an agent with the capability solves and one lacking it fails, in the ways the evidence shows; \
+use 2 or 3 difficulties, each adding what makes the capability harder. Reply with the whole module in one \
+```python code block."""
+
+RETRY = """Your module was not accepted.
+
+{report}
+
+Fix the module and reply with the whole corrected module in one ```python code block."""
+
+NO_CODE = "The reply held no ```python code block with the module."
+
+
+def env_writer_defaults() -> ml_collections.ConfigDict:
+    """The writer's settings (the paper's released code regenerates up to 5 times)."""
+    return ml_collections.ConfigDict({
+        "max_attempts": 5,  # modules asked for per capability, each told the previous one's failure
+        "seeds": 100,  # validation seeds at each difficulty
+        "min_gold_success": 0.95,  # share of seeds (at each difficulty) where the gold solution must score 1.0
+        "max_empty_reward": 0.1,  # most mean reward of the agent that does nothing
+        "timeout_s": 600.0,  # the sandbox's wall clock for one validation (with the export)
+        "cpu_s": 300.0,  # the module's CPU seconds in the sandbox
+        "memory_mb": 2048,  # the module's memory in the sandbox, on top of the sandbox's own
+        "export_tasks": 200,  # train and held-out tasks exported per difficulty
+        "max_evidence": 5,  # evidence lines shown per capability
+    })
+
+
+def _checks() -> list[Check]:
+    share = (lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]")
+    return [("env_writer.max_attempts", positive_int, "an int >= 1"),
+            ("env_writer.seeds", positive_int, "an int >= 1"),
+            ("env_writer.min_gold_success", *share),
+            ("env_writer.max_empty_reward", *share),
+            ("env_writer.timeout_s", lambda v: number(v) and v > 0, "a number of seconds > 0"),
+            ("env_writer.cpu_s", lambda v: number(v) and v > 0, "a number of seconds > 0"),
+            ("env_writer.memory_mb", positive_int, "an int >= 1 (MB)"),
+            ("env_writer.export_tasks", positive_int, "an int >= 1"),
+            ("env_writer.max_evidence", lambda v: isinstance(v, int) and v >= 0, "an int >= 0")]
+
+
+def validate_env_writer_config(config: ml_collections.ConfigDict) -> None:
+    """Fails at start naming the key that is missing or wrong (`config` is the `env_writer` block)."""
+    check_config(ml_collections.ConfigDict({"env_writer": config}), _checks())
+
+
+@dataclasses.dataclass(frozen=True)
+class Synthesis:
+    """One capability's synthesis: whether a module was accepted, how many attempts and requests it took, and
+    each attempt's report."""
+
+    name: str
+    accepted: bool
+    attempts: int
+    requests: int  # requests sent to the endpoint by this run (the cache answered the others)
+    cache_hits: int
+    scenarios: str | None  # the accepted module's exported tasks
+    reports: tuple[ValidationReport, ...]
+
+    def environment(self, difficulty: int = 0, policy: bool = True) -> ExportedEnvironment | None:
+        """The accepted environment at `difficulty`, or None when no module was accepted."""
+        return ExportedEnvironment(self.scenarios, difficulty, policy) if self.accepted else None
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "reports": [r.to_json() for r in self.reports]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Synthesis:
+        return cls(**{**data, "reports": tuple(ValidationReport.from_json(r) for r in data["reports"])})
+
+
+def extract_code(reply: str) -> str | None:
+    """The module in a reply: its longest fenced code block (```python or bare), or None when it has none."""
+    blocks = [b for b in _CODE.findall(reply) if b.strip()]
+    return max(blocks, key=len) if blocks else None
+
+
+def prompt(card: CapabilityCard, evidence: Sequence[str]) -> list[dict]:
+    """The first request for `card`'s module: the API as the system message, the capability, tools and example."""
+    lines = "\n".join(f"- {line}" for line in evidence) or "- (none)"
+    request = REQUEST.format(name=card.name, description=card.description, lacking=card.lacking, evidence=lines,
+                             tools=authoring.tool_listing(), example=EXAMPLE.read_text().strip())
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": request}]
+
+
+def _attempt(source: str | None, folder: pathlib.Path, i: int, name: str, config: ml_collections.ConfigDict,
+             checks: Checks) -> ValidationReport:
+    """Attempt `i`'s report: read back when this very module was validated before, else from the sandbox."""
+    report_path, source_path = folder / f"attempt_{i}.json", folder / f"attempt_{i}.py"
+    if report_path.exists() and (source is None or (source_path.exists() and source_path.read_text() == source)):
+        return ValidationReport.from_json(json.loads(report_path.read_text()))
+    if source is None:
+        report = ValidationReport.failed(NO_CODE, checks)
+    else:
+        source_path.write_text(source)
+        limits = Limits(timeout_s=config.timeout_s, cpu_s=config.cpu_s, memory_mb=config.memory_mb)
+        report = validate_module(source, name=name, checks=checks, limits=limits, export=folder / "scenarios.json",
+                                 export_tasks=config.export_tasks)
+    write_json_atomic(report_path, report.to_json())
+    return report
+
+
+def write_environment(card: CapabilityCard, evidence: Sequence[str], client: ChatClient,
+                      folder: str | pathlib.Path, config: ml_collections.ConfigDict) -> Synthesis:
+    """Asks `client` for `card`'s environment module until one passes validation or `config.max_attempts`
+    attempts have failed (`config`: the `env_writer` block); writes everything under `folder` (see the module
+    docstring) and resumes from it."""
+    validate_env_writer_config(config)
+    folder = pathlib.Path(folder)
+    summary_path = folder / "synthesis.json"
+    if summary_path.exists():
+        done = Synthesis.from_json(json.loads(summary_path.read_text()))
+        if done.accepted:
+            logging.info("env writer %s: accepted before (%d attempts)", card.name, done.attempts)
+            return done
+    folder.mkdir(parents=True, exist_ok=True)
+    checks = Checks(seeds=config.seeds, min_gold_success=config.min_gold_success,
+                    max_empty_reward=config.max_empty_reward)
+    stats_before = dict(client.stats)
+    messages = prompt(card, evidence[:config.max_evidence])
+    reports: list[ValidationReport] = []
+    for i in range(1, config.max_attempts + 1):
+        reply = client.complete(messages)
+        source = extract_code(reply)
+        report = _attempt(source, folder, i, card.name, config, checks)
+        reports.append(report)
+        logging.info("env writer %s: attempt %d/%d %s", card.name, i, config.max_attempts,
+                     "passed" if report.passed else "failed: " + report.failure_report().replace("\n", " | ")[:300])
+        if report.passed:
+            (folder / "module.py").write_text(source)
+            write_json_atomic(folder / "validation.json", report.to_json())
+            break
+        messages = [*messages, {"role": "assistant", "content": reply},
+                    {"role": "user", "content": RETRY.format(report=report.failure_report())}]
+    accepted = reports[-1].passed
+    synthesis = Synthesis(name=card.name, accepted=accepted, attempts=len(reports),
+                          requests=client.stats["requests"] - stats_before["requests"],
+                          cache_hits=client.stats["cache_hits"] - stats_before["cache_hits"],
+                          scenarios=str(folder / "scenarios.json") if accepted else None, reports=tuple(reports))
+    write_json_atomic(summary_path, synthesis.to_json())
+    if not accepted:
+        logging.warning("env writer %s: no module passed in %d attempts; the capability is dropped", card.name,
+                        len(reports))
+    return synthesis
