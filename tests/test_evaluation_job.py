@@ -72,7 +72,7 @@ def test_grpo_reads_the_base_agents_episodes_from_an_evaluation_run(tmp_path, sm
     assert all(r in _records(base) for r in seeded)  # the evaluation's episodes, none played again
     assert len(seeded) == 3 and metrics["eval/success"] == 1.0
     for key, value, message in [("rollout.max_errors", 3, "rollout.max_errors = 4"),
-                                ("eval.num_tasks", 5, "num_tasks = 4, fewer than config.eval.num_tasks = 5")]:
+                                ("eval.num_tasks", 5, "num_tasks = 4, fewer than this job's 5")]:
         changed = grpo_target_embedded.get_config()
         changed.model, changed.eval.base_run = evaluation.model, str(base)
         section, name = key.split(".")

@@ -9,10 +9,12 @@ import pathlib
 import subprocess
 import sys
 
+import ml_collections
 import pytest
 
 from configs import trace_tiny
-from trace_jax.trace.pipeline import STAGES, validate_config
+from trace_jax.evaluation import run_marker
+from trace_jax.trace.pipeline import STAGES, Pipeline, _evaluation_config, validate_config
 from trace_jax.trace.trace_report import oracle_routes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -80,6 +82,25 @@ def test_every_pipeline_config_validates_or_names_the_key_a_user_must_set(name):
     config.target.rollout.top_p = 0.0
     with pytest.raises(ValueError, match=r"config.target.rollout.top_p = 0.0 is invalid"):
         validate_config(config)
+
+
+def test_a_base_run_of_other_episodes_fails_at_start_naming_the_key(tmp_path, smollm2):
+    config = trace_tiny.get_config()
+    config.model = "smollm2-135m-instruct"  # the bare model: the test builds no agent
+    heldout = _evaluation_config(config, config.target.heldout_split, config.target.heldout_tasks)
+    base = tmp_path / "base"
+    base.mkdir()
+    config.target.base_run = str(base)
+    with pytest.raises(ValueError, match="config.target.base_run = .* is not a finished evaluation's workdir"):
+        Pipeline(config, tmp_path / "run")
+    other = ml_collections.ConfigDict(heldout.to_dict())
+    other.rollout.max_turns += 1
+    (base / "summary.json").write_text("{}")
+    (base / "run.json").write_text(json.dumps(run_marker(other, "model"), default=str))
+    with pytest.raises(ValueError, match=f"its run has rollout.max_turns = {other.rollout.max_turns}, this job needs"):
+        Pipeline(config, tmp_path / "run")
+    (base / "run.json").write_text(json.dumps(run_marker(heldout, "model"), default=str))
+    assert Pipeline(config, tmp_path / "run").config.target.base_run == str(base)  # the same episodes: accepted
 
 
 def _episodes(folder, outcomes):

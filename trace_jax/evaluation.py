@@ -159,6 +159,38 @@ def run_marker(config: ml_collections.ConfigDict, agent: str, routes: Routes | N
     return marker
 
 
+EPISODE_LIMITS = ("max_turns", "max_tokens_per_turn", "max_errors", "temperature", "top_p", "user_temperature")
+
+
+def check_base_run(folder: pathlib.Path, config: ml_collections.ConfigDict, key: str) -> None:
+    """Fails naming config `key` unless `folder` is a finished evaluation whose episodes are those `config` (an
+    evaluation job's config) would play: the model's agent with the same weights, dtype and adapter, the same
+    environment, split and trials, the same rollout limits (the seed too where sampling is not greedy), and
+    at least as many tasks."""
+    if not (folder / "run.json").exists() or not (folder / "summary.json").exists():
+        raise ValueError(f"config.{key} = {str(folder)!r} is not a finished evaluation's workdir "
+                         "(run.json and summary.json)")
+    found, wanted = json.loads((folder / "run.json").read_text()), _jsonable(run_marker(config, "model"))
+    ran, runs = found["config"], wanted["config"]
+    pairs = {"agent": (found["agent"], "model"), "weights": (found.get("weights"), wanted["weights"]),
+             "adapter": (found.get("adapter"), wanted["adapter"]),
+             **{k: (ran.get(k), runs[k]) for k in ("model", "dtype", "env", "split", "trials")},
+             **{f"rollout.{k}": (ran["rollout"].get(k), runs["rollout"][k]) for k in EPISODE_LIMITS}}
+    if runs["rollout"]["temperature"] > 0:
+        pairs["seed"] = (ran.get("seed"), runs["seed"])
+    for name, (got, want) in pairs.items():
+        if got != want:
+            raise ValueError(f"config.{key}: its run has {name} = {got!r}, this job needs {want!r}")
+    if ran["num_tasks"] is not None and (runs["num_tasks"] is None or ran["num_tasks"] < runs["num_tasks"]):
+        raise ValueError(f"config.{key}: its run has num_tasks = {ran['num_tasks']}, fewer than this job's "
+                         f"{runs['num_tasks']}")
+
+
+def _jsonable(value):
+    """`value` as run.json gives it back (tuples become lists)."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
 def _keep_episodes_of_same_run(workdir: pathlib.Path, run: dict) -> None:
     """Keeps the workdir's episodes for `play` to resume only if they come from the same run (the
     same `run_marker`, kept in run.json); a workdir reused for another run starts afresh."""

@@ -25,9 +25,7 @@ import numpy as np
 from trace_jax import lora
 from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Trajectory
 from trace_jax.envs import make_environment
-from trace_jax.evaluation import play, recorded_episodes, summarize_run
-from trace_jax.models.embedded import resolve_model_dir
-from trace_jax.models.model import weights_fingerprint
+from trace_jax.evaluation import EPISODE_LIMITS, check_base_run, play, recorded_episodes, summarize_run
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, StepRollouts
 from trace_jax.sampling import Sampler
@@ -76,32 +74,16 @@ class EnvironmentRollouts:
                                                 top_p=1.0)
         self.base_run = pathlib.Path(config.eval.base_run) if config.eval.base_run else None
         if self.base_run:
-            self._check_base_run()
+            check_base_run(self.base_run, self._base_evaluation(), "eval.base_run")
 
-    def _check_base_run(self) -> None:
-        """Fails at start, naming the key, unless `eval.base_run` is an evaluation of this job's base
-        agent on the same held-out tasks with the same limits (so its episodes are the ones this job
-        would play)."""
-        marker = self.base_run / "run.json"
-        if not marker.exists():
-            raise ValueError(f"config.eval.base_run = {str(self.base_run)!r} is not an evaluation job's workdir "
-                             "(no run.json)")
-        run = json.loads(marker.read_text())
-        evaluated, config = run["config"], self.config
-        env = {k: v for k, v in config.env.to_dict().items() if k != "split"}  # the training split is not played
-        weights = weights_fingerprint(resolve_model_dir(config.model))
-        expected = {"agent": ("model", run["agent"]), "model": (config.model, evaluated["model"]),
-                    "weights": (weights, run.get("weights")),
-                    "adapter": ("", evaluated["adapter"]), "env": (env, evaluated["env"]),
-                    "split": (config.eval.split, evaluated["split"]), "trials": (1, evaluated["trials"])}
-        expected.update({f"rollout.{k}": (getattr(self.eval_rollout, k), evaluated["rollout"][k])
-                         for k in ("max_turns", "max_tokens_per_turn", "max_errors", "temperature", "user_temperature")})
-        for key, (want, got) in expected.items():
-            if _normalized(want) != _normalized(got):
-                raise ValueError(f"config.eval.base_run: its run has {key} = {got!r}, this job needs {want!r}")
-        if evaluated["num_tasks"] is not None and evaluated["num_tasks"] < config.eval.num_tasks:
-            raise ValueError(f"config.eval.base_run: its run has num_tasks = {evaluated['num_tasks']}, fewer than "
-                             f"config.eval.num_tasks = {config.eval.num_tasks}")
+    def _base_evaluation(self) -> ml_collections.ConfigDict:
+        """The evaluation job's config whose episodes are this job's held-out evaluation of the base agent."""
+        config = self.config
+        return ml_collections.ConfigDict(dict(
+            model=config.model, dtype=config.dtype, adapter="", seed=config.seed,
+            env={k: v for k, v in config.env.to_dict().items() if k != "split"},  # the training split is not played
+            split=config.eval.split, num_tasks=config.eval.num_tasks, trials=1, log_every_s=config.log_every_s,
+            rollout={k: getattr(self.eval_rollout, k) for k in ("batch_size", *EPISODE_LIMITS)}))
 
     def _seed_base_eval(self, episodes_path: pathlib.Path) -> None:
         """Starts the base agent's held-out episodes from `eval.base_run`'s (those of this job's tasks);
@@ -150,8 +132,3 @@ class EnvironmentRollouts:
         """The job summary's held-out entries: mean reward and success, before and after."""
         return {"base_reward": base["eval/reward"], "final_reward": final["eval/reward"],
                 "base_success": base["eval/success"], "final_success": final["eval/success"]}
-
-
-def _normalized(value):
-    """A config value as JSON would give it back (tuples become lists), for comparing with run.json."""
-    return json.loads(json.dumps(value))

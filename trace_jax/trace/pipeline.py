@@ -32,7 +32,7 @@ from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import make_environment
 from trace_jax.envs.base import Gold
 from trace_jax.envs.capability import CAPABILITIES
-from trace_jax.evaluation import Routes, evaluate, recorded_episodes, run_marker
+from trace_jax.evaluation import Routes, check_base_run, evaluate, recorded_episodes
 from trace_jax.evaluation import validate_config as validate_evaluation_config
 from trace_jax.files import write_json_atomic
 from trace_jax.llm.client import ChatClient, validate_llm_config
@@ -109,6 +109,10 @@ class Pipeline:
         self._stages_path = self.workdir / "stages.json"
         self.stages: dict = json.loads(self._stages_path.read_text()) if self._stages_path.exists() else {}
         self.target = make_environment(config.target.env)
+        if config.target.base_run:  # now, not after the analysis split's episodes
+            check_base_run(pathlib.Path(config.target.base_run),
+                           _evaluation_config(config, config.target.heldout_split, config.target.heldout_tasks),
+                           "target.base_run")
 
     def _stage(self, name: str, run: Callable[[], dict]) -> dict:
         """Runs a stage unless `stages.json` records it done; returns its result."""
@@ -145,7 +149,6 @@ class Pipeline:
                             self.workdir / "base_analysis")
         heldout_config = _evaluation_config(self.config, target.heldout_split, target.heldout_tasks)
         if target.base_run:
-            _check_base_run(pathlib.Path(target.base_run), heldout_config)
             heldout_dir = pathlib.Path(target.base_run)
             heldout = json.loads((heldout_dir / "summary.json").read_text())
         else:
@@ -253,21 +256,3 @@ class Pipeline:
         oracle = oracle_routes(self.workdir, self.stages["base"]["result"]["heldout_dir"], list(adapters),
                                routing["by_task"]) if self.config.final.per_adapter and adapters else None
         return {"success": runs, "oracle": oracle}
-
-
-def _check_base_run(folder: pathlib.Path, heldout_config: ml_collections.ConfigDict) -> None:
-    """Fails naming the key unless `folder` is an evaluation of this base agent on these held-out tasks."""
-    marker = folder / "run.json"
-    if not marker.exists() or not (folder / "summary.json").exists():
-        raise ValueError(f"config.target.base_run = {str(folder)!r} is not a finished evaluation's workdir "
-                         "(run.json and summary.json)")
-    expected = json.loads(json.dumps(run_marker(heldout_config, "model"), sort_keys=True, default=str))
-    found = json.loads(marker.read_text())
-    for key in ("weights", "adapter"):
-        if found.get(key) != expected.get(key):
-            raise ValueError(f"config.target.base_run: its run has {key} {found.get(key)!r}, this pipeline's base "
-                             f"agent has {expected.get(key)!r}")
-    differing = [k for k, v in expected["config"].items() if k != "log_every_s" and found["config"].get(k) != v]
-    if differing:
-        raise ValueError(f"config.target.base_run: its evaluation differs in {differing} from this pipeline's "
-                         "held-out evaluation")
