@@ -3,6 +3,9 @@ walk, and a real calibration through the evaluation job (scripted agents, real e
 
 import json
 import math
+import pathlib
+import subprocess
+import sys
 
 import ml_collections
 import numpy as np
@@ -16,6 +19,8 @@ from trace_jax.trace.calibration import (
     gate_failures,
     group_stats,
 )
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_group_stats_and_pass_at_k_are_the_hand_computed_values():
@@ -75,3 +80,11 @@ def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_cal
     config.samples = 1
     with pytest.raises(ValueError, match="config.calibration.samples = 1 is invalid"):
         calibrate_capability("multi_step", 2, base, config, tmp_path / "bad")
+
+
+def test_the_calibration_job_names_an_unknown_capability():
+    out = subprocess.run([sys.executable, "-m", "launch.calibrate", "--config=configs/trace_tiny.py",
+                          f"--workdir={REPO / 'unused'}", "--capabilities=tool_calling,telepathy"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "no built-in environment for ['telepathy']" in out.stderr
+    assert not (REPO / "unused").exists()

@@ -99,6 +99,13 @@ def _training_config(config: ml_collections.ConfigDict, capability: str, difficu
     return training
 
 
+def calibration_evaluation(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The evaluation job's config that calibration plays: the base agent, episodes cut as training cuts them."""
+    base = _evaluation_config(config, "train", config.calibration.seeds)
+    base.rollout.update({k: config.training.rollout[k] for k in ("max_turns", "max_tokens_per_turn", "max_errors")})
+    return base
+
+
 class Pipeline:
     """One TRACE run in `workdir` (see the module docstring)."""
 
@@ -167,9 +174,7 @@ class Pipeline:
     def _environments(self, selected: list[str]) -> dict:
         """Calibrates each selected capability's environment, built-in or written by the LLM as
         `environments.source` says (episodes cut as training cuts them); keeps those that pass the gates."""
-        base = _evaluation_config(self.config, "train", self.config.calibration.seeds)
-        base.rollout.update({k: self.config.training.rollout[k] for k in ("max_turns", "max_tokens_per_turn",
-                                                                           "max_errors")})
+        base = calibration_evaluation(self.config)
         source = self.config.environments.source
         results = {}
         for name in selected:

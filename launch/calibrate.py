@@ -1,0 +1,51 @@
+"""Calibrates built-in capability environments against a pipeline config's base agent (TRACE stage 2's gates).
+
+  python -m launch.calibrate --config=configs/trace_embedded.py --workdir=runs/calibration_embedded \
+      [--capabilities=tool_calling,precondition]
+
+Plays each capability's environment with the config's base agent as the pipeline's environments
+stage does (`calibration.seeds` x `calibration.samples` episodes at `calibration.temperature`, cut
+as training cuts them), walking the difficulty knob to the gates. Each capability's episodes and
+calibration.json go to <workdir>/<capability>/ (a rerun resumes), the table of every try to
+<workdir>/calibration.md; the last line is JSON: per capability, calibrated or not and at which
+difficulty.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from trace_jax.envs.capability import CAPABILITIES
+from trace_jax.trace.calibration import calibrate_capability, calibration_table
+from trace_jax.trace.pipeline import calibration_evaluation, validate_config
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Pipeline config (configs/trace_*.py).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for the episodes, results and table.", required=True)
+_CAPABILITIES = flags.DEFINE_list("capabilities", list(CAPABILITIES), "Built-in capability environments.")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    unknown = [name for name in _CAPABILITIES.value if name not in CAPABILITIES]
+    if unknown:
+        raise app.UsageError(f"--capabilities: no built-in environment for {unknown}; there are {list(CAPABILITIES)}")
+    config, workdir = _CONFIG.value, pathlib.Path(_WORKDIR.value)
+    validate_config(config)
+    base = calibration_evaluation(config)
+    results = [calibrate_capability(name, CAPABILITIES[name].max_difficulty, base, config.calibration, workdir / name)
+               for name in _CAPABILITIES.value]
+    table = calibration_table(results)
+    (workdir / "calibration.md").write_text(table + "\n")
+    print(table, flush=True)
+    print(json.dumps({r["capability"]: {"calibrated": r["calibrated"], "difficulty": r["difficulty"]}
+                      for r in results}), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
