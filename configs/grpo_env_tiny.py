@@ -11,6 +11,8 @@ keeps a step cheap: its episodes open alike, so the sampler prefills the opening
 learner runs it once as the shared head. Sixteen episodes at 0.7, not eight at 1.0, are what
 made the rise dependable: with eight, a group often never found the right arguments and the
 reward stayed flat (docs/agentic_rl.md, "A tiny environment run for CI").
+Hints are off (`--config.rollout.hint_share=0.25` plays a quarter of each group with the capability's
+hint in the system prompt, learned from without it; see configs/grpo_target_embedded.py).
 """
 
 import ml_collections

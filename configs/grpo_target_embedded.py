@@ -10,6 +10,12 @@ The length is a rollout budget, so runs of other methods with the same budget co
 fairly; held-out success per family is measured before training and at the end, on the same
 200 tickets with the same limits as configs/embedded_retail.py, so `eval.base_run` may name that
 evaluation's workdir and the base agent's episodes are read from it instead of played again.
+
+`rollout.hint_share` (0: off; the embedded retail environment offers no hint) plays that share of each
+group with the environment's hint, as TRACE's capability environments may (trace_jax/rl/trainer.py);
+`loss.tis_cap` caps those episodes' importance weight at 2.0: a hint mostly makes the tokens it
+suggests likelier, so most hinted tokens weigh less than 1, and the cap keeps a token the hint made
+unlikely from weighing more than twice an unhinted token (whose weight is 1), which bounds the variance.
 """
 
 import ml_collections
@@ -30,9 +36,10 @@ def get_config() -> ml_collections.ConfigDict:
         first_layer=20))
     config.rollout = ml_collections.ConfigDict(dict(
         tasks_per_step=4, group_size=4, temperature=1.0, top_p=1.0, batch_size=16, max_turns=6,
-        max_tokens_per_turn=256, max_errors=4, min_shared_prefix=64, train_tasks=config_dict.placeholder(int)))
+        max_tokens_per_turn=256, max_errors=4, min_shared_prefix=64, train_tasks=config_dict.placeholder(int),
+        hint_share=0.0))
     config.loss = ml_collections.ConfigDict(dict(aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.28,
-                                                 kl_coef=0.0))
+                                                 kl_coef=0.0, tis_cap=2.0))  # tis_cap: used with hints only
     config.optimizer = ml_collections.ConfigDict(dict(lr=5e-4, weight_decay=0.0, clip_norm=1.0))
     config.train = ml_collections.ConfigDict(dict(
         steps=config_dict.placeholder(int), rollout_budget=config_dict.placeholder(int), micro_batch_tokens=2048,

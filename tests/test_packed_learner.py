@@ -1,11 +1,14 @@
 """The learner on multi-turn sequences packed by a token budget (tiny Qwen2, rank-4 adapter): packing
-changes neither gradients nor metrics, and SFT's loss and gradient are the plain masked cross-entropy's.
+changes neither gradients nor metrics, SFT's loss and gradient are the plain masked cross-entropy's, and
+rows sampled with a hint (rescored before the update) are learned with the truncated importance weight.
 
 Each sequence is a multi-turn conversation as the rollout engine records it: a shared head, then
 turns whose sampled spans are on the loss mask and whose observations are not.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +21,13 @@ from trace_jax.models import decoder
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.loading import load_params
 from trace_jax.rl.batching import LearnerSequence, pack_sequences
-from trace_jax.rl.learner import frozen_inputs, make_grad_fn, token_logprobs
+from trace_jax.rl.learner import frozen_inputs, make_grad_fn, make_rescore_fn, token_logprobs
 from trace_jax.rl.losses import LossConfig
 
 HEAD = 24
 LOSS = LossConfig(eps_low=0.2, eps_high=0.28)  # no KL here: test_grpo_learner covers it on equal shapes
+HINT_LOSS = dataclasses.replace(LOSS, tis_cap=2.0)
+HINTED = (1, 3, 6)  # the sequences marked hinted
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +171,89 @@ def test_frozen_bottom_layers_give_the_same_gradients(setup):
     assert tree_rel(frozen_fn(params, adapters.weights, adapters.scale, shifted)[0], whole) > 1e-3
     with pytest.raises(ValueError, match="frozen_layers > 0"):
         make_grad_fn(cfg, LOSS)(params, adapters.weights, adapters.scale, streams)
+
+
+def _full_logprobs(setup, s) -> np.ndarray:
+    """Logprobs of a whole sequence under the adapter (entry t scores token t + 1), one row of its own."""
+    cfg, params, adapters, _ = setup
+    return np.asarray(jax.jit(token_logprobs, static_argnames="cfg")(
+        params, adapters, jnp.asarray([s.tokens]), jnp.zeros(1, jnp.int32), cfg=cfg))[0]
+
+
+@pytest.fixture(scope="module")
+def hinted(setup):
+    """The sequences with HINTED marked hinted: their sampler logprobs those of another context, drawn around
+    the policy's within +-1.5 nats (so the cap cuts some weights and not others)."""
+    rng = np.random.RandomState(1)
+    out = []
+    for i, s in enumerate(setup[3]):
+        if i in HINTED:
+            at = np.flatnonzero(s.loss_mask)
+            logprobs = np.zeros(len(s.tokens))
+            logprobs[at] = _full_logprobs(setup, s)[at - 1] + rng.uniform(-1.5, 1.5, len(at))
+            s = dataclasses.replace(s, logprobs=logprobs.tolist(), hinted=True)
+        out.append(s)
+    return out
+
+
+def _rescored(setup, sequences):
+    cfg, params, adapters, _ = setup
+    batch = pack_sequences(sequences, token_budget=64, min_shared_prefix=8)
+    rescore = make_rescore_fn(cfg, HINT_LOSS)
+    return batch, *rescore(params, adapters.weights, adapters.scale, batch, [s.hinted for s in sequences])
+
+
+def test_rescoring_gives_hinted_rows_the_policys_logprobs_and_leaves_the_others_bit_for_bit(setup, hinted):
+    batch, rescored, metrics = _rescored(setup, hinted)
+    weights, seen = [], set()
+    for mb, before in zip(rescored["micro_batches"], batch["micro_batches"]):
+        assert set(mb) == set(before) | {"sampler_logp"}
+        assert all(np.array_equal(mb[k], before[k]) for k in before if k != "old_logp")
+        assert np.array_equal(mb["sampler_logp"], before["old_logp"])  # the sampler's, as packed
+        for row, index in enumerate(mb["sequence"]):
+            if index < 0:
+                continue
+            seen.add(int(index))
+            s = hinted[index]
+            if not s.hinted:  # old = sampler logprobs, as without hints
+                assert np.array_equal(mb["old_logp"][row], before["old_logp"][row])
+                continue
+            learned = np.flatnonzero(s.loss_mask) - 1  # logprob t scores token t + 1
+            full = _full_logprobs(setup, s)[learned]
+            np.testing.assert_allclose(mb["old_logp"][row][mb["loss_mask"][row] > 0], full, atol=1e-5)
+            weights += np.minimum(np.exp(full - np.asarray(s.logprobs)[learned + 1]), HINT_LOSS.tis_cap).tolist()
+    assert seen == set(range(len(hinted)))
+    print(f"\n[packed learner] hinted rows rescored: mean IS weight {metrics['hinted_is_weight']:.4f} "
+          f"(NumPy {np.mean(weights):.4f}), capped {metrics['hinted_capped']:.2f}")
+    assert abs(metrics["hinted_is_weight"] - np.mean(weights)) <= 1e-5
+    assert 0.0 < metrics["hinted_capped"] < 1.0
+
+
+def test_the_loss_with_hints_is_the_clipped_surrogate_with_the_truncated_weight(setup, hinted):
+    """The learner's loss on a rescored batch against NumPy (float64, from the model's logits): a hinted
+    token's old logprob is the policy's own (ratio 1) and its weight min(exp(old - sampler), cap); an
+    unhinted token's old logprob is the sampler's and its weight 1."""
+    cfg, params, adapters, _ = setup
+    _, batch, _ = _rescored(setup, hinted)
+    _, metrics = make_grad_fn(cfg, HINT_LOSS)(params, adapters.weights, adapters.scale, batch)
+    width = max(len(s.tokens) for s in hinted)
+    tokens = np.array([list(s.tokens) + [0] * (width - len(s.tokens)) for s in hinted], np.int32)
+    row_lora = lora.for_rows(adapters, jnp.zeros(len(hinted), jnp.int32))
+    logits = np.asarray(decoder.forward(params, jnp.asarray(tokens[:, :-1]), cfg, row_lora=row_lora)[0], np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    log_softmax = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    policy = np.take_along_axis(log_softmax, tokens[:, 1:, None], axis=-1)[..., 0]
+    row_losses, all_weights = [], []
+    for b, s in enumerate(hinted):
+        learned = np.flatnonzero(s.loss_mask)
+        new, sampler = policy[b, learned - 1], np.asarray(s.logprobs, np.float64)[learned]
+        old = new if s.hinted else sampler
+        weight = np.minimum(np.exp(old - sampler), HINT_LOSS.tis_cap)
+        ratio = np.exp(new - old)
+        clipped = np.clip(ratio, 1 - HINT_LOSS.eps_low, 1 + HINT_LOSS.eps_high)
+        row_losses.append(np.mean(-np.minimum(ratio * s.advantage, clipped * s.advantage) * weight))
+        all_weights += weight.tolist()
+    expected = float(np.mean(row_losses))
+    print(f"\n[packed learner] loss with hints {float(metrics['loss']):.6f} (NumPy {expected:.6f})")
+    assert abs(float(metrics["loss"]) - expected) <= 1e-5 * max(1.0, abs(expected))
+    assert abs(float(metrics["tis_weight"]) - np.mean(all_weights)) <= 1e-5

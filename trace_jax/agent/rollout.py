@@ -62,11 +62,14 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Job:
-    """One episode to play: a task, its trial number (for pass^k) and the agent's adapter."""
+    """One episode to play: a task, its trial number (for pass^k), the agent's adapter and whether the
+    agent plays it with the environment's hint in its system prompt (`env.episode(task, hint=True)`,
+    which only environments offering a hint take: see `trace_jax.envs.capability.environment`)."""
 
     task: base.TaskSpec
     trial: int = 0
     adapter_idx: int = lora.NO_ADAPTER
+    hint: bool = False
 
 
 @dataclasses.dataclass
@@ -190,7 +193,7 @@ class RolloutEngine:
         return results
 
     def _start(self, index: int, job: Job, free_rows: list[int]) -> _Live:
-        episode = self.env.episode(job.task)
+        episode = self.env.episode(job.task, hint=True) if job.hint else self.env.episode(job.task)
         messages = episode.reset()
         tools = episode.tools
         agent = _Speaker(ChatCodec(self.tokenizer, tools) if self.tokenizer is not None else None, list(messages))

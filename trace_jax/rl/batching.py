@@ -28,7 +28,9 @@ class LearnerSequence:
     """One sampled sequence as the learner sees it (all lists aligned with `tokens`).
 
     loss_mask[t] = 1 marks tokens[t] as sampled (learned); logprobs[t] is its sampling
-    logprob (anything where the mask is 0).
+    logprob (anything where the mask is 0). `hinted`: sampled with a hint in its context that
+    `tokens` lack, so `logprobs` are not the policy's on `tokens` and the learner recomputes
+    those (`learner.make_rescore_fn`).
     """
 
     tokens: Sequence[int]
@@ -36,6 +38,7 @@ class LearnerSequence:
     logprobs: Sequence[float]
     advantage: float = 0.0
     adapter_idx: int = 0
+    hinted: bool = False
 
     def __post_init__(self):
         if not len(self.tokens) == len(self.loss_mask) == len(self.logprobs):

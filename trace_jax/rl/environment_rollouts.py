@@ -4,9 +4,13 @@ rollout engine, scored by the environment's own evaluator.
 A step plays each of the next `rollout.tasks_per_step` training tasks `rollout.group_size`
 times at the rollout temperature (with `rollout.train_tasks`, the steps cycle through the split's
 first that many); every trajectory becomes one learner sequence (the exact ids the agent saw,
-the loss on its sampled turns, the sampler's logprobs). Held-out
-evaluation is the evaluation job's code path: greedy episodes of `eval.split`, written to
-`eval/step_<k>.jsonl` with their per-family table (success with 95% intervals, pass^1).
+the loss on its sampled turns, the sampler's logprobs). With `rollout.hint_share` > 0 (environments
+that offer a hint), the first hint_share x group_size episodes of each group (rounded half up) are
+played with the hint in the system prompt, and their learner sequences are the unhinted rendering:
+the hint is removed before the gradient, and the learner recomputes their old logprobs
+(`learner.make_rescore_fn`). Held-out evaluation is the evaluation job's code path: greedy episodes
+of `eval.split`, written to `eval/step_<k>.jsonl` with their per-family table (success with 95%
+intervals, pass^1).
 The base agent's evaluation may come from an evaluation job's workdir (`eval.base_run`) of the
 same agent, tasks and limits: arms of one comparison then share it instead of replaying it.
 """
@@ -17,14 +21,17 @@ import dataclasses
 import json
 import pathlib
 from collections import Counter
+from collections.abc import Sequence
 
 import jax
 import ml_collections
 import numpy as np
 
 from trace_jax import lora
+from trace_jax.agent.chat_codec import ChatCodec
 from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Trajectory
 from trace_jax.envs import make_environment
+from trace_jax.envs.base import TaskSpec
 from trace_jax.evaluation import EPISODE_LIMITS, check_base_run, play, recorded_episodes, summarize_run
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, StepRollouts
@@ -36,6 +43,36 @@ def trajectory_sequence(trajectory: Trajectory, advantage: float = 0.0) -> Learn
     sampler's logprobs, under the adapter it was played with."""
     return LearnerSequence(trajectory.token_ids, trajectory.loss_mask, trajectory.logprobs, advantage,
                            trajectory.job.adapter_idx)
+
+
+def unhinted_sequence(trajectory: Trajectory, hinted_prompt: Sequence[int], prompt: Sequence[int]) -> LearnerSequence:
+    """The learner row of an episode played with a hint: its ids with the agent's unhinted first prompt `prompt`
+    in place of the hinted one it was fed (`hinted_prompt`), everything after (turns as sampled, observations)
+    unchanged, and the loss mask and the sampler's (hinted) logprobs moved with them. Continuations never
+    re-render the system prompt, so these are the ids of an unhinted episode with the same turns."""
+    head = len(hinted_prompt)
+    if list(trajectory.token_ids[:head]) != list(hinted_prompt) or any(trajectory.loss_mask[:head]):
+        raise ValueError(f"episode {trajectory.job.task.task_id} does not open with the hinted first prompt given")
+    return LearnerSequence(list(prompt) + list(trajectory.token_ids[head:]),
+                           [0] * len(prompt) + list(trajectory.loss_mask[head:]),
+                           [0.0] * len(prompt) + list(trajectory.logprobs[head:]), 0.0, trajectory.job.adapter_idx,
+                           hinted=True)
+
+
+def hinted_per_group(rollout: ml_collections.ConfigDict) -> int:
+    """How many episodes of each group are played with the hint: hint_share x group_size, rounded half up."""
+    return int(rollout.hint_share * rollout.group_size + 0.5)
+
+
+def hint_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
+    """The share of episodes played with the hint, and the mean reward of those and of the others."""
+    hinted = [t.outcome.reward for t in trajectories if t.job.hint]
+    unhinted = [t.outcome.reward for t in trajectories if not t.job.hint]
+    out = {f"{prefix}/hinted_share": len(hinted) / len(trajectories)}
+    for name, rewards in (("hinted_reward", hinted), ("unhinted_reward", unhinted)):
+        if rewards:
+            out[f"{prefix}/{name}"] = float(np.mean(rewards))
+    return out
 
 
 def trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
@@ -62,6 +99,11 @@ class EnvironmentRollouts:
                  workdir: pathlib.Path):
         self.config, self.tokenizer, self.workdir = config, tokenizer, workdir
         self.env = make_environment(config.env)
+        self.hinted_per_group = hinted_per_group(config.rollout)
+        if self.hinted_per_group and not getattr(self.env, "hint", ""):
+            raise ValueError(f"config.rollout.hint_share = {config.rollout.hint_share} is invalid here: the "
+                             f"environment of config.env (name = {config.env.name!r}) offers no hint (the built-in "
+                             "capability environments do); set it to 0.0")
         pool = config.rollout.train_tasks
         available = self.env.tasks(config.env.split, num_train_tasks if pool is None else min(pool, num_train_tasks))
         if not available:
@@ -99,15 +141,28 @@ class EnvironmentRollouts:
                              config=rollout)
 
     def sample(self, sampler: Sampler, first_task: int, key: jax.Array, adapter_idx: int) -> StepRollouts:
-        """`group_size` episodes of each of the next `tasks_per_step` training tasks (a group's episodes adjacent)."""
+        """`group_size` episodes of each of the next `tasks_per_step` training tasks (a group's episodes adjacent),
+        the first `hinted_per_group` of each played with the hint and learned from without it."""
         rollout_cfg = self.config.rollout
         tasks = self.train_tasks[first_task : first_task + rollout_cfg.tasks_per_step]
-        jobs = [Job(task, trial, adapter_idx) for task in tasks for trial in range(rollout_cfg.group_size)]
+        jobs = [Job(task, trial, adapter_idx, hint=trial < self.hinted_per_group) for task in tasks
+                for trial in range(rollout_cfg.group_size)]
         trajectories = self._engine(sampler, self.train_rollout).run(jobs, key=key)
+        prompts = {task.task_id: self.first_prompts(task) for task in tasks} if self.hinted_per_group else {}
+        sequences = [unhinted_sequence(t, *prompts[t.job.task.task_id]) if t.job.hint else trajectory_sequence(t)
+                     for t in trajectories]
         rewards = np.array([t.outcome.reward for t in trajectories], np.float64)
         groups = np.repeat(np.arange(len(tasks)), rollout_cfg.group_size)
-        return StepRollouts([trajectory_sequence(t) for t in trajectories], rewards, groups,
-                            trajectory_metrics(trajectories, "rollout"))
+        metrics = trajectory_metrics(trajectories, "rollout")
+        if self.hinted_per_group:
+            metrics.update(hint_metrics(trajectories, "rollout"))
+        return StepRollouts(sequences, rewards, groups, metrics)
+
+    def first_prompts(self, task: TaskSpec) -> tuple[list[int], list[int]]:
+        """The agent's first prompt of `task` (the ids the engine feeds it first), with the hint and without."""
+        hinted, plain = self.env.episode(task, hint=True), self.env.episode(task)
+        codec = ChatCodec(self.tokenizer, plain.tools)
+        return codec.first_prompt(hinted.reset()), codec.first_prompt(plain.reset())
 
     def evaluate(self, sampler: Sampler, adapter_idx: int, step: int) -> dict[str, float]:
         """Greedy held-out episodes through the evaluation job's path; "eval/..." metrics (overall and

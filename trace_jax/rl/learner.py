@@ -9,6 +9,11 @@ the end, so the update equals the full-batch gradient of sum / denominator. A sh
 prefix (system prompt) runs forward once per step, not once per micro-batch: the
 micro-batches sum their gradients w.r.t. its keys and values, and one backward pass
 through the prefix turns that sum into adapter gradients.
+
+Rows sampled with a hint their tokens lack (`LearnerSequence.hinted`) are rescored before the
+update (`make_rescore_fn`): their old logprobs become the policy's own on the unhinted tokens,
+and the sampler's (hinted) logprobs go to sampler_logp, so the loss's truncated importance
+weight corrects for the context they were sampled in.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from trace_jax import lora
 from trace_jax.lora import NO_ADAPTER, Adapters
 from trace_jax.models import decoder
 from trace_jax.models.config import ModelConfig
-from trace_jax.rl.losses import LossConfig, policy_loss, sft_loss
+from trace_jax.rl.losses import LossConfig, policy_loss, sft_loss, tis_weight
 from trace_jax.sharding import ShardingPlan
 
 # Per-row batch entries (split into micro-batches).
@@ -214,6 +220,55 @@ def split_micro_batches(batch: dict, n: int) -> list[dict]:
     if size % n:
         raise ValueError(f"batch of {size} rows does not split into {n} micro-batches")
     return [{k: v[m::n] for k, v in batch.items() if k in ROW_KEYS} for m in range(n)]
+
+
+def make_rescore_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, plan: ShardingPlan | None = None,
+                    remat: bool = False, temperature: float = 1.0) -> Callable:
+    """`rescore(params, adapter_weights, scale, batch, hinted) -> (batch, metrics)`: a packed GRPO batch
+    (`batching.pack_sequences`) made ready for truncated importance sampling, before the update.
+
+    Every micro-batch gets "sampler_logp", the sampler's logprobs (packed as its old_logp). The rows
+    of the sequences `hinted` marks (indexed as the packed sequences are, `mb["sequence"]`) were sampled
+    under a hinted context their tokens lack: their old_logp becomes the current policy's logprobs on
+    their own tokens, from one forward pass of their micro-batches; every other row keeps old_logp =
+    sampler_logp, an importance weight of exactly 1. metrics: the hinted loss tokens' mean weight
+    ("hinted_is_weight") and the share of them the cap cut ("hinted_capped"); none without hinted rows.
+    """
+    if loss_cfg.tis_cap is None:
+        raise ValueError("rescoring hinted rows needs LossConfig.tis_cap: their weight corrects for the hint")
+    constrain = plan.constrain if plan is not None else decoder.no_constraint
+
+    @jax.jit
+    def forward(params, weights, scale, mb, shared):
+        if plan is not None:
+            mb = {k: plan.constrain(v, "batch") for k, v in mb.items()}
+        prefix = {**shared, "prefix_of_row": mb["prefix_of_row"]} if shared else None
+        return _forward_logprobs(params, Adapters(weights, scale), mb["tokens"], mb["adapter_idx"], prefix, cfg,
+                                 constrain, remat, temperature, positions=mb["loss_positions"])[0]
+
+    def rescore(params, weights, scale, batch, hinted):
+        marked = np.flatnonzero(np.asarray(hinted, bool))
+        shared = {k: batch[k] for k in PREFIX_KEYS if k in batch}
+        inputs = ("tokens", "adapter_idx", "loss_positions", *(("prefix_of_row",) if shared else ()))
+        parts, hinted_is = [], []
+        for mb in batch["micro_batches"]:
+            rows = np.isin(mb["sequence"], marked)
+            mb = {**mb, "sampler_logp": mb["old_logp"]}
+            if rows.any():
+                logp = np.asarray(forward(params, weights, scale, {k: mb[k] for k in inputs}, shared))
+                mb["old_logp"] = np.where(rows[:, None], logp, mb["sampler_logp"])
+                learned = (mb["loss_mask"] > 0) & rows[:, None]
+                hinted_is.append(np.asarray(tis_weight(mb["old_logp"][learned], mb["sampler_logp"][learned],
+                                                            loss_cfg.tis_cap)))
+            parts.append(mb)
+        metrics = {}
+        if hinted_is:
+            is_weights = np.concatenate(hinted_is)
+            metrics = {"hinted_is_weight": float(is_weights.mean()),
+                       "hinted_capped": float(np.mean(is_weights >= np.float32(loss_cfg.tis_cap)))}
+        return {**batch, "micro_batches": parts}, metrics
+
+    return rescore
 
 
 OBJECTIVES = ("grpo", "sft")

@@ -90,6 +90,12 @@ def k3_kl(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
     return jnp.expm1(log_ratio) - log_ratio
 
 
+def tis_weight(logp_old: jax.Array, sampler_logp: jax.Array, cap: float) -> jax.Array:
+    """The truncated importance weight of each token, min(exp(logp_old - sampler_logp), cap): it corrects
+    for tokens the sampler drew from another policy than the old one (a hinted context, numerics)."""
+    return jnp.minimum(jnp.exp(logp_old - sampler_logp), cap)
+
+
 def policy_loss(
     logp_new: jax.Array,
     logp_old: jax.Array,
@@ -130,7 +136,7 @@ def policy_loss(
     if sampler_logp is not None:
         diagnostics["sampler_abs_diff"] = (jnp.sum(jnp.abs(logp_old - sampler_logp) * mask), tokens)
     if cfg.tis_cap is not None:
-        is_weight = jax.lax.stop_gradient(jnp.minimum(jnp.exp(logp_old - sampler_logp), cfg.tis_cap))
+        is_weight = jax.lax.stop_gradient(tis_weight(logp_old, sampler_logp, cfg.tis_cap))
         pg = pg * is_weight
         diagnostics["tis_weight"] = (jnp.sum(is_weight * mask), tokens)
     diagnostics["policy_loss"] = aggregate(jax.lax.stop_gradient(pg), mask, cfg.max_len)

@@ -11,6 +11,12 @@ episodes in all: steps = budget / (tasks_per_step x group_size), rounded up), se
 Held-out tasks are evaluated greedily before training (the base reward), every `eval.every`
 steps and at the end (see the rollout sources for what they report).
 
+Hints (environments that offer one): `rollout.hint_share` of each group's episodes are played with
+the hint in the system prompt and learned from without it. Sampled from another policy than the
+one trained, those rows take the policy's own logprobs on the unhinted tokens as old logprobs
+(one forward pass before the update) and a truncated importance weight, min(exp(old - sampler),
+`loss.tis_cap`); the other rows are learned exactly as without hints.
+
 Everything a resumed run needs is in the checkpoint (adapter, optimizer state, step,
 RNG key, task cursor, wall time so far), and step k's sampling key is folded from the run key and k, so a
 run killed after any checkpoint and restarted on the same workdir continues exactly as if
@@ -41,9 +47,9 @@ from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
 from trace_jax.rl.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from trace_jax.rl.batching import pack_sequences, padded_tokens
 from trace_jax.rl.checkpoint import TrainState
-from trace_jax.rl.environment_rollouts import EnvironmentRollouts
+from trace_jax.rl.environment_rollouts import EnvironmentRollouts, hinted_per_group
 from trace_jax.rl.job import ADAPTER, common_checks, export_adapter, start_run
-from trace_jax.rl.learner import make_train_step
+from trace_jax.rl.learner import make_rescore_fn, make_train_step
 from trace_jax.rl.losses import AGGREGATIONS, LossConfig
 from trace_jax.rl.single_turn import TaskSetRollouts
 from trace_jax.sampling import Sampler
@@ -87,6 +93,10 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
             ("rollout.train_tasks", lambda v: v is None or positive_int(v),
              "None (the next tasks of the split every step) or a positive int (the steps cycle through the "
              "split's first train_tasks tasks)"),
+            ("rollout.hint_share", lambda v: number(v) and 0.0 <= v <= 1.0,
+             "a number in [0, 1]: the share of each group's episodes played with the environment's hint (0: none)"),
+            ("loss.tis_cap", lambda v: v is None or (number(v) and v >= 1.0),
+             "None or a number >= 1: the cap of a hinted token's importance weight (an unhinted token's is 1)"),
         ]
     return checks + [
         ("task", lambda v: v in TASK_SETS, f"one of {sorted(TASK_SETS)} (or give config.env instead)"),
@@ -105,6 +115,26 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     check_config(config, _checks(config))
     if (config.train.steps is None) == (config.train.rollout_budget is None):
         raise ValueError("config.train.steps and config.train.rollout_budget: set exactly one (the other None)")
+    if _hints(config):
+        _check_hints(config)
+
+
+def _hints(config: ml_collections.ConfigDict) -> bool:
+    """Whether the job plays some episodes with the environment's hint."""
+    return "env" in config and config.rollout.hint_share > 0
+
+
+def _check_hints(config: ml_collections.ConfigDict) -> None:
+    """A share of hinted episodes must make at least one a group, and their correction needs loss.tis_cap."""
+    share = config.rollout.hint_share
+    if not hinted_per_group(config.rollout):
+        raise ValueError(f"config.rollout.hint_share = {share} is invalid: it hints no episode of a group of "
+                         f"{config.rollout.group_size} (rounded); set it to 0.0 or at least "
+                         f"{0.5 / config.rollout.group_size:g}")
+    if config.loss.tis_cap is None:
+        raise ValueError(f"config.loss.tis_cap = None is invalid with config.rollout.hint_share = {share}: hinted "
+                         "episodes are sampled from another policy than the one trained, and their truncated "
+                         "importance weight needs a cap (e.g. 2.0)")
 
 
 def num_steps(config: ml_collections.ConfigDict) -> int:
@@ -115,9 +145,11 @@ def num_steps(config: ml_collections.ConfigDict) -> int:
 
 
 def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
+    """The policy loss; with hints, truncated importance sampling at `loss.tis_cap` (see the module docstring)."""
     max_len = config.rollout.max_new_tokens if "task" in config else None
     return LossConfig(aggregation=config.loss.aggregation, eps_low=config.loss.eps_low,
-                      eps_high=config.loss.eps_high, kl_coef=config.loss.kl_coef, max_len=max_len)
+                      eps_high=config.loss.eps_high, kl_coef=config.loss.kl_coef, max_len=max_len,
+                      tis_cap=config.loss.tis_cap if _hints(config) else None)
 
 
 def _base_eval(workdir: pathlib.Path, evaluate: Callable[[int, int], dict[str, float]]) -> dict[str, float]:
@@ -173,9 +205,12 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     logging.info("base held-out reward %.3f", base["eval/reward"])
     if state.step == 0:
         writer.write(0, base)
-    train_step = make_train_step(run.model.cfg, _loss_config(config), run.optimizer, plan=run.plan,
+    loss_cfg = _loss_config(config)
+    train_step = make_train_step(run.model.cfg, loss_cfg, run.optimizer, plan=run.plan,
                                  remat=config.train.remat, temperature=config.rollout.temperature,
                                  frozen_layers=config.lora.first_layer)
+    rescore = (make_rescore_fn(run.model.cfg, loss_cfg, plan=run.plan, remat=config.train.remat,
+                               temperature=config.rollout.temperature) if _hints(config) else None)
 
     latest_eval = base if state.step == 0 else _resumed_eval(workdir, state.step, evaluate, writer, config)
     progress = Progress(steps, start=state.step, every_s=config.log_every_s)
@@ -193,6 +228,9 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
             batch = pack_sequences(kept, token_budget=config.train.micro_batch_tokens, row_multiple=run.row_multiple,
                                    min_shared_prefix=config.rollout.min_shared_prefix, pad_id=tokenizer.pad_token_id)
             batch["dropped_fraction"] = np.float32(advantage_stats["dropped_fraction"])
+            if rescore is not None:  # before the update: the old policy is the current adapter
+                batch, hint_stats = rescore(run.params, weights, state.scale, batch, [s.hinted for s in kept])
+                metrics.update({f"learner/{k}": v for k, v in hint_stats.items()})
             weights, opt_state, learner_metrics = train_step(run.params, weights, opt_state, state.scale, batch)
             sampler.set_adapters(run.adapters(weights))
             metrics.update({f"learner/{k}": float(v) for k, v in learner_metrics.items()})

@@ -41,4 +41,6 @@ COMMUNICATION = Capability(
     name="communication",
     description="States in the final reply every fact the customer asked for, exactly as the tools gave it.",
     generate=generate,
-    tools=(_TOOLS, _TOOLS, _TOOLS))
+    tools=(_TOOLS, _TOOLS, _TOOLS),
+    hint="Read the order the customer asks about, then state in the final message every fact they asked for, "
+         "written exactly as the tool returned it (status, amount paid, item names).")

@@ -19,6 +19,11 @@ The reward has levels, so GRPO groups have variance while the agent is weak:
        required fact stated in a text turn (τ²'s COMMUNICATE check).
 The call levels count however the episode ended (a right call followed by a loop of calls
 still earns 0.8), so a weak agent's partial work is told apart; only 1.0 needs the ending.
+
+A built-in capability carries a `hint`: a sentence or two of guidance. A hinted episode
+(`episode(task, hint=True)`) has it appended to its system prompt ("Hint: ..."), nothing
+else changed; the GRPO job plays a share of its training episodes so (`rollout.hint_share`)
+and learns from them as if unhinted (`trace_jax.rl.environment_rollouts`). Evaluation never hints.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class Capability:
     description: str
     generate: Generator
     tools: tuple[tuple[str, ...], ...]  # by difficulty
+    hint: str = ""  # guidance a hinted training episode appends to its system prompt ("": none offered)
 
     @property
     def max_difficulty(self) -> int:
@@ -175,8 +181,17 @@ class CapabilityEnvironment:
             raise ValueError(f"task {spec.task_id!r} did not come from this environment's tasks()")
         return self._scenarios[spec.task_id][1]
 
-    def episode(self, task: TaskSpec) -> CapabilityEpisode:
-        return CapabilityEpisode(task, self.scenario(task), self.system_prompt, self.tools)
+    @property
+    def hint(self) -> str:
+        """The capability's hint ("" when it offers none): see the module docstring."""
+        return self.capability.hint
+
+    def episode(self, task: TaskSpec, hint: bool = False) -> CapabilityEpisode:
+        """A fresh episode of `task`; `hint` appends the capability's hint to its system prompt."""
+        if hint and not self.hint:
+            raise ValueError(f"the capability {self.capability.name!r} offers no hint")
+        prompt = f"{self.system_prompt}\n\nHint: {self.hint}" if hint else self.system_prompt
+        return CapabilityEpisode(task, self.scenario(task), prompt, self.tools)
 
     def _task(self, split: str, index: int) -> tuple[TaskSpec, Scenario]:
         key = f"{self.capability.name}/{self.seed}/{self.difficulty}/{split}/{index}"

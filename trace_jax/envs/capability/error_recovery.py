@@ -62,4 +62,6 @@ ERROR_RECOVERY = Capability(
     name="error_recovery",
     description="After a tool error, corrects the call or changes approach instead of repeating it.",
     generate=generate,
-    tools=(_TOOLS[:4], _TOOLS[:4], _TOOLS))
+    tools=(_TOOLS[:4], _TOOLS[:4], _TOOLS),
+    hint="When a tool returns an error, do not repeat the call: correct its argument (order ids start with '#') "
+         "or take another way (find the customer by name and zip code).")

@@ -58,4 +58,6 @@ MULTI_STEP = Capability(
     description="Carries a task with several requests through every step (look up, act, report) without "
                 "stopping early or looping.",
     generate=generate,
-    tools=(_TOOLS[:4], _TOOLS[:4], _TOOLS))
+    tools=(_TOOLS[:4], _TOOLS[:4], _TOOLS),
+    hint="List every request of the ticket and handle them one by one (read the order, then act) until all are "
+         "done; only then write the final message, covering each request.")

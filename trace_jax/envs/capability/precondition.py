@@ -61,4 +61,6 @@ PRECONDITION = Capability(
     description="Checks what the policy requires before a write (the order's owner and status) and does not act "
                 "when a precondition fails, saying why.",
     generate=generate,
-    tools=(_TOOLS[:3], _TOOLS[:3], _TOOLS))
+    tools=(_TOOLS[:3], _TOOLS[:3], _TOOLS),
+    hint="Read the order before any write and check its status and owner against the policy; when the policy "
+         "forbids the request, make no write and tell the customer why (for example the order's status).")

@@ -56,4 +56,6 @@ STRUCTURED_DATA = Capability(
     description="Reads the values a step needs (ids, items, amounts, statuses) out of earlier tool results and "
                 "uses or reports them exactly.",
     generate=generate,
-    tools=(_TOOLS, _TOOLS, _TOOLS))
+    tools=(_TOOLS, _TOOLS, _TOOLS),
+    hint="The ticket does not give the order id: find the order holding the product the customer names among the "
+         "order details already in the conversation and use its exact id; state amounts as the tools print them.")

@@ -68,4 +68,6 @@ TOOL_CALLING = Capability(
     description="Makes the tool call a request needs with exactly the right arguments, taken from the "
                 "conversation and earlier tool results.",
     generate=generate,
-    tools=(_TOOLS[:3], _TOOLS[:5], _TOOLS))
+    tools=(_TOOLS[:3], _TOOLS[:5], _TOOLS),
+    hint="Take every argument of the write call exactly from the ticket and the tool results in the conversation: "
+         "ids as the tools print them, item ids from the order's details, the reason as one of its allowed values.")
