@@ -96,6 +96,8 @@ def _training_config(config: ml_collections.ConfigDict, capability: str, difficu
     training = ml_collections.ConfigDict(config.training.to_dict())
     training.update(model=config.model, dtype=config.dtype, seed=config.seed, log_every_s=config.log_every_s)
     training.env = {**environment_config(capability, difficulty, config.calibration, scenarios), "split": "train"}
+    if scenarios:
+        training.rollout.hint_share = 0.0  # an LLM-written environment offers no hint
     return training
 
 
