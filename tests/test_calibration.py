@@ -15,6 +15,7 @@ from trace_jax.trace.calibration import (
     calibrate,
     calibrate_capability,
     calibration_defaults,
+    calibration_feedback,
     calibration_table,
     gate_failures,
     group_stats,
@@ -88,3 +89,13 @@ def test_the_calibration_job_names_an_unknown_capability():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "no built-in environment for ['telepathy']" in out.stderr
     assert not (REPO / "unused").exists()
+
+
+def test_the_calibration_feedback_tells_the_writer_which_way_to_move():
+    config = calibration_defaults()
+    tries = [{"difficulty": 0, "mean": 0.05, "std": 0.1, "informative": 0.2, "success": 0.0,
+              "failures": ["mean reward 0.050 outside [0.3, 0.6]"]}]
+    hard = calibration_feedback({"tries": tries}, config)
+    assert "difficulty 0: mean reward 0.050" in hard and "too hard" in hard and "make them easier" in hard
+    easy = calibration_feedback({"tries": [{**tries[0], "mean": 0.9}]}, config)
+    assert "too easy" in easy and "make them harder" in easy

@@ -191,3 +191,23 @@ def test_bad_settings_fail_naming_the_key(tmp_path):
     with ScriptedLLMServer([]) as server, pytest.raises(ValueError, match="config.env_writer.max_attempts = 0"):
         write_environment(CARD, EVIDENCE, _client(server, None), tmp_path, _config(max_attempts=0))
 
+
+
+def test_a_module_the_judge_rejects_is_asked_for_again_with_its_verdict(tmp_path):
+    """The pipeline's judge is calibration: a module that passes validation but not the judge is a failed
+    attempt, and the judge's verdict is the report sent back; the next module that passes both is accepted."""
+    verdict = "The tasks are too hard for the agent: make them easier."
+    judged = []
+
+    def judge(attempt, report, scenarios):
+        judged.append((attempt, report.passed, scenarios.is_file()))
+        return verdict if attempt == 1 else None
+
+    folder, cache = tmp_path / "order_facts", tmp_path / "llm_cache"
+    with ScriptedLLMServer([_fenced(EXAMPLE), _fenced(EXAMPLE + "\n")]) as server:
+        synthesis = write_environment(CARD, EVIDENCE, _client(server, cache), folder, _config(), judge=judge)
+        sent = server.requests
+    assert (synthesis.accepted, synthesis.attempts, judged) == (True, 2, [(1, True, True), (2, True, True)])
+    assert verdict in sent[1]["messages"][-1]["content"]
+    assert json.loads((folder / "attempt_1.json").read_text())["error"] == verdict
+    assert (folder / "module.py").read_text() == EXAMPLE + "\n"

@@ -106,6 +106,27 @@ def calibrate(measure: Measure, config: ml_collections.ConfigDict, max_difficult
             "reason": "; ".join(tries[-1]["failures"]) + " at every difficulty it could move to"}
 
 
+def calibration_feedback(result: dict, config: ml_collections.ConfigDict) -> str:
+    """Why an environment could not be calibrated, in words for the LLM that wrote it (what to change)."""
+    lines = [f"The module passed validation, but calibration against the agent to be trained failed: "
+             f"{config.seeds} tasks x {config.samples} episodes at temperature {config.temperature} must give a "
+             f"mean reward in [{config.min_mean}, {config.max_mean}], a reward std >= {config.min_std} and >= "
+             f"{config.min_informative:.0%} of task groups with differing rewards."]
+    lines += [f"difficulty {t['difficulty']}: mean reward {t['mean']:.3f}, std {t['std']:.3f}, informative "
+              f"groups {t['informative']:.0%}, success {t['success']:.0%}: {'; '.join(t['failures'])}"
+              for t in result["tries"]]
+    mean = result["tries"][-1]["mean"]
+    if mean > config.max_mean:
+        lines.append("The tasks are too easy for the agent: make them harder (more to find, more steps, subtler "
+                     "traps).")
+    elif mean < config.min_mean:
+        lines.append("The tasks are too hard for the agent: make them easier (fewer steps, more of the work "
+                     "pre-filled, clearer tickets).")
+    else:
+        lines.append("Make the outcomes vary more between attempts at one task (reward levels the agent can reach).")
+    return "\n".join(lines)
+
+
 def environment_config(capability: str, difficulty: int, config: ml_collections.ConfigDict,
                        scenarios: str | None = None) -> dict:
     """The `env` block of a capability environment, built-in or (with `scenarios`, its exported tasks) written

@@ -5,7 +5,10 @@ example module that passes validation, τ²'s retail tools and the capability (i
 lacking it looks like, evidence from the analysis), and asks for one module in a ```python block. The
 module is validated in the sandbox (`trace_jax.envs.capability.sandbox`); a reply without code, or a
 module that fails, is answered in the same conversation with the failure report and asked again, up to
-`max_attempts` attempts. Files, in the capability's folder:
+`max_attempts` attempts. A `judge` may then reject a module that passed (the pipeline calibrates it
+against the base agent, and a module it cannot calibrate is asked for again with the calibration's
+verdict, as the paper regenerates an environment that is too easy or too hard). Files, in the
+capability's folder:
 
   attempt_<i>.py, attempt_<i>.json   each attempt's module (when the reply held one) and report
   module.py, validation.json         the accepted module and its report
@@ -22,7 +25,7 @@ import dataclasses
 import json
 import pathlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import ml_collections
 from absl import logging
@@ -68,6 +71,9 @@ RETRY = """Your module was not accepted.
 Fix the module and reply with the whole corrected module in one ```python code block."""
 
 NO_CODE = "The reply held no ```python code block with the module."
+
+# (attempt, its passing report, its exported tasks) -> None to accept, or why not (sent back to the LLM)
+Judge = Callable[[int, ValidationReport, pathlib.Path], str | None]
 
 
 def env_writer_defaults() -> ml_collections.ConfigDict:
@@ -160,10 +166,11 @@ def _attempt(source: str | None, folder: pathlib.Path, i: int, name: str, config
 
 
 def write_environment(card: CapabilityCard, evidence: Sequence[str], client: ChatClient,
-                      folder: str | pathlib.Path, config: ml_collections.ConfigDict) -> Synthesis:
-    """Asks `client` for `card`'s environment module until one passes validation or `config.max_attempts`
-    attempts have failed (`config`: the `env_writer` block); writes everything under `folder` (see the module
-    docstring) and resumes from it."""
+                      folder: str | pathlib.Path, config: ml_collections.ConfigDict,
+                      judge: Judge | None = None) -> Synthesis:
+    """Asks `client` for `card`'s environment module until one passes validation (and `judge`, when given)
+    or `config.max_attempts` attempts have failed (`config`: the `env_writer` block); writes everything under
+    `folder` (see the module docstring) and resumes from it."""
     validate_env_writer_config(config)
     folder = pathlib.Path(folder)
     summary_path = folder / "synthesis.json"
@@ -182,6 +189,11 @@ def write_environment(card: CapabilityCard, evidence: Sequence[str], client: Cha
         reply = client.complete(messages)
         source = extract_code(reply)
         report = _attempt(source, folder, i, card.name, config, checks)
+        if report.passed and judge is not None:
+            verdict = judge(i, report, folder / "scenarios.json")
+            if verdict:
+                report = dataclasses.replace(report, passed=False, error=verdict)
+                write_json_atomic(folder / f"attempt_{i}.json", report.to_json())
         reports.append(report)
         logging.info("env writer %s: attempt %d/%d %s", card.name, i, config.max_attempts,
                      "passed" if report.passed else "failed: " + report.failure_report().replace("\n", " | ")[:300])

@@ -32,6 +32,7 @@ from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import make_environment
 from trace_jax.envs.base import Gold
 from trace_jax.envs.capability import CAPABILITIES
+from trace_jax.envs.capability.sandbox import ValidationReport
 from trace_jax.evaluation import Routes, check_base_run, evaluate, recorded_episodes
 from trace_jax.evaluation import validate_config as validate_evaluation_config
 from trace_jax.files import write_json_atomic
@@ -41,7 +42,12 @@ from trace_jax.models.model import load_model
 from trace_jax.rl import trainer as grpo
 from trace_jax.trace.analysis import analyze, make_analyst, validate_analysis_config
 from trace_jax.trace.analyst import CapabilityCard
-from trace_jax.trace.calibration import calibrate_capability, environment_config, validate_calibration_config
+from trace_jax.trace.calibration import (
+    calibrate_capability,
+    calibration_feedback,
+    environment_config,
+    validate_calibration_config,
+)
 from trace_jax.trace.env_writer import validate_env_writer_config, write_environment
 from trace_jax.trace.routing import CALIBRATIONS, RouteOption, Router
 from trace_jax.trace.trace_report import oracle_routes, write_report
@@ -182,33 +188,41 @@ class Pipeline:
         for name in selected:
             folder = self.workdir / "environments" / name
             if source == "llm" or (source == "auto" and name not in CAPABILITIES):
-                synthesis = self._write(name, folder / "written")
-                if not synthesis.accepted:
-                    results[name] = {"calibrated": False, "difficulty": None, "tries": [], "reason":
-                                     f"no LLM-written module passed validation in {synthesis.attempts} attempts"}
-                    continue
-                difficulties = len(synthesis.reports[-1].gold_success)
-                results[name] = {**calibrate_capability(name, difficulties - 1, base, self.config.calibration, folder,
-                                                        scenarios=synthesis.scenarios),
-                                 "scenarios": synthesis.scenarios}
+                results[name] = self._written(name, folder, base)
             elif name in CAPABILITIES:
-                results[name] = calibrate_capability(name, CAPABILITIES[name].max_difficulty, base,
-                                                     self.config.calibration, folder)
+                results[name] = {**calibrate_capability(name, CAPABILITIES[name].max_difficulty, base,
+                                                        self.config.calibration, folder), "folder": str(folder)}
             else:
                 results[name] = {"calibrated": False, "difficulty": None, "tries": [], "reason":
                                  "no built-in generator for this capability (environments.source = 'auto' writes one)"}
         return results
 
-    def _write(self, name: str, folder: pathlib.Path):
-        """The LLM-written environment of capability `name`, from its analysis card and evidence."""
+    def _written(self, name: str, folder: pathlib.Path, base: ml_collections.ConfigDict) -> dict:
+        """The LLM-written environment of capability `name` (from its analysis card and evidence), calibrated:
+        a module that passes validation but not calibration is asked for again with the calibration's verdict."""
         validate_llm_config(self.config.llm)
         cards = {c["name"]: c for c in json.loads((self.workdir / "analysis" / "capabilities.json").read_text())[
             "candidates"]}
         card = cards[name]
         evidence = [e["evidence"] for e in card.get("examples", [])]
         client = ChatClient(self.config.llm, self.workdir / "environments" / "llm_cache")
-        return write_environment(CapabilityCard(name, card["description"], card["lacking"]), evidence, client, folder,
-                                 self.config.env_writer)
+        written = folder / "written"
+
+        def calibrated(attempt: int, report: ValidationReport, scenarios: pathlib.Path) -> dict:
+            at = written / f"calibration_{attempt}"
+            return {**calibrate_capability(name, len(report.gold_success) - 1, base, self.config.calibration, at,
+                                           scenarios=str(scenarios)), "scenarios": str(scenarios), "folder": str(at)}
+
+        def judge(attempt: int, report: ValidationReport, scenarios: pathlib.Path) -> str | None:
+            result = calibrated(attempt, report, scenarios)
+            return None if result["calibrated"] else calibration_feedback(result, self.config.calibration)
+
+        synthesis = write_environment(CapabilityCard(name, card["description"], card["lacking"]), evidence, client,
+                                      written, self.config.env_writer, judge=judge)
+        if not synthesis.accepted:
+            return {"calibrated": False, "difficulty": None, "tries": [], "reason": "no LLM-written module passed "
+                    f"validation and calibration in {synthesis.attempts} attempts"}
+        return calibrated(synthesis.attempts, synthesis.reports[-1], pathlib.Path(synthesis.scenarios))
 
     def _training(self, environments: dict) -> dict:
         """One GRPO adapter per calibrated environment, in selection order; name -> adapter folder."""
@@ -240,7 +254,8 @@ class Pipeline:
     def _example(self, name: str) -> str:
         """One successful episode of the capability's environment from its calibration, compacted (tool
         calls as name(args), contents cut short)."""
-        folder = self.workdir / "environments" / name
+        environment = self.stages["environments"]["result"][name]
+        folder = pathlib.Path(environment.get("folder", self.workdir / "environments" / name))
         calibration = json.loads((folder / "calibration.json").read_text())
         records = recorded_episodes(folder / f"difficulty_{calibration['difficulty']}" / "episodes.jsonl")
         success = next((r for r in records if r["success"]), None)
