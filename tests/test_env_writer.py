@@ -192,7 +192,6 @@ def test_bad_settings_fail_naming_the_key(tmp_path):
         write_environment(CARD, EVIDENCE, _client(server, None), tmp_path, _config(max_attempts=0))
 
 
-
 def test_a_module_the_judge_rejects_is_asked_for_again_with_its_verdict(tmp_path):
     """The pipeline's judge is calibration: a module that passes validation but not the judge is a failed
     attempt, and the judge's verdict is the report sent back; the next module that passes both is accepted."""

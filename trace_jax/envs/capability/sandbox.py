@@ -148,8 +148,8 @@ def validate_module(source: str, *, name: str | None = None, checks: Checks = Ch
         folder = pathlib.Path(tmp)
         (folder / MODULE_FILE).write_text(source)
         spec = {"name": name, "checks": dataclasses.asdict(checks), "cpu_s": limits.cpu_s,
-                "memory_mb": limits.memory_mb, "export": None if export is None else str(pathlib.Path(export).resolve()),
-                "export_tasks": export_tasks, "out": "report.json"}
+                "memory_mb": limits.memory_mb, "export_tasks": export_tasks, "out": "report.json",
+                "export": None if export is None else str(pathlib.Path(export).resolve())}
         (folder / "spec.json").write_text(json.dumps(spec))
         with open(folder / "stderr.txt", "w+b") as stderr:
             process = subprocess.Popen([sys.executable, "-m", __name__, "spec.json"], cwd=folder, env=_child_env(),
@@ -162,7 +162,8 @@ def validate_module(source: str, *, name: str | None = None, checks: Checks = Ch
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
                 return ValidationReport.failed(f"The module ran past the wall-clock limit of {limits.timeout_s:g} s "
-                                               "and was stopped: make generate quick and free of endless loops.", checks)
+                                               "and was stopped: make generate quick and free of endless loops.",
+                                               checks)
             stderr.seek(max(0, stderr.seek(0, os.SEEK_END) - TRACE_CHARS))
             tail = stderr.read().decode(errors="replace")
         if (folder / "report.json").exists():
