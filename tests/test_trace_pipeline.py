@@ -1,5 +1,6 @@
 """The TRACE pipeline end to end, as a user runs it (`configs/trace_tiny.py`: the tiny agent, tiny
-budgets, open gates): every stage's artifacts are written, the routed final evaluation runs each
+budgets, open gates), through the LLM path (analyst, environment writer) against a scripted
+OpenAI-compatible server: every stage's artifacts are written, the routed final evaluation runs each
 task under the adapter the router chose, the report and its plots exist, the JSON line carries the
 summary, and a rerun finds every stage done and repeats nothing."""
 
@@ -11,52 +12,90 @@ import sys
 
 import ml_collections
 import pytest
+from scripted_llm_server import ScriptedLLMServer
 
 from configs import trace_tiny
+from trace_jax.envs.capability import example_written
 from trace_jax.evaluation import run_marker
 from trace_jax.trace.pipeline import STAGES, Pipeline, _evaluation_config, validate_config
 from trace_jax.trace.trace_report import oracle_routes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = trace_tiny.get_config()
+LLM_PATH = ["--config.analysis.analyst=llm", "--config.environments.source=auto", "--config.analysis.max_selected=2",
+            "--config.llm.model=scripted", "--config.llm.max_retries=0", "--config.env_writer.seeds=10",
+            "--config.env_writer.export_tasks=8"]
+_FENCED_EXAMPLE = f"```python\n{pathlib.Path(example_written.__file__).read_text()}```"
 
 
-def _run(workdir, env):
-    command = [sys.executable, "-m", "launch.trace", "--config=configs/trace_tiny.py", f"--workdir={workdir}"]
+def _run(workdir, env, *overrides):
+    command = [sys.executable, "-m", "launch.trace", "--config=configs/trace_tiny.py", f"--workdir={workdir}",
+               *overrides]
     out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1]), out
 
 
+def _scripted_llm(request):
+    """The pipeline's LLM roles over the real OpenAI protocol: discovery names a built-in capability and one the
+    writer must write; labelling marks both LACKING on failures and PRESENT on successes; the writer first
+    answers prose (no code: a failed attempt, sent back), then the example module."""
+    messages = request["messages"]
+    if messages[0]["content"].startswith("You are an expert Python engineer"):  # the environment writer
+        return _FENCED_EXAMPLE if len(messages) > 2 else "I would write an environment about order facts."
+    prompt = messages[1]["content"]
+    if prompt.startswith("Below are"):  # discovery
+        return "```json\n" + json.dumps({"capabilities": [
+            {"name": "tool_calling", "description": "Makes the write call with exact arguments.",
+             "lacking": "Wrong tool or arguments."},
+            {"name": "order_facts", "description": "Reads the order asked about and states the facts asked for.",
+             "lacking": "Answers without reading the order."}]}) + "\n```"
+    views = [json.loads(line) for line in prompt.split("Trajectories:\n", 1)[1].splitlines()]
+    return json.dumps({"labels": {name: {v["id"]: {"label": "LACKING" if v["reward"] < 1 else "PRESENT",
+                                                   "evidence": "seen"} for v in views}
+                                  for name in ("tool_calling", "order_facts")}})
+
+
 def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tiny_agent, job_env, tmp_path):
+    """Through the LLM path (a scripted server on the loopback address): discovery, labelling and selection
+    pick a built-in capability and one the LLM writes (a reply without code first, then a module that the
+    sandbox validates and exports); both are calibrated and trained, the router picks among them."""
     cache, _ = tiny_agent
     env = {**job_env, "TRACE_JAX_CACHE": str(cache)}
-    summary, out = _run(tmp_path, env)
-    print(f"\n[trace pipeline] tiny config: {summary}")
+    with ScriptedLLMServer(_scripted_llm) as server:
+        llm = [f"--config.llm.base_url={server.base_url}", *LLM_PATH]
+        summary, out = _run(tmp_path, env, *llm)
+        kinds = [r["messages"][0]["content"][:30] for r in server.requests]
+        again, _ = _run(tmp_path, env, *llm)
+        assert len(server.requests) == len(kinds)  # the rerun asks nothing
+    print(f"\n[trace pipeline] tiny config, LLM path ({len(kinds)} requests): {summary}")
+    assert sum(k.startswith("You are an expert Python") for k in kinds) == 2  # no code, then the module
     heldout = CONFIG.target.heldout_tasks
     assert set(summary) >= {"base_success", "trace_success", "capabilities", "episodes", "seconds"}
     assert summary["episodes"] == {"base": heldout, "trace": heldout}
-    assert len(summary["capabilities"]) == CONFIG.analysis.max_selected
-    assert summary["trained"] == summary["capabilities"]
-    name = summary["capabilities"][0]
+    assert sorted(summary["capabilities"]) == sorted(summary["trained"]) == ["order_facts", "tool_calling"]
     stages = json.loads((tmp_path / "stages.json").read_text())
     assert list(stages) == list(STAGES) and all(stage["seconds"] >= 0 for stage in stages.values())
     for path in ["base_analysis/episodes.jsonl", "heldout/base/summary.json", "analysis/capabilities.json",
-                 "analysis/analysis.md", f"environments/{name}/calibration.json",
-                 f"adapters/{name}/adapter/adapter_config.json", "report.md",
+                 "analysis/analysis.md", "environments/tool_calling/calibration.json",
+                 "environments/order_facts/written/module.py", "environments/order_facts/written/scenarios.json",
+                 "environments/order_facts/written/calibration_2/calibration.json", "report.md",
+                 *(f"adapters/{name}/adapter/adapter_config.json" for name in summary["capabilities"]),
                  *(f"plots/{p}.png" for p in ("selection", "calibration", "training", "heldout"))]:
         assert (tmp_path / path).is_file(), path
+    written = tmp_path / "environments" / "order_facts" / "written"
+    assert "no ```python code block" in json.loads((written / "attempt_1.json").read_text())["error"]
     assert len(list((tmp_path / "analysis" / "runs").glob("*.json"))) == CONFIG.analysis.runs
-    calibration = json.loads((tmp_path / "environments" / name / "calibration.json").read_text())
-    assert calibration["calibrated"] and calibration["tries"][0]["episodes"] == 2 * 2
+    for name, result in stages["environments"]["result"].items():
+        calibration = json.loads((pathlib.Path(result["folder"]) / "calibration.json").read_text())
+        assert calibration["calibrated"] and calibration["tries"][0]["episodes"] == 2 * 2, name
     routed = stages["routing"]["result"]["by_task"]
     records = [json.loads(line) for line in (tmp_path / "heldout" / "trace" / "episodes.jsonl").open()]
     assert len(records) == heldout and all(r["adapter_idx"] == routed[r["task_id"]] for r in records)
     assert sum(summary["routing"].values()) == heldout and summary["oracle"] is None  # final.per_adapter is off
     report = (tmp_path / "report.md").read_text()
-    assert "## Held-out success per family" in report and f"| {name} | 0 |" in report  # calibration table row
+    assert "## Held-out success per family" in report and "| order_facts | 0 |" in report  # calibration row
     assert "| all |" in out.stdout  # the held-out table is printed
-    again, _ = _run(tmp_path, env)
     assert {k: v for k, v in again.items() if k != "this_run_seconds"} == \
         {k: v for k, v in summary.items() if k != "this_run_seconds"}
     assert again["this_run_seconds"] < 60  # nothing replayed, nothing retrained
