@@ -201,3 +201,18 @@ def test_the_llm_analyst_runs_stage_one_through_a_real_openai_compatible_server(
         (tmp_path / "analysis" / "labellings" / "01.json").unlink()
         again = analyze(list(trajectories.values()), make_analyst(config, env, tmp_path), config.analysis, tmp_path)
         assert again == result and len(server.requests) == sent  # relabelled from the disk cache, no request
+
+
+def test_records_of_more_tasks_than_the_default_load_with_their_gold():
+    """An evaluation of a split's first 250 tasks (the environment's default is 200) loads whole; an id the
+    environment does not have is an error naming it."""
+    env = EmbeddedRetail()
+    specs = env.tasks("train", 250)
+    records = [{"task_id": s.task_id, "split": "train", "family": s.family, "success": False, "reward": 0.0,
+                "components": {}, "end_reason": "agent_stop", "messages": [{"role": "user", "content": "hi"}]}
+               for s in specs]
+    loaded = load_trajectories(records, env)
+    assert [t.id for t in loaded] == [s.task_id for s in specs]
+    assert loaded[-1].gold == env.episode(specs[-1]).gold()
+    with pytest.raises(ValueError, match="task 'nowhere/7' is not among the 'train' tasks"):
+        load_trajectories([{**records[0], "task_id": "nowhere/7"}], env)

@@ -94,7 +94,11 @@ def load_trajectories(records: Iterable[dict], env: Environment) -> list[ScoredT
     """Every record as a trajectory, with the gold and tools of its task in `env` (the environment the
     records were played in: a task id it does not have is an error that names the id)."""
     records = list(records)
-    specs = {spec.task_id: spec for split in sorted({r["split"] for r in records}) for spec in env.tasks(split)}
+    played = {}  # split -> its task ids; an evaluation of more tasks than the default plays a split's first ones
+    for r in records:
+        played.setdefault(r["split"], set()).add(r["task_id"])
+    specs = {spec.task_id: spec for split, ids in sorted(played.items())
+             for spec in env.tasks(split, max(len(env.tasks(split)), len(ids)))}
     trajectories = []
     for record in records:
         spec = specs.get(record["task_id"])
