@@ -85,8 +85,7 @@ def _read_and_cancel(episode):
 @pytest.mark.parametrize("capability, difficulty, plan, most", [
     ("precondition", 1, _read_and_cancel, 0.5),  # acts without checking: every forbidden task fails
     ("precondition", 1, lambda e: _calls(e.gold().tool_calls[:1]), 0.5),  # refuses every request
-    ("multi_step", 0, lambda e: _calls(e.gold().tool_calls[:1]), 0.0),  # does only the first request
-    ("multi_step", 1, lambda e: _calls(e.gold().tool_calls[:2]), 0.0),
+    ("multi_step", 0, lambda e: _calls(e.gold().tool_calls[:2]), 0.0),  # does only the first request
     ("error_recovery", 0, lambda e: _calls([dict(e.scenario.prefilled[0])] * 2), 0.0),  # repeats the failing call
     ("communication", 2, lambda e: _calls(e.gold().tool_calls), 0.0),  # reads, but states no fact
     ("structured_data", 1, lambda e: _calls([{"name": "cancel_pending_order", "arguments": {  # takes the first order

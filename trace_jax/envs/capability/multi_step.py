@@ -2,13 +2,9 @@
 
 The customer is identified already (pre-filled) and asks for several things at once; the
 agent must read each order it acts on and make every write, then reply. Difficulty adds steps:
-  0  cancel a pending order and return an item of a delivered one, both orders already read
-     (two calls: the writes);
-  1  the same, reading each order first (four calls);
-  2  also report another order's status (five calls and a fact);
-  3  also change the default address on the profile (six calls and a fact).
-Level 0 exists because the embedded base agent scores 0.2 on nearly every level-1 task (a
-well-formed call, never every tool): too hard to calibrate without an easier level.
+  0  cancel a pending order and return an item of a delivered one (four calls);
+  1  also report another order's status (five calls and a fact);
+  2  also change the default address on the profile (six calls and a fact).
 """
 
 from __future__ import annotations
@@ -25,8 +21,7 @@ from trace_jax.envs.embedded_retail_families import address_text
 
 
 def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product]) -> Scenario:
-    """One ticket with 2 requests of one customer (orders: pending, delivered, then any), and from difficulty 2
-    one more per level."""
+    """One ticket with `difficulty + 2` requests of one customer (orders: pending, delivered, then any)."""
     while True:  # until the third order's status is not "cancelled", a word any reply on a cancellation holds
         db = build_world(rng, catalogue, num_customers=2, orders_per_customer=(3, 3), max_items=3)
         user = rng.choice(sorted(db.users.values(), key=lambda u: u.user_id))
@@ -42,22 +37,18 @@ def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product])
              call("get_order_details", order_id=delivered.order_id),
              call("return_delivered_order_items", order_id=delivered.order_id, item_ids=[item.item_id],
                   payment_method_id=delivered.payment_history[0].payment_method_id)]
-    prefilled = [call("find_user_id_by_email", email=user.email)]
-    if difficulty == 0:  # the look-ups are done: the agent's work is the two writes
-        prefilled += [calls[0], calls[2]]
-        calls = [calls[1], calls[3]]
     facts: tuple[str, ...] = ()
-    if difficulty >= 2:
+    if difficulty >= 1:
         asks.append(f"And what is the status of my order {other.order_id}?")
         calls.append(call("get_order_details", order_id=other.order_id))
         facts = (other.status,)
-    if difficulty >= 3:
+    if difficulty >= 2:
         new = address(rng)
         asks.append(f"Finally, please make {address_text(new)} the default address on my profile.")
         calls.append(call("modify_user_address", user_id=user.user_id, **new.model_dump()))
     ticket = f"My email is {user.email}. {' '.join(asks)} {rng.choice(CONFIRM)}"
     return Scenario(variant=f"{len(calls)}_calls", db=db, ticket=ticket,
-                    prefilled=tuple(prefilled), gold_calls=tuple(calls), facts=facts)
+                    prefilled=(call("find_user_id_by_email", email=user.email),), gold_calls=tuple(calls), facts=facts)
 
 
 _TOOLS = ("find_user_id_by_email", "get_order_details", "cancel_pending_order", "return_delivered_order_items",
@@ -67,6 +58,6 @@ MULTI_STEP = Capability(
     description="Carries a task with several requests through every step (look up, act, report) without "
                 "stopping early or looping.",
     generate=generate,
-    tools=(_TOOLS[:4], _TOOLS[:4], _TOOLS[:4], _TOOLS),
+    tools=(_TOOLS[:4], _TOOLS[:4], _TOOLS),
     hint="List every request of the ticket and handle them one by one (read the order, then act) until all are "
          "done; only then write the final message, covering each request.")
