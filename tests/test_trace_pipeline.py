@@ -17,7 +17,7 @@ from scripted_llm_server import ScriptedLLMServer
 from configs import trace_tiny
 from trace_jax.envs.capability import example_written
 from trace_jax.evaluation import run_marker
-from trace_jax.trace.pipeline import STAGES, Pipeline, _evaluation_config, validate_config
+from trace_jax.trace.pipeline import STAGES, Pipeline, _heldout_evaluation, validate_config
 from trace_jax.trace.trace_report import oracle_routes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -126,7 +126,7 @@ def test_every_pipeline_config_validates_or_names_the_key_a_user_must_set(name):
 def test_a_base_run_of_other_episodes_fails_at_start_naming_the_key(tmp_path, smollm2):
     config = trace_tiny.get_config()
     config.model = "smollm2-135m-instruct"  # the bare model: the test builds no agent
-    heldout = _evaluation_config(config, config.target.heldout_split, config.target.heldout_tasks)
+    heldout = _heldout_evaluation(config)
     base = tmp_path / "base"
     base.mkdir()
     config.target.base_run = str(base)

@@ -75,7 +75,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     """Fails at start naming the first wrong key, in any stage's block."""
     check_config(config, _checks())
     try:
-        validate_evaluation_config(_evaluation_config(config, config.target.heldout_split, config.target.heldout_tasks))
+        validate_evaluation_config(_heldout_evaluation(config))
     except ValueError as error:  # the evaluation's env and rollout blocks are the pipeline's target.*
         message = str(error).replace("config.rollout.", "config.target.rollout.")
         raise ValueError(message.replace("config.env.", "config.target.env.")) from None
@@ -94,6 +94,11 @@ def _evaluation_config(config: ml_collections.ConfigDict, split: str, num_tasks:
         model=config.model, dtype=config.dtype, adapter="", seed=config.seed, env=config.target.env.to_dict(),
         split=split, num_tasks=num_tasks, trials=1, rollout=config.target.rollout.to_dict(),
         log_every_s=config.log_every_s))
+
+
+def _heldout_evaluation(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The evaluation job's config of the base agent on the target's held-out tasks."""
+    return _evaluation_config(config, config.target.heldout_split, config.target.heldout_tasks)
 
 
 def _training_config(config: ml_collections.ConfigDict, capability: str, difficulty: int,
@@ -125,9 +130,7 @@ class Pipeline:
         self.stages: dict = json.loads(self._stages_path.read_text()) if self._stages_path.exists() else {}
         self.target = make_environment(config.target.env)
         if config.target.base_run:  # now, not after the analysis split's episodes
-            check_base_run(pathlib.Path(config.target.base_run),
-                           _evaluation_config(config, config.target.heldout_split, config.target.heldout_tasks),
-                           "target.base_run")
+            check_base_run(pathlib.Path(config.target.base_run), _heldout_evaluation(config), "target.base_run")
 
     def _stage(self, name: str, run: Callable[[], dict]) -> dict:
         """Runs a stage unless `stages.json` records it done; returns its result."""
@@ -162,13 +165,12 @@ class Pipeline:
         target = self.config.target
         analysis = evaluate(_evaluation_config(self.config, target.analysis_split, target.analysis_tasks),
                             self.workdir / "base_analysis")
-        heldout_config = _evaluation_config(self.config, target.heldout_split, target.heldout_tasks)
         if target.base_run:
             heldout_dir = pathlib.Path(target.base_run)
             heldout = json.loads((heldout_dir / "summary.json").read_text())
         else:
             heldout_dir = self.workdir / "heldout" / "base"
-            heldout = evaluate(heldout_config, heldout_dir)
+            heldout = evaluate(_heldout_evaluation(self.config), heldout_dir)
         return {"analysis_success": analysis["success"], "heldout_success": heldout["success"],
                 "heldout_dir": str(heldout_dir)}
 
@@ -201,9 +203,7 @@ class Pipeline:
         """The LLM-written environment of capability `name` (from its analysis card and evidence), calibrated:
         a module that passes validation but not calibration is asked for again with the calibration's verdict."""
         validate_llm_config(self.config.llm)
-        cards = {c["name"]: c for c in json.loads((self.workdir / "analysis" / "capabilities.json").read_text())[
-            "candidates"]}
-        card = cards[name]
+        card = self._cards()[name]
         evidence = [e["evidence"] for e in card.get("examples", [])]
         client = ChatClient(self.config.llm, self.workdir / "environments" / "llm_cache")
         written = folder / "written"
@@ -239,8 +239,7 @@ class Pipeline:
         tasks = self.target.tasks(self.config.target.heldout_split, self.config.target.heldout_tasks)
         if not adapters:
             return {"by_task": {t.task_id: NO_ADAPTER for t in tasks}, "labels": ["general_service"], "weights": {}}
-        cards = {c["name"]: c for c in json.loads((self.workdir / "analysis" / "capabilities.json").read_text())[
-            "candidates"]}
+        cards = self._cards()
         options = [RouteOption(name, cards[name]["description"], self._example(name)) for name in adapters]
         router = Router(load_model(self.config.model, self.config.dtype), options,
                         max_messages=self.config.routing.max_messages, batch_size=self.config.routing.batch_size,
@@ -250,6 +249,11 @@ class Pipeline:
                 "labels": ["general_service", *adapters],
                 "weights": {t.task_id: [round(float(w), 4) for w in row] for t, row in zip(tasks, weights)},
                 "examples": {o.name: o.example for o in options}}
+
+    def _cards(self) -> dict[str, dict]:
+        """The analysis's candidate capabilities by name (description, what lacking looks like, evidence)."""
+        candidates = json.loads((self.workdir / "analysis" / "capabilities.json").read_text())["candidates"]
+        return {c["name"]: c for c in candidates}
 
     def _example(self, name: str) -> str:
         """One successful episode of the capability's environment from its calibration, compacted (tool
@@ -266,7 +270,7 @@ class Pipeline:
 
     def _final(self, adapters: dict, routing: dict) -> dict:
         """The routed held-out evaluation and, with `final.per_adapter`, each adapter alone (the oracle's input)."""
-        heldout = _evaluation_config(self.config, self.config.target.heldout_split, self.config.target.heldout_tasks)
+        heldout = _heldout_evaluation(self.config)
         folders = tuple(adapters.values())
         routes = Routes(folders, routing["by_task"]) if folders else None
         runs = {"trace": evaluate(heldout, self.workdir / "heldout" / "trace", routes=routes)["success"]}
