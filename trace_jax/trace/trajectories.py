@@ -94,11 +94,15 @@ def load_trajectories(records: Iterable[dict], env: Environment) -> list[ScoredT
     """Every record as a trajectory, with the gold and tools of its task in `env` (the environment the
     records were played in: a task id it does not have is an error that names the id)."""
     records = list(records)
-    played = {}  # split -> its task ids; an evaluation of more tasks than the default plays a split's first ones
+    played = {}  # split -> its task ids
     for r in records:
         played.setdefault(r["split"], set()).add(r["task_id"])
-    specs = {spec.task_id: spec for split, ids in sorted(played.items())
-             for spec in env.tasks(split, max(len(env.tasks(split)), len(ids)))}
+    specs = {}
+    for split, ids in sorted(played.items()):
+        tasks = env.tasks(split)
+        if len(ids) > len(tasks):  # an evaluation of more tasks than the default played the split's first ones
+            tasks = env.tasks(split, len(ids))
+        specs.update((spec.task_id, spec) for spec in tasks)
     trajectories = []
     for record in records:
         spec = specs.get(record["task_id"])
