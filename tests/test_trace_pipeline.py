@@ -9,6 +9,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import time
 
 import ml_collections
 import pytest
@@ -17,7 +18,7 @@ from scripted_llm_server import ScriptedLLMServer
 from configs import trace_tiny
 from trace_jax.envs.capability import example_written
 from trace_jax.evaluation import run_marker
-from trace_jax.trace.pipeline import STAGES, Pipeline, _heldout_evaluation, validate_config
+from trace_jax.trace.pipeline import STAGES, Pipeline, StageClock, _heldout_evaluation, validate_config
 from trace_jax.trace.trace_report import oracle_routes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -99,6 +100,18 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
     assert {k: v for k, v in again.items() if k != "this_run_seconds"} == \
         {k: v for k, v in summary.items() if k != "this_run_seconds"}
     assert again["this_run_seconds"] < 60  # nothing replayed, nothing retrained
+
+
+def test_a_resumed_stage_reports_the_time_of_every_process_that_worked_on_it(tmp_path):
+    path = tmp_path / "stage_clock.json"
+    with StageClock(path, "training", every_s=0.05):
+        time.sleep(0.5)  # then "killed": what it saved is all a resume can know
+    saved = json.loads(path.read_text())["training"]
+    assert 0.3 <= saved <= 0.55
+    with StageClock(path, "training", every_s=0.05) as resumed:
+        time.sleep(0.1)
+    assert resumed.before == saved and saved + 0.1 <= resumed.seconds() < saved + 1.0
+    assert StageClock(path, "routing").before == 0.0  # the next stage starts from zero
 
 
 @pytest.mark.parametrize("name", ["trace_embedded", "trace_quick", "trace_tiny", "trace_tau2_retail",

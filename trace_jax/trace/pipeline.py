@@ -4,7 +4,7 @@ evaluation -> report.
 Every stage writes to the workdir and is recorded in `stages.json` with its wall time once done;
 a rerun skips finished stages, and the stage a kill interrupted resumes from what its jobs wrote
 (evaluations from their episodes, GRPO from its checkpoints, analysis and calibration from their
-files). Layout:
+files). A stage's wall time sums every process that worked on it (`stage_clock.json`). Layout:
 
   base_analysis/      the base agent on the target's analysis split (the analyst's trajectories)
   heldout/base/       the base agent on the held-out split (or `target.base_run`, checked to be that run)
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -55,6 +56,7 @@ from trace_jax.trace.trajectories import compact, from_record, load_trajectories
 
 STAGES = ("base", "analysis", "environments", "training", "routing", "final", "report")
 EXAMPLE_CHARS = 600  # a routing example's length
+CLOCK_EVERY_S = 30.0  # how often a running stage's wall time is saved: a kill loses at most this much of it
 SOURCES = ("builtin", "auto", "llm")  # environments.source: built-in generators only, built-in else written, written
 
 
@@ -119,6 +121,34 @@ def calibration_evaluation(config: ml_collections.ConfigDict) -> ml_collections.
     return base
 
 
+class StageClock:
+    """A stage's wall time summed over every process that worked on it: while the stage runs, a thread saves
+    the running total to `path` every `every_s`, and the process that resumes the stage starts from it."""
+
+    def __init__(self, path: pathlib.Path, stage: str, every_s: float = CLOCK_EVERY_S):
+        self.path, self.stage, self.every_s = path, stage, every_s
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        self.before = float(saved.get(stage, 0.0))  # another stage's entry is stale: stages run in order
+        self._start = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._save_every, daemon=True)
+
+    def seconds(self) -> float:
+        return self.before + time.monotonic() - self._start
+
+    def __enter__(self) -> StageClock:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _save_every(self) -> None:
+        while not self._stop.wait(self.every_s):
+            write_json_atomic(self.path, {self.stage: round(self.seconds(), 1)})
+
+
 class Pipeline:
     """One TRACE run in `workdir` (see the module docstring)."""
 
@@ -138,10 +168,13 @@ class Pipeline:
         if name in self.stages:
             logging.info("stage %s %s: done before (%.0f s)", number, name, self.stages[name]["seconds"])
             return self.stages[name]["result"]
-        logging.info("stage %s %s: starting", number, name)
-        start = time.monotonic()
-        result = run()
-        self.stages[name] = {"seconds": round(time.monotonic() - start, 1), "result": result}
+        with StageClock(self.workdir / "stage_clock.json", name) as clock:
+            if clock.before:
+                logging.info("stage %s %s: resuming (%.0f s before)", number, name, clock.before)
+            else:
+                logging.info("stage %s %s: starting", number, name)
+            result = run()
+        self.stages[name] = {"seconds": round(clock.seconds(), 1), "result": result}
         write_json_atomic(self._stages_path, self.stages)
         logging.info("stage %s %s: done in %.0f s", number, name, self.stages[name]["seconds"])
         return result
