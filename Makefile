@@ -27,7 +27,8 @@ WORKDIR ?= runs/trace_quick
 run: setup
 	$(PY) -m launch.trace --config=configs/trace_quick.py --workdir=$(WORKDIR)
 
-# pytest exits 5 when it collects no test: that must fail loudly, not pass.
+# Two workers (tests/conftest.py: the job tests on one, the rest on the other). pytest exits 5 when it
+# collects no test: that must fail loudly, not pass.
 test: setup-test
-	@$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest -q -n 2 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc

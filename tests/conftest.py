@@ -1,6 +1,9 @@
-"""Test-session setup: 8 fake CPU devices (for the sharding tests), offline hubs, fp32, and one
+"""Test-session setup: 8 fake CPU devices (for the sharding tests), offline hubs, fp32, one
 compilation cache for the session's processes (a fresh folder: a test's timing never depends on
-what earlier sessions left)."""
+what earlier sessions left), and the split between two pytest-xdist workers (`make test` runs
+`-n 2`): the job tests, which run jobs as subprocesses, one after another on one worker, first;
+every other module on the other worker.
+"""
 
 import atexit
 import os
@@ -20,12 +23,42 @@ import sys  # noqa: E402
 
 from trace_jax.runtime import enable_compilation_cache, retain_freed_memory  # noqa: E402
 
-retain_freed_memory()  # as every launch entry point does (see launch/__init__.py)
+if "PYTEST_XDIST_WORKER" not in os.environ:  # beside a job, a worker gives freed memory back
+    retain_freed_memory()  # as every launch entry point does (see launch/__init__.py)
 enable_compilation_cache()
 
 import pytest  # noqa: E402
 
 from hf_checkpoints import make_checkpoint  # noqa: E402
+
+# Modules whose tests run jobs (subprocesses of several GB each, two at once would not fit in 24 GB):
+# they run on one worker, one after another and first, and build the tiny agent once for all of them.
+JOB_MODULES = ("test_grpo_env_job.py", "test_grpo_job.py", "test_sft_job.py", "test_trace_pipeline.py")
+
+
+def _is_job_test(nodeid: str) -> bool:
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in JOB_MODULES
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: not _is_job_test(item.nodeid))  # stable: job modules first, in their order
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # hand work out in collection order: the jobs first
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Work units by module, except that all job modules make one unit (xdist's `--dist loadgroup` does
+    not group under pytest 9: it renames `item._nodeid`, which pytest 9 no longer reads)."""
+    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415 (only under xdist)
+
+    class JobsOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "jobs" if _is_job_test(nodeid) else nodeid.split("::", 1)[0]
+
+    return JobsOnOneWorker(config, log)
 
 
 @pytest.fixture(scope="session")
@@ -62,6 +95,6 @@ def tiny_agent(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
     cache = tmp_path_factory.mktemp("model_cache")
     build = "import sys; from trace_jax import warmstart; print(warmstart.agent_dir('smollm2-135m-tiny-agent', sys.argv[1]))"
     out = subprocess.run([sys.executable, "-c", build, str(cache)], cwd=pathlib.Path(__file__).resolve().parents[1],
-                         env=_job_env(), capture_output=True, text=True, timeout=1800)
+                         env=_job_env(), capture_output=True, text=True, timeout=3600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return cache, pathlib.Path(out.stdout.strip().splitlines()[-1])

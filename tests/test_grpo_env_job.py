@@ -24,7 +24,7 @@ def test_tiny_environment_run_raises_the_reward_and_evaluates_through_the_job(ti
     cache, _ = tiny_agent
     command = [sys.executable, "-m", "launch.grpo", "--config=configs/grpo_env_tiny.py", f"--workdir={tmp_path}"]
     out = subprocess.run(command, cwd=REPO, env={**job_env, "TRACE_JAX_CACHE": str(cache)}, capture_output=True,
-                         text=True, timeout=1800)
+                         text=True, timeout=3600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"\n[grpo env job] tiny config, {STEPS} steps: {summary}")

@@ -1,5 +1,6 @@
-"""The GRPO job end to end on the embedded SmolLM2: bad configs fail at start naming the key, the tiny
-config raises the training reward and writes TensorBoard metrics, and a SIGKILLed run resumes exactly.
+"""The single-turn GRPO job end to end on the embedded SmolLM2: bad configs fail at start naming the key,
+the tiny config trains its adapter and writes TensorBoard metrics, and a SIGKILLed run resumes exactly.
+(That GRPO raises the reward is tested on an environment, tests/test_grpo_env_job.py: the same learner.)
 
 The job runs as a subprocess (`python -m launch.grpo`), as a user would launch it. The
 processes share a JAX compilation cache so the second one does not compile again.
@@ -24,8 +25,8 @@ from configs import grpo_tiny
 from trace_jax.rl.trainer import validate_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-STEPS = grpo_tiny.get_config().train.steps
-MIN_RISE = 0.15  # the tiny run's rollout reward must rise at least this much from its first steps to its last
+CONFIG = grpo_tiny.get_config()
+STEPS = CONFIG.train.steps
 
 
 def _command(workdir, *overrides):
@@ -46,16 +47,27 @@ def _adapter_at(workdir: pathlib.Path, step: int) -> dict:
     return arrays["adapter_weights"]
 
 
-def test_tiny_config_raises_the_reward_and_logs_metrics(full_run):
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def test_tiny_config_trains_the_adapter_and_logs_metrics(full_run):
     workdir, summary, log = full_run
     print(f"\n[grpo job] tiny config: {summary}")
     assert set(summary) == {"base_reward", "final_reward", "steps", "rollouts", "seconds"} and summary["steps"] == STEPS
-    assert summary["rollouts"] == STEPS * 16 and (workdir / "adapter" / "adapter_config.json").is_file()
+    per_step = CONFIG.rollout.tasks_per_step * CONFIG.rollout.group_size
+    assert summary["rollouts"] == STEPS * per_step and (workdir / "adapter" / "adapter_config.json").is_file()
     events = EventAccumulator(str(workdir / "tensorboard"))
     events.Reload()
     rollout_reward = [e.value for e in events.Scalars("rollout/reward")]
     print(f"[grpo job] rollout reward per step: {np.round(rollout_reward, 3).tolist()}")
-    assert np.mean(rollout_reward[-2:]) >= np.mean(rollout_reward[:2]) + MIN_RISE
+    assert all(0.0 <= r <= 1.0 for r in rollout_reward)
+    # Every step updates the adapter (B starts at zero), so the resume test below compares trained weights.
+    moved = [_max_diff(_adapter_at(workdir, step), _adapter_at(workdir, step - 1) if step > 1 else
+                       jax.tree.map(np.zeros_like, _adapter_at(workdir, step))) for step in range(1, STEPS + 1)]
+    print(f"[grpo job] adapter change per step (max |diff|): {[f'{m:.1e}' for m in moved]}")
+    assert min(moved) > 1e-4
     held_out = [(e.step, round(e.value, 6)) for e in events.Scalars("eval/reward")]
     assert held_out[0] == (0, round(summary["base_reward"], 6)) and held_out[-1] == (STEPS, round(summary["final_reward"], 6))
     assert [e.step for e in events.Scalars("rollout/reward")] == list(range(1, STEPS + 1))
@@ -102,11 +114,9 @@ def test_sigkilled_run_resumes_to_the_same_adapter(full_run, job_env, tmp_path):
     # The evaluation the kill interrupted is made by the resumed process and logged once.
     logged = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["eval/reward"]) for r in logged if "eval/reward" in r] == [(STEPS, summary["final_reward"])]
-    resumed, uninterrupted = _adapter_at(workdir, STEPS), _adapter_at(full_dir, STEPS)
-    diffs = [float(np.abs(np.asarray(a) - np.asarray(b)).max())
-             for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(uninterrupted), strict=True)]
-    print(f"\n[grpo job] killed-and-resumed vs uninterrupted adapter at step {STEPS}: max |diff| {max(diffs):.2e}")
-    assert max(diffs) <= 1e-6
+    diff = _max_diff(_adapter_at(workdir, STEPS), _adapter_at(full_dir, STEPS))
+    print(f"\n[grpo job] killed-and-resumed vs uninterrupted adapter at step {STEPS}: max |diff| {diff:.2e}")
+    assert diff <= 1e-6
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -142,13 +152,13 @@ def test_task_or_environment_and_steps_or_budget_exactly_one_each():
     with pytest.raises(ValueError, match="exactly one of config.task"):
         validate_config(config)
     config = grpo_tiny.get_config()
-    config.train.rollout_budget = 64
+    config.train.rollout_budget = 60
     with pytest.raises(ValueError, match="set exactly one"):
         validate_config(config)
     config.train.steps = None
     validate_config(config)
     from trace_jax.rl.trainer import num_steps
-    assert num_steps(config) == 4  # 64 episodes of 4 tasks x 4 samples
+    assert num_steps(config) == 8  # 60 episodes of 2 tasks x 4 samples, rounded up
 
 
 def test_environment_config_names_its_missing_keys():

@@ -25,9 +25,13 @@ from trace_jax.rl.learner import frozen_inputs, make_grad_fn, make_rescore_fn, t
 from trace_jax.rl.losses import LossConfig
 
 HEAD = 24
+_LOGPROBS = jax.jit(token_logprobs, static_argnames="cfg")
 LOSS = LossConfig(eps_low=0.2, eps_high=0.28)  # no KL here: test_grpo_learner covers it on equal shapes
 HINT_LOSS = dataclasses.replace(LOSS, tis_cap=2.0)
 HINTED = (1, 3, 6)  # the sequences marked hinted
+# Every sequence in one micro-batch: where packing is not under test, one shape compiles once (a
+# shape is a program: each costs seconds to compile here).
+ONE_MICRO_BATCH = 1 << 16
 
 
 @pytest.fixture(scope="module")
@@ -59,13 +63,23 @@ def _grads(setup, objective, **pack):
     return fn(params, adapters.weights, adapters.scale, batch), batch
 
 
+def _full_logprobs(setup, s) -> np.ndarray:
+    """Logprobs of a whole sequence under the adapter (entry t scores token t + 1), one row of its own,
+    padded at the end to the longest sequence's width (causal: the padding changes no entry before it;
+    one width, one compiled program)."""
+    cfg, params, adapters, sequences = setup
+    width = max(len(x.tokens) for x in sequences)
+    tokens = jnp.asarray([list(s.tokens) + [0] * (width - len(s.tokens))])
+    return np.asarray(_LOGPROBS(params, adapters, tokens, jnp.zeros(1, jnp.int32), cfg=cfg))[0, : len(s.tokens) - 1]
+
+
 @pytest.mark.parametrize("objective", ["grpo", "sft"])
 def test_token_budget_micro_batches_equal_the_full_batch(setup, objective):
     """Packed by 64 tokens (several micro-batches of different widths, the head run once) against one
     micro-batch of every row and against full rows with no shared head."""
-    (full, full_metrics), full_batch = _grads(setup, objective, token_budget=1 << 16, min_shared_prefix=8)
+    (full, full_metrics), full_batch = _grads(setup, objective, token_budget=ONE_MICRO_BATCH, min_shared_prefix=8)
     (packed, metrics), batch = _grads(setup, objective, token_budget=64, min_shared_prefix=8)
-    (plain, _), plain_batch = _grads(setup, objective, token_budget=1 << 16, min_shared_prefix=None)
+    (plain, _), plain_batch = _grads(setup, objective, token_budget=ONE_MICRO_BATCH, min_shared_prefix=None)
     widths = {mb["tokens"].shape[1] for mb in batch["micro_batches"]}
     assert len(full_batch["micro_batches"]) == 1 and len(batch["micro_batches"]) >= 4 and len(widths) >= 2
     assert batch["prefix_lengths"].tolist() == [HEAD] and "prefix_tokens" not in plain_batch
@@ -81,10 +95,9 @@ def test_packed_logprobs_are_those_of_the_full_sequences(setup):
     cfg, params, adapters, sequences = setup
     batch = pack_sequences(sequences, token_budget=64, min_shared_prefix=8)
     shared = {k: batch[k] for k in ("prefix_tokens", "prefix_lengths", "prefix_adapter")}
-    logprobs = jax.jit(token_logprobs, static_argnames="cfg")
     found = {}
     for mb in batch["micro_batches"]:
-        logp = np.asarray(logprobs(params, adapters, mb["tokens"], mb["adapter_idx"], cfg=cfg,
+        logp = np.asarray(_LOGPROBS(params, adapters, mb["tokens"], mb["adapter_idx"], cfg=cfg,
                                    prefix={**shared, "prefix_of_row": mb["prefix_of_row"]}))
         for row in np.flatnonzero(mb["loss_mask"].sum(axis=1)):
             scored = mb["loss_mask"][row] > 0
@@ -93,7 +106,7 @@ def test_packed_logprobs_are_those_of_the_full_sequences(setup):
     assert len(found) == len(sequences)
     for s in sequences:
         logp, positions, old = found[round(s.advantage, 5)]
-        full = np.asarray(logprobs(params, adapters, jnp.asarray([s.tokens]), jnp.zeros(1, jnp.int32), cfg=cfg))[0]
+        full = _full_logprobs(setup, s)
         learned = np.flatnonzero(s.loss_mask) - 1  # logprob t scores token t + 1
         assert positions.tolist() == (learned - HEAD).tolist()  # exactly the sampled tokens
         np.testing.assert_allclose(logp[learned - HEAD], full[learned], atol=1e-5)
@@ -133,7 +146,7 @@ def test_remat_under_scan_gives_the_same_gradients(setup):
     """`remat=True` runs the layers under `lax.scan`, each rematerialised (the memory plan for long agent
     heads); the gradients are those of the unrolled layers."""
     cfg, params, adapters, sequences = setup
-    batch = pack_sequences(sequences, token_budget=64, min_shared_prefix=8)
+    batch = pack_sequences(sequences, token_budget=ONE_MICRO_BATCH, min_shared_prefix=8)
     plain, _ = make_grad_fn(cfg, LOSS)(params, adapters.weights, adapters.scale, batch)
     scanned, _ = make_grad_fn(cfg, LOSS, remat=True)(params, adapters.weights, adapters.scale, batch)
     err = tree_rel(scanned, plain)
@@ -152,7 +165,7 @@ def test_frozen_bottom_layers_give_the_same_gradients(setup):
     adapters = lora.Adapters({t: {"a": w["a"], "b": 0.05 * jax.random.normal(jax.random.key(i), w["b"].shape) * on_top}
                               for i, (t, w) in enumerate(sorted(fresh.weights.items()))}, fresh.scale)
     assert all(float(jnp.abs(w["a"][:, 0]).max()) == 0 for w in adapters.weights.values())
-    batch = pack_sequences(sequences, token_budget=64, min_shared_prefix=8)
+    batch = pack_sequences(sequences, token_budget=ONE_MICRO_BATCH, min_shared_prefix=8)
     streams = frozen_inputs(params, cfg, 1, batch)
     assert streams["prefix_hidden"].shape == (1, batch["prefix_tokens"].shape[1], cfg.hidden_size)
     # GRPO's loss only: the frozen layers sit below the objective, which the SFT tests above cover.
@@ -173,13 +186,6 @@ def test_frozen_bottom_layers_give_the_same_gradients(setup):
         make_grad_fn(cfg, LOSS)(params, adapters.weights, adapters.scale, streams)
 
 
-def _full_logprobs(setup, s) -> np.ndarray:
-    """Logprobs of a whole sequence under the adapter (entry t scores token t + 1), one row of its own."""
-    cfg, params, adapters, _ = setup
-    return np.asarray(jax.jit(token_logprobs, static_argnames="cfg")(
-        params, adapters, jnp.asarray([s.tokens]), jnp.zeros(1, jnp.int32), cfg=cfg))[0]
-
-
 @pytest.fixture(scope="module")
 def hinted(setup):
     """The sequences with HINTED marked hinted: their sampler logprobs those of another context, drawn around
@@ -198,7 +204,7 @@ def hinted(setup):
 
 def _rescored(setup, sequences):
     cfg, params, adapters, _ = setup
-    batch = pack_sequences(sequences, token_budget=64, min_shared_prefix=8)
+    batch = pack_sequences(sequences, token_budget=ONE_MICRO_BATCH, min_shared_prefix=8)
     rescore = make_rescore_fn(cfg, HINT_LOSS)
     return batch, *rescore(params, adapters.weights, adapters.scale, batch, [s.hinted for s in sequences])
 

@@ -32,7 +32,7 @@ _FENCED_EXAMPLE = f"```python\n{pathlib.Path(example_written.__file__).read_text
 def _run(workdir, env, *overrides):
     command = [sys.executable, "-m", "launch.trace", "--config=configs/trace_tiny.py", f"--workdir={workdir}",
                *overrides]
-    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1]), out
 
@@ -99,7 +99,7 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
     assert "| all |" in out.stdout  # the held-out table is printed
     assert {k: v for k, v in again.items() if k != "this_run_seconds"} == \
         {k: v for k, v in summary.items() if k != "this_run_seconds"}
-    assert again["this_run_seconds"] < 60  # nothing replayed, nothing retrained
+    assert again["this_run_seconds"] < 120  # nothing replayed, nothing retrained (a replay takes minutes)
 
 
 def test_a_resumed_stage_reports_the_time_of_every_process_that_worked_on_it(tmp_path):
