@@ -35,7 +35,6 @@ def get_config() -> ml_collections.ConfigDict:
     # (the same rewards, 5% longer; docs/trace_pipeline.md, "Suite time").
     config.train.update(micro_batch_tokens=2048, remat=False)
     config.train.keep_checkpoints = 8
-    # The held-out evaluation in sessions of the rollouts' 16 rows: it compiles the programs the steps use.
-    config.eval.update(num_tasks=2, every=4, batch_size=16)
+    config.eval.update(num_tasks=2, every=4, batch_size=2)
     config.log_every_s = 0.0
     return config
