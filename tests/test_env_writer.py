@@ -48,7 +48,7 @@ def _fenced(source):
 
 def _config(**changes):
     config = env_writer_defaults()
-    config.update(seeds=SEEDS, export_tasks=TASKS, **changes)
+    config.update({"seeds": SEEDS, "export_tasks": TASKS, **changes})
     return config
 
 
@@ -110,7 +110,10 @@ def test_the_writer_asks_again_with_each_failure_until_a_module_passes_then_resu
 
 def test_a_module_that_never_passes_is_given_up_after_max_attempts_and_the_rerun_asks_nothing(tmp_path):
     script = [_fenced(LOOPS), _fenced(NO_TOOLS), _fenced(NOT_OFFERED)]
-    folder, cache, config = tmp_path / "order_facts", tmp_path / "llm_cache", _config(max_attempts=3, cpu_s=2.0)
+    # two seeds: validating the module that breaks the API on every seed then takes ~0.3 CPU s, well inside the
+    # 2 s that stops the loop quickly (20 seeds took more than 2 s on a loaded 2-core CI machine)
+    config = _config(max_attempts=3, cpu_s=2.0, seeds=2)
+    folder, cache = tmp_path / "order_facts", tmp_path / "llm_cache"
     with ScriptedLLMServer(script) as server:
         synthesis = write_environment(CARD, EVIDENCE, _client(server, cache), folder, config)
         assert len(server.requests) == 3
