@@ -1,8 +1,8 @@
 """Test-session setup: 8 fake CPU devices (for the sharding tests), offline hubs, fp32, one
 compilation cache for the session's processes (a fresh folder: a test's timing never depends on
 what earlier sessions left), and the split between two pytest-xdist workers (`make test` runs
-`-n 2`): the job tests, which run jobs as subprocesses, one after another on one worker, first;
-every other module on the other worker.
+`-n 2`): the tests that run jobs on SmolLM2 as subprocesses, one after another on one worker, first;
+every other module as either worker is free.
 """
 
 import atexit
@@ -18,8 +18,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import pathlib  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 from trace_jax.runtime import enable_compilation_cache, retain_freed_memory  # noqa: E402
 
@@ -29,11 +27,11 @@ enable_compilation_cache()
 
 import pytest  # noqa: E402
 
-from hf_checkpoints import make_checkpoint  # noqa: E402
+from hf_checkpoints import make_chat_checkpoint, make_checkpoint  # noqa: E402
 
-# Modules whose tests run jobs (subprocesses of several GB each, two at once would not fit in 24 GB):
-# they run on one worker, one after another and first, and build the tiny agent once for all of them.
-JOB_MODULES = ("test_grpo_env_job.py", "test_grpo_job.py", "test_sft_job.py", "test_trace_pipeline.py")
+# Modules whose tests run jobs on SmolLM2 (subprocesses of several GB each; two at once would not fit in
+# 24 GB): they run on one worker, one after another and first. Jobs on the tiny chat model are light.
+JOB_MODULES = ("test_grpo_env_job.py", "test_grpo_job.py")
 
 
 def _is_job_test(nodeid: str) -> bool:
@@ -69,6 +67,15 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, tuple[pathlib.Path, object]]
 
 
 @pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory) -> pathlib.Path:
+    """A random two-layer model with SmolLM2's chat tokenizer (HF folder): for jobs whose tests check
+    mechanics (stages, artifacts, resumes), which it runs in a fraction of SmolLM2's compile time."""
+    from trace_jax.models.embedded import embedded_model_dir
+
+    return make_chat_checkpoint(embedded_model_dir(), tmp_path_factory.mktemp("tiny_chat"))
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M-Instruct (converted once into the user cache), fp32."""
     from trace_jax.models.model import load_model
@@ -76,25 +83,9 @@ def smollm2():
     return load_model("smollm2-135m-instruct")
 
 
-def _job_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-
-
 @pytest.fixture(scope="session")
 def job_env() -> dict[str, str]:
     """The environment a job subprocess runs in, as a user's: one CPU device (not the 8 fake ones
     above; a job's mesh takes every device, which multiplies its memory), and the session's
     compilation cache."""
-    return _job_env()
-
-
-@pytest.fixture(scope="session")
-def tiny_agent(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
-    """(model cache, folder) of the embedded agent `smollm2-135m-tiny-agent` (configs/warmstart_tiny.py),
-    built once per session in a subprocess, as its first use builds it."""
-    cache = tmp_path_factory.mktemp("model_cache")
-    build = "import sys; from trace_jax import warmstart; print(warmstart.agent_dir('smollm2-135m-tiny-agent', sys.argv[1]))"
-    out = subprocess.run([sys.executable, "-c", build, str(cache)], cwd=pathlib.Path(__file__).resolve().parents[1],
-                         env=_job_env(), capture_output=True, text=True, timeout=3600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return cache, pathlib.Path(out.stdout.strip().splitlines()[-1])
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

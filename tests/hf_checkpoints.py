@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
+import shutil
 
 import torch
 import transformers
@@ -34,3 +36,19 @@ def make_checkpoint(family: str, out_dir: pathlib.Path, seed: int = 0) -> transf
                 p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
     model.save_pretrained(out_dir, safe_serialization=True)
     return model
+
+
+def make_chat_checkpoint(tokenizer_dir: pathlib.Path, out_dir: pathlib.Path, seed: int = 0) -> pathlib.Path:
+    """A random two-layer Llama with the vocabulary and chat tokenizer of `tokenizer_dir` (weights wide enough
+    for its outputs to depend on the context): a model a job loads, samples and trains in seconds, for tests
+    of mechanics (stages, artifacts, resumes, logprob bookkeeping) rather than of what a model learns."""
+    hf = json.loads((tokenizer_dir / "config.json").read_text())
+    torch.manual_seed(seed)
+    shape = {**TINY, "vocab_size": hf["vocab_size"], "max_position_embeddings": hf["max_position_embeddings"]}
+    config = transformers.LlamaConfig(**shape, tie_word_embeddings=True,
+                                      initializer_range=0.3, bos_token_id=hf["bos_token_id"],
+                                      eos_token_id=hf["eos_token_id"], pad_token_id=hf["pad_token_id"])
+    transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(out_dir, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir

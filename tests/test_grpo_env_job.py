@@ -1,7 +1,9 @@
-"""The GRPO job on an environment, end to end (`configs/grpo_env_tiny.py`: the tiny agent, one
-tool_calling ticket played sixteen times a step for two agent turns), run as a user runs it: the
-training reward rises, steps and rollouts are as configured, the held-out evaluation goes through
-the evaluation job's path before and after, and the summary and TensorBoard agree.
+"""The tiny embedded agent and the GRPO job on an environment, run as a user runs them (subprocesses on one
+CPU device). The agent `smollm2-135m-tiny-agent` (SmolLM2 cloning gold trajectories, configs/warmstart_tiny.py)
+is built by the SFT job on first use, once per config, then taken from the cache. The GRPO job on
+`configs/grpo_env_tiny.py` (the tiny agent, one tool_calling ticket played sixteen times a step for two
+agent turns): the training reward rises, steps and rollouts are as configured, the held-out evaluation
+goes through the evaluation job's path before and after, and the summary and TensorBoard agree.
 """
 
 import json
@@ -10,14 +12,51 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from configs import grpo_env_tiny
+from configs import grpo_env_tiny, warmstart_tiny
+from trace_jax import warmstart
+from trace_jax.models.embedded import resolve_model_dir
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+AGENT = "smollm2-135m-tiny-agent"
 CONFIG = grpo_env_tiny.get_config()
 STEPS = CONFIG.train.steps
 MIN_RISE = 0.1  # the rollout reward's rise from the first two steps to the last two (0.13-0.20, three seeds)
+
+
+@pytest.fixture(scope="module")
+def tiny_agent(tmp_path_factory, job_env) -> tuple[pathlib.Path, pathlib.Path]:
+    """(model cache, folder) of the tiny agent, built in a subprocess as its first use builds it."""
+    cache = tmp_path_factory.mktemp("model_cache")
+    build = f"import sys; from trace_jax import warmstart; print(warmstart.agent_dir({AGENT!r}, sys.argv[1]))"
+    out = subprocess.run([sys.executable, "-c", build, str(cache)], cwd=REPO, env=job_env, capture_output=True,
+                         text=True, timeout=3600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return cache, pathlib.Path(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_tiny_agent_is_built_once_per_config(tiny_agent, monkeypatch):
+    cache, folder = tiny_agent
+    marker = json.loads((folder / "trace_jax_warmstart.json").read_text())
+    print(f"\n[grpo env job] tiny agent build: {marker['build']}")
+    assert marker["config"] == "configs.warmstart_tiny"
+    assert marker["build"]["steps"] == warmstart_tiny.get_config().train.steps
+    assert (folder / "model.safetensors").is_file() and not list((cache / "agents").glob(".*"))  # workdir removed
+
+    def no_training(*_):
+        raise AssertionError("a cached agent was built again")
+
+    monkeypatch.setattr(warmstart, "run_build", no_training)
+    assert warmstart.agent_dir(AGENT, cache) == folder  # from the cache
+    monkeypatch.setenv("TRACE_JAX_CACHE", str(cache))
+    assert resolve_model_dir(AGENT) == folder  # the name is a model name like any embedded one
+    config = warmstart.build_config(AGENT)
+    config.seed = 1
+    monkeypatch.setattr(warmstart, "build_config", lambda name: config)
+    with pytest.raises(AssertionError, match="built again"):  # another config: another agent
+        warmstart.agent_dir(AGENT, cache)
 
 
 def test_tiny_environment_run_raises_the_reward_and_evaluates_through_the_job(tiny_agent, job_env, tmp_path):

@@ -14,19 +14,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 pytest.importorskip("tau2")
 
 from configs import grpo_env_tiny, grpo_target_embedded  # noqa: E402
-from hf_checkpoints import TINY  # noqa: E402
 from trace_jax import lora  # noqa: E402
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine  # noqa: E402
 from trace_jax.agent.scripted import GoldAgent, ScriptedUser  # noqa: E402
@@ -41,7 +37,6 @@ from trace_jax.rl.losses import LossConfig  # noqa: E402
 from trace_jax.rl.trainer import _loss_config, train, validate_config  # noqa: E402
 from trace_jax.sampling import Sampler  # noqa: E402
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 TIS_CAP = 2.0
 
 
@@ -114,18 +109,9 @@ def test_the_hinted_row_is_the_unhinted_rendering_of_the_same_turns(tokenizer, t
 
 
 @pytest.fixture(scope="module")
-def tiny_smollm2(tmp_path_factory):
-    """(model, adapters): a tiny random Llama with SmolLM2's tokenizer and vocabulary (weights wide enough for
-    its outputs to depend on the context), and a random rank-4 adapter."""
-    folder = tmp_path_factory.mktemp("tiny_smollm2")
-    for name in TOKENIZER_FILES:
-        shutil.copy(embedded_model_dir() / name, folder / name)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{**TINY, "vocab_size": 49152, "max_position_embeddings": 4096},
-                                      tie_word_embeddings=True, initializer_range=0.3, bos_token_id=1,
-                                      eos_token_id=2, pad_token_id=2)
-    transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(folder, safe_serialization=True)
-    model = load_model(folder)
+def tiny_smollm2(tiny_chat_model):
+    """(model, adapters): the tiny random model with SmolLM2's tokenizer, and a random rank-4 adapter."""
+    model = load_model(tiny_chat_model)
     fresh = lora.init_adapters(jax.random.key(0), model.cfg, lora.LoraSpec(rank=4, alpha=8.0), 1)
     adapters = lora.Adapters({t: {"a": w["a"], "b": 0.05 * jax.random.normal(jax.random.key(i), w["b"].shape)}
                               for i, (t, w) in enumerate(sorted(fresh.weights.items()))}, fresh.scale)

@@ -1,6 +1,6 @@
-"""TRACE stage 4's router on the embedded SmolLM2: single-token labels checked at start, and every
-decision and label logit equal to an independent transformers computation (its own tokenizer and
-chat template, its own forward) on the same prompts."""
+"""TRACE stage 4's router (on the tiny random model with SmolLM2's tokenizer and chat template): single-token
+labels checked at start, and every decision and label logit equal to an independent transformers
+computation (its own tokenizer and chat template, its own forward) on the same prompts."""
 
 import numpy as np
 import pytest
@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from trace_jax.envs.embedded_retail import EmbeddedRetail
+from trace_jax.models.model import load_model
 from trace_jax.trace.routing import NO_ADAPTER, RouteOption, Router, calibrate, label_token_ids, router_messages
 
 OPTIONS = [RouteOption("tool_calling", "Makes the write call a request needs with exactly the right arguments.",
@@ -19,25 +20,30 @@ OPTIONS = [RouteOption("tool_calling", "Makes the write call a request needs wit
 
 
 @pytest.fixture(scope="module")
+def model(tiny_chat_model):
+    return load_model(tiny_chat_model)
+
+
+@pytest.fixture(scope="module")
 def conversations():
     env = EmbeddedRetail()
     return [env.episode(task).reset() for task in env.tasks("heldout", 5)]  # tickets of five families
 
 
-def test_labels_must_be_single_distinct_tokens(smollm2):
-    assert len(label_token_ids(smollm2.tokenizer, list("ABCDE"))) == 5
+def test_labels_must_be_single_distinct_tokens(model):
+    assert len(label_token_ids(model.tokenizer, list("ABCDE"))) == 5
     with pytest.raises(ValueError, match="router label 'Zebra crossing' is .* tokens"):
-        label_token_ids(smollm2.tokenizer, ["A", "Zebra crossing"])
+        label_token_ids(model.tokenizer, ["A", "Zebra crossing"])
     with pytest.raises(ValueError, match="at most 25"):
-        Router(smollm2, OPTIONS * 9)
+        Router(model, OPTIONS * 9)
 
 
-def test_decisions_equal_an_independent_transformers_computation(smollm2, conversations):
-    router = Router(smollm2, OPTIONS, batch_size=4)  # 5 conversations: a full and a partial batch
+def test_decisions_equal_an_independent_transformers_computation(model, conversations):
+    router = Router(model, OPTIONS, batch_size=4)  # 5 conversations: a full and a partial batch
     indices, weights = router.route(conversations)
     logits = router.logits(conversations)
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2.path)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(smollm2.path, dtype=torch.float32).eval()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model.path)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
     label_ids = [hf_tokenizer.convert_tokens_to_ids(label) for label in "ABCD"]
     for row, conversation in enumerate(conversations):
         messages = router_messages(OPTIONS, conversation, list("ABCD"))
@@ -51,7 +57,7 @@ def test_decisions_equal_an_independent_transformers_computation(smollm2, conver
     assert np.allclose(weights.sum(axis=1), 1.0) and (weights.argmax(axis=1) - 1 == np.array(indices)).all()
     assert set(indices) <= {NO_ADAPTER, 0, 1, 2}
     # Batch calibration decides on the same (checked) logits less each label's mean over the five tickets.
-    calibrated, _ = Router(smollm2, OPTIONS, batch_size=4, calibration="batch").route(conversations)
+    calibrated, _ = Router(model, OPTIONS, batch_size=4, calibration="batch").route(conversations)
     assert calibrated == [int(i) - 1 for i in (logits - logits.mean(axis=0)).argmax(axis=1)]
 
 

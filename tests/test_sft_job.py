@@ -1,8 +1,8 @@
-"""The SFT job on the embedded SmolLM2 (`configs/warmstart_tiny.py`: a few gold trajectories of the
-tool_calling capability environment, adapters on the top six layers), run as a user runs it
-(subprocesses on one CPU device): the embedded agent it builds is built once per config and then
-taken from the cache; a stopped run resumes to the same weights; the loss falls; the PEFT adapter
-and the merged HF folder agree.
+"""The SFT job (`configs/warmstart_tiny.py`: a few gold trajectories of the tool_calling capability
+environment) on the tiny random model with SmolLM2's tokenizer, run as a user runs it (subprocesses on
+one CPU device): a stopped run resumes to the weights of an uninterrupted one, the loss falls, and the
+PEFT adapter and the merged HF folder agree. (The SFT build of the tiny SmolLM2 agent, and its cache, are
+tested where the agent is used: tests/test_grpo_env_job.py.)
 """
 
 import json
@@ -16,14 +16,13 @@ import pytest
 from safetensors.numpy import load_file
 
 from configs import warmstart_tiny
-from trace_jax import lora, warmstart
+from trace_jax import lora
 from trace_jax.models import decoder
-from trace_jax.models.embedded import resolve_model_dir
 from trace_jax.models.model import load_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-AGENT = "smollm2-135m-tiny-agent"
 CONFIG = warmstart_tiny.get_config()
+FIRST_LAYER = 1  # of the tiny chat model's two: layer 0 stays untrained
 
 
 def _run(args, env):
@@ -32,51 +31,37 @@ def _run(args, env):
     return out.stdout.strip().splitlines()[-1]
 
 
+def _command(workdir, model):
+    return ["-m", "launch.sft", "--config=configs/warmstart_tiny.py", f"--workdir={workdir}", f"--config.model={model}",
+            f"--config.lora.first_layer={FIRST_LAYER}"]
+
+
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory, job_env):
-    """The workdir of a tiny run stopped after step 1 and run again to the end."""
-    workdir = tmp_path_factory.mktemp("sft_resumed")
-    command = ["-m", "launch.sft", "--config=configs/warmstart_tiny.py", f"--workdir={workdir}"]
-    _run([*command, "--config.train.steps=1"], job_env)
-    assert json.loads(_run(command, job_env))["steps"] == CONFIG.train.steps
-    return workdir
+def runs(tmp_path_factory, job_env, tiny_chat_model):
+    """The workdirs of two runs on the tiny chat model: one stopped after step 1 and run again to the end,
+    one uninterrupted."""
+    resumed, uninterrupted = tmp_path_factory.mktemp("sft_resumed"), tmp_path_factory.mktemp("sft_uninterrupted")
+    _run([*_command(resumed, tiny_chat_model), "--config.train.steps=1"], job_env)
+    for workdir in (resumed, uninterrupted):
+        assert json.loads(_run(_command(workdir, tiny_chat_model), job_env))["steps"] == CONFIG.train.steps
+    return resumed, uninterrupted
 
 
-def test_an_embedded_agent_is_built_once_per_config(tiny_agent, monkeypatch):
-    cache, folder = tiny_agent
-    marker = json.loads((folder / "trace_jax_warmstart.json").read_text())
-    print(f"\n[sft job] tiny agent build: {marker['build']}")
-    assert marker["config"] == "configs.warmstart_tiny" and marker["build"]["steps"] == CONFIG.train.steps
-    assert (folder / "model.safetensors").is_file() and not list((cache / "agents").glob(".*"))  # workdir removed
-
-    def no_training(*_):
-        raise AssertionError("a cached agent was built again")
-
-    monkeypatch.setattr(warmstart, "run_build", no_training)
-    assert warmstart.agent_dir(AGENT, cache) == folder  # from the cache
-    monkeypatch.setenv("TRACE_JAX_CACHE", str(cache))
-    assert resolve_model_dir(AGENT) == folder  # the name is a model name like any embedded one
-    config = warmstart.build_config(AGENT)
-    config.seed = 1
-    monkeypatch.setattr(warmstart, "build_config", lambda name: config)
-    with pytest.raises(AssertionError, match="built again"):  # another config: another agent
-        warmstart.agent_dir(AGENT, cache)
-
-
-def test_a_stopped_run_resumes_to_the_same_weights_and_lowers_the_loss(tiny_agent, resumed):
-    _, folder = tiny_agent
+def test_a_stopped_run_resumes_to_the_same_weights_and_lowers_the_loss(runs):
+    resumed, uninterrupted = runs
     losses = [json.loads(line)["learner/loss"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == CONFIG.train.steps and losses[-1] < losses[0]
-    merged, uninterrupted = load_file(resumed / "merged" / "model.safetensors"), load_file(folder / "model.safetensors")
+    merged, uninterrupted = (load_file(w / "merged" / "model.safetensors") for w in (resumed, uninterrupted))
     assert merged.keys() == uninterrupted.keys()
     for name in merged:
         np.testing.assert_array_equal(merged[name], uninterrupted[name], err_msg=name)
 
 
-def test_the_merged_folder_is_the_base_with_the_peft_adapter(resumed):
-    base, merged = load_model("smollm2-135m-instruct"), load_model(resumed / "merged")  # what --config.model= takes
+def test_the_merged_folder_is_the_base_with_the_peft_adapter(runs, tiny_chat_model):
+    resumed, _ = runs
+    base, merged = load_model(tiny_chat_model), load_model(resumed / "merged")  # what --config.model= takes
     adapters = lora.load_peft(resumed / "adapter", base.cfg)
-    first = CONFIG.lora.first_layer
+    first = FIRST_LAYER
     assert all(float(jnp.abs(w["b"][:, :first]).max()) == 0 < float(jnp.abs(w["b"][:, first:]).max())
                for w in adapters.weights.values())  # only the layers from lora.first_layer on were trained
     tokens = jnp.asarray([base.tokenizer.encode("Where is my order #W1234567?")])

@@ -57,17 +57,16 @@ def _scripted_llm(request):
                                   for name in ("tool_calling", "order_facts")}})
 
 
-def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tiny_agent, job_env, tmp_path):
+def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tiny_chat_model, job_env, tmp_path):
     """Through the LLM path (a scripted server on the loopback address): discovery, labelling and selection
     pick a built-in capability and one the LLM writes (a reply without code first, then a module that the
     sandbox validates and exports); both are calibrated and trained, the router picks among them."""
-    cache, _ = tiny_agent
-    env = {**job_env, "TRACE_JAX_CACHE": str(cache)}
+    model = [f"--config.model={tiny_chat_model}", "--config.training.lora.first_layer=0"]
     with ScriptedLLMServer(_scripted_llm) as server:
-        llm = [f"--config.llm.base_url={server.base_url}", *LLM_PATH]
-        summary, out = _run(tmp_path, env, *llm)
+        llm = [f"--config.llm.base_url={server.base_url}", *LLM_PATH, *model]
+        summary, out = _run(tmp_path, job_env, *llm)
         kinds = [r["messages"][0]["content"][:30] for r in server.requests]
-        again, _ = _run(tmp_path, env, *llm)
+        again, _ = _run(tmp_path, job_env, *llm)
         assert len(server.requests) == len(kinds)  # the rerun asks nothing
     print(f"\n[trace pipeline] tiny config, LLM path ({len(kinds)} requests): {summary}")
     assert sum(k.startswith("You are an expert Python") for k in kinds) == 2  # no code, then the module
