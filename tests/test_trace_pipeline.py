@@ -1,5 +1,5 @@
-"""The TRACE pipeline end to end, as a user runs it (`configs/trace_tiny.py`: the tiny agent, tiny
-budgets, open gates), through the LLM path (analyst, environment writer) against a scripted
+"""The TRACE pipeline end to end, as a user runs it (`configs/trace_tiny.py`: tiny budgets, open gates; on
+the tiny random model with SmolLM2's tokenizer, as the stages' mechanics are under test), through the LLM path (analyst, environment writer) against a scripted
 OpenAI-compatible server: every stage's artifacts are written, the routed final evaluation runs each
 task under the adapter the router chose, the report and its plots exist, the JSON line carries the
 summary, and a rerun finds every stage done and repeats nothing."""
@@ -63,10 +63,10 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
     sandbox validates and exports); both are calibrated and trained, the router picks among them."""
     model = [f"--config.model={tiny_chat_model}", "--config.training.lora.first_layer=0"]
     with ScriptedLLMServer(_scripted_llm) as server:
-        llm = [f"--config.llm.base_url={server.base_url}", *LLM_PATH, *model]
-        summary, out = _run(tmp_path, job_env, *llm)
+        overrides = [f"--config.llm.base_url={server.base_url}", *LLM_PATH, *model]
+        summary, out = _run(tmp_path, job_env, *overrides)
         kinds = [r["messages"][0]["content"][:30] for r in server.requests]
-        again, _ = _run(tmp_path, job_env, *llm)
+        again, _ = _run(tmp_path, job_env, *overrides)
         assert len(server.requests) == len(kinds)  # the rerun asks nothing
     print(f"\n[trace pipeline] tiny config, LLM path ({len(kinds)} requests): {summary}")
     assert sum(k.startswith("You are an expert Python") for k in kinds) == 2  # no code, then the module
