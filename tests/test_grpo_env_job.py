@@ -19,6 +19,8 @@ from configs import grpo_env_tiny, warmstart_tiny
 from trace_jax import warmstart
 from trace_jax.models.embedded import resolve_model_dir
 
+pytestmark = pytest.mark.optimized_xla  # SmolLM2 runs long here (tests/conftest.py)
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 AGENT = "smollm2-135m-tiny-agent"
 CONFIG = grpo_env_tiny.get_config()

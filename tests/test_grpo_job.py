@@ -24,6 +24,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from configs import grpo_tiny
 from trace_jax.rl.trainer import validate_config
 
+pytestmark = pytest.mark.optimized_xla  # SmolLM2 runs long here (tests/conftest.py)
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = grpo_tiny.get_config()
 STEPS = CONFIG.train.steps

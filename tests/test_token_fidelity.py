@@ -22,6 +22,8 @@ from trace_jax.rl.environment_rollouts import trajectory_sequence  # noqa: E402
 from trace_jax.rl.learner import token_logprobs  # noqa: E402
 from trace_jax.sampling import Sampler  # noqa: E402
 
+pytestmark = pytest.mark.optimized_xla  # SmolLM2 runs long here (tests/conftest.py)
+
 TEMPERATURE = 1.0
 
 
