@@ -14,8 +14,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # Most tests compile many programs and run each a few times, so XLA compiles without LLVM's optimisations
-# (a tiny model's tests ran 25% faster). Modules marked `optimized_xla` run SmolLM2 long enough that
-# optimised code pays (unoptimised, it decodes one row 2.7x slower): see `xla_optimization` below.
+# (the packed learner's tiny-model tests ran about 20% faster). Modules marked `optimized_xla` run SmolLM2
+# long enough that optimised code pays (unoptimised, it decodes one row 2.7x slower): `xla_optimization`.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="trace_jax_xla_")
