@@ -1,8 +1,9 @@
 """The TRACE pipeline end to end, as a user runs it (`configs/trace_tiny.py`: tiny budgets, open gates; on
-the tiny random model with SmolLM2's tokenizer, as the stages' mechanics are under test), through the LLM path (analyst, environment writer) against a scripted
-OpenAI-compatible server: every stage's artifacts are written, the routed final evaluation runs each
-task under the adapter the router chose, the report and its plots exist, the JSON line carries the
-summary, and a rerun finds every stage done and repeats nothing."""
+the tiny random model with SmolLM2's tokenizer, as the stages' mechanics are under test), through the
+LLM path (analyst, environment writer) against a scripted OpenAI-compatible server: every stage's
+artifacts are written, the routed final evaluation runs each task under the adapter the router chose,
+the report and its plots exist, the JSON line carries the summary, and a rerun finds every stage done
+and repeats nothing."""
 
 import importlib
 import json
