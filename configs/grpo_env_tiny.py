@@ -6,7 +6,9 @@ The agent is `smollm2-135m-tiny-agent` (configs/warmstart_tiny.py, built on firs
 two minutes). Each step plays one train ticket sixteen times at temperature 0.7, for two agent
 turns (the write call, then the reply to the customer), and scores the episodes with the
 environment's multi-level reward (0.2 a well-formed call, 0.5 the right tool, 0.8 the right
-arguments, 1.0 and a final reply), so a group differs while the agent is weak. One ticket a step
+arguments, 1.0 and a final reply), so a group differs while the agent is weak; `env.cut_share = 1`
+keeps the call levels for an episode cut at the turn limit, as most of the tiny agent's are (the
+TRACE configs' environments pay such an episode nothing, as τ² does). One ticket a step
 keeps a step cheap: its episodes open alike, so the sampler prefills the opening once and the
 learner runs it once as the shared head. Sixteen episodes at 0.7, not eight at 1.0, are what
 made the rise dependable: with eight, a group often never found the right arguments and the
@@ -24,7 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
     config = grpo_target_embedded.get_config()
     config.model = "smollm2-135m-tiny-agent"
     config.env = ml_collections.ConfigDict(dict(name="capability", capability="tool_calling", seed=0, difficulty=0,
-                                                policy=False, split="train"))
+                                                policy=False, split="train", cut_share=1.0))
     config.lora.first_layer = 24
     config.rollout.update(tasks_per_step=1, group_size=16, batch_size=16, temperature=0.7, max_turns=2,
                           max_tokens_per_turn=64, train_tasks=1)

@@ -6,8 +6,9 @@ configs/trace_embedded.py with small budgets.
 The base agent plays 14 train tickets for the analysis and 14 held-out tickets (2 per family);
 one capability is selected, calibrated on 6 seeds x 4 samples with the authors' looser gates
 (mean reward in [0.2, 0.6], half the groups informative), trained for 2 GRPO steps of 2 tickets
-x 4 (episodes cut at 3 agent turns) and routed. The numbers are a smoke run's, not a
-measurement: see configs/trace_embedded.py for that.
+x 4 (episodes cut at 3 agent turns, which keep their calls' reward level: `calibration.cut_share = 1`,
+as most are cut) and routed. The numbers are a smoke run's, not a measurement: see
+configs/trace_embedded.py for that.
 """
 
 import ml_collections
@@ -20,7 +21,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.log_every_s = 20.0
     config.target.update(analysis_tasks=14, heldout_tasks=14)
     config.analysis.max_selected = 1
-    config.calibration.update(seeds=6, samples=4, min_mean=0.2, max_mean=0.6, min_std=0.2, min_informative=0.5)
+    config.calibration.update(seeds=6, samples=4, min_mean=0.2, max_mean=0.6, min_std=0.2, min_informative=0.5,
+                              cut_share=1.0)
     config.training.rollout.update(tasks_per_step=2, group_size=4, max_turns=3)
     config.training.train.steps = 2
     config.training.eval.update(num_tasks=2, batch_size=2)

@@ -81,6 +81,9 @@ def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_cal
     config.samples = 1
     with pytest.raises(ValueError, match="config.calibration.samples = 1 is invalid"):
         calibrate_capability("multi_step", 2, base, config, tmp_path / "bad")
+    config.samples, config.cut_share = 2, -0.5
+    with pytest.raises(ValueError, match="config.calibration.cut_share = -0.5 is invalid"):
+        calibrate_capability("multi_step", 2, base, config, tmp_path / "bad")
 
 
 def test_the_calibration_job_names_an_unknown_capability():

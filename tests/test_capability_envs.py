@@ -59,14 +59,16 @@ def test_gold_scores_one_and_nothing_scores_zero_at_every_difficulty(capability)
         assert {t.outcome.reward for t in _play(env, NoopAgent(), tasks)} == {0.0}, difficulty
 
 
-def test_each_reward_level_is_reached_by_the_agent_it_describes():
-    env = _env(difficulty=2)
+@pytest.mark.parametrize("cut_share", [None, 0.5, 1.0])  # None: the environment's default, τ²'s rule (0)
+def test_each_reward_level_is_reached_by_the_agent_it_describes(cut_share):
+    env = _env(difficulty=2) if cut_share is None else _env(difficulty=2, cut_share=cut_share)
     tasks = env.tasks("train", 12)
     wrong_order = lambda call: (call["name"], {**call["arguments"], "order_id": "#W0000000"})
     other_tool = lambda call: ("get_order_details", {"order_id": call["arguments"]["order_id"]})
     gold = lambda call: (call["name"], call["arguments"])
+    cut = 0.0 if cut_share is None else 0.8 * cut_share  # the right call, then the same call until the turn limit
     for agent, level in [(_Scripted(wrong_order), 0.5), (_Scripted(other_tool), 0.2), (_Scripted(gold), 1.0),
-                         (_Scripted(gold, replies=False), 0.8)]:  # the right call, but no final reply
+                         (_Scripted(gold, replies=False), cut)]:
         played = _play(env, agent, tasks)
         assert {t.outcome.reward for t in played} == {level}, (level, {t.outcome.reward for t in played})
         assert all((t.end_reason == "agent_stop") == agent.replies for t in played)
@@ -119,5 +121,7 @@ def test_bad_settings_fail_naming_the_key():
         _env("telepathy")
     with pytest.raises(ValueError, match="difficulty = 7 is out of range for tool_calling: 0 to 2"):
         _env(difficulty=7)
+    with pytest.raises(ValueError, match=r"cut_share = 1.5 is invalid; it must be a number in \[0, 1\]"):
+        _env(cut_share=1.5)
     with pytest.raises(ValueError, match="unknown split"):
         CapabilityEnvironment(CAPABILITIES["tool_calling"]).tasks("test")

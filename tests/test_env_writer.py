@@ -89,8 +89,9 @@ def test_the_writer_asks_again_with_each_failure_until_a_module_passes_then_resu
     for difficulty in (0, 1):
         env = synthesis.environment(difficulty, policy=False)
         tasks = env.tasks("train") + env.tasks("heldout")
+        settings = ml_collections.ConfigDict(dict(policy=False, cut_share=0.0))
         built = make_environment(ml_collections.ConfigDict(environment_config(  # as calibration and training build it
-            "order_facts", difficulty, ml_collections.ConfigDict(dict(policy=False)), synthesis.scenarios)))
+            "order_facts", difficulty, settings, synthesis.scenarios)))
         assert [t.task_id for t in built.tasks("train")] == [t.task_id for t in env.tasks("train")]
         assert len(tasks) == 2 * TASKS
         assert {t.outcome.reward for t in _play(env, GoldAgent(), tasks)} == {1.0}, difficulty

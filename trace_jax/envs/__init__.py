@@ -28,8 +28,8 @@ except ImportError:  # τ² (which brings loguru) is an optional extra
 
 def make_environment(config: ml_collections.ConfigDict) -> Environment:
     """The environment `config.name` names: "embedded_retail" (with `seed`, `families`), "tau2" (with `domain`)
-    or "capability" (with `capability`, `seed`, `difficulty`, `policy`; a written capability's `scenarios`: the
-    file its validated module exported)."""
+    or "capability" (with `capability`, `seed`, `difficulty`, `policy`, optionally `cut_share`; a written
+    capability's `scenarios`: the file its validated module exported)."""
     if config.name == "embedded_retail":
         from trace_jax.envs.embedded_retail import EmbeddedRetail
 
@@ -39,15 +39,18 @@ def make_environment(config: ml_collections.ConfigDict) -> Environment:
 
         return Tau2Environment(config.domain)
     if config.name == "capability" and config.get("scenarios"):
+        from trace_jax.envs.capability.environment import CUT_SHARE
         from trace_jax.envs.capability.sandbox import ExportedEnvironment
 
-        return ExportedEnvironment(config.scenarios, difficulty=config.difficulty, policy=config.policy)
+        return ExportedEnvironment(config.scenarios, difficulty=config.difficulty, policy=config.policy,
+                                   cut_share=config.get("cut_share", CUT_SHARE))
     if config.name == "capability":
         from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment
+        from trace_jax.envs.capability.environment import CUT_SHARE
 
         if config.get("capability") not in CAPABILITIES:
             raise ValueError(f"config.env.capability = {config.get('capability')!r} is invalid; it must be one of "
                              f"{', '.join(CAPABILITIES)}")
         return CapabilityEnvironment(CAPABILITIES[config.capability], seed=config.seed, difficulty=config.difficulty,
-                                     policy=config.policy)
+                                     policy=config.policy, cut_share=config.get("cut_share", CUT_SHARE))
     raise ValueError(f"config.env.name = {config.name!r} is invalid; it must be one of {', '.join(ENVIRONMENTS)}")

@@ -27,11 +27,14 @@ from trace_jax.files import write_json_atomic
 
 def calibration_defaults() -> ml_collections.ConfigDict:
     """The paper's calibration (the authors' code is looser: mean in [0.2, 0.6], >= 50% informative)."""
+    from trace_jax.envs.capability.environment import CUT_SHARE
+
     return ml_collections.ConfigDict({
         "seeds": 20, "samples": 8, "temperature": 1.0,
         "min_mean": 0.3, "max_mean": 0.6, "min_std": 0.2, "min_informative": 0.6,
         "start_difficulty": 0,
         "policy": True,  # τ²'s retail policy in the system prompt, as the target has it
+        "cut_share": CUT_SHARE,  # what an episode cut at a limit keeps of its reward (the environment's docstring)
     })
 
 
@@ -46,7 +49,8 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
             ("calibration.min_std", lambda v: number(v) and v >= 0, "a number >= 0"),
             ("calibration.min_informative", *share),
             ("calibration.start_difficulty", lambda v: isinstance(v, int) and v >= 0, "an int >= 0"),
-            ("calibration.policy", lambda v: isinstance(v, bool), "True or False")]
+            ("calibration.policy", lambda v: isinstance(v, bool), "True or False"),
+            ("calibration.cut_share", *share)]
 
 
 def validate_calibration_config(config: ml_collections.ConfigDict) -> None:
@@ -131,7 +135,8 @@ def environment_config(capability: str, difficulty: int, config: ml_collections.
                        scenarios: str | None = None) -> dict:
     """The `env` block of a capability environment, built-in or (with `scenarios`, its exported tasks) written
     by the LLM (seed 0: calibration, training and the pipeline's examples all draw from its train split)."""
-    env = dict(name="capability", capability=capability, seed=0, difficulty=difficulty, policy=config.policy)
+    env = dict(name="capability", capability=capability, seed=0, difficulty=difficulty, policy=config.policy,
+               cut_share=config.cut_share)
     return {**env, "scenarios": scenarios} if scenarios else env
 
 

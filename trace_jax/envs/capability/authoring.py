@@ -75,6 +75,7 @@ one): the agent's calls run through τ²'s real retail tools on a copy of `db`, 
   0.8  every gold call made with exactly the gold arguments, no other write attempted, and the final
        database equals the one replaying prefilled + gold_calls gives;
   1.0  all that, and the final message states every fact.
+An episode cut at a limit (too many turns or errors) before the agent's final message earns 0 by default.
 Extra read calls are allowed. The module is accepted when the gold solution (the gold calls one per
 turn, then a message stating the facts) scores 1.0 on at least 95% of the seeds, an agent that does
 nothing scores at most 0.1 on average, and no seed raises. Make the tasks need the capability: an agent

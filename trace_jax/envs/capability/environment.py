@@ -17,8 +17,11 @@ The reward has levels, so GRPO groups have variance while the agent is weak:
        the gold replay's;
   1.0  all that, and the episode ended normally (the agent's final reply) with every
        required fact stated in a text turn (τ²'s COMMUNICATE check).
-The call levels count however the episode ended (a right call followed by a loop of calls
-still earns 0.8), so a weak agent's partial work is told apart; only 1.0 needs the ending.
+An episode cut at a limit (turns, errors, a turn's length) keeps only `cut_share` of its call
+level: τ² fails such an episode, and when the calls paid in full however the episode ended, GRPO
+taught the embedded agent to keep calling tools after the right write instead of replying
+(docs/trace_pipeline.md). A share of 1 keeps the calls' levels for an agent too weak to end an
+episode (the tiny CI agent); only 1.0 needs the ending either way.
 
 A built-in capability carries a `hint`: a sentence or two of guidance. A hinted episode
 (`episode(task, hint=True)`) has it appended to its system prompt ("Hint: ..."), nothing
@@ -45,6 +48,7 @@ from trace_jax.envs.tau2_bridge import domain_state, execute
 
 SPLITS = ("train", "heldout")
 LEVELS = {"format": 0.2, "tool": 0.5, "arguments": 0.8, "COMMUNICATE": 1.0}  # see the module docstring
+CUT_SHARE = 0.0  # the share of its level an episode cut at a limit keeps, by default: τ²'s rule (it fails)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +90,9 @@ def _environment(db: RetailDB) -> Environment:
 class CapabilityEpisode(SoloTicketEpisode):
     """One scenario played once on its own copy of the scenario's world."""
 
-    def __init__(self, spec: TaskSpec, scenario: Scenario, prompt: str, tools: list[dict]):
+    def __init__(self, spec: TaskSpec, scenario: Scenario, prompt: str, tools: list[dict], cut_share: float):
         self.task = spec
+        self.cut_share = cut_share
         self.tools = tools
         self.user_tools: list[dict] = []
         self.scenario = scenario
@@ -143,6 +148,8 @@ class CapabilityEpisode(SoloTicketEpisode):
             if not checks[level]:
                 break
             reward = value
+        if self.end_reason not in NORMAL_ENDS:
+            reward *= self.cut_share
         info = {"end_reason": self.end_reason, "failed_communicate": missing,
                 "missing_calls": [f"{c['name']}({c['arguments']})" for c in gold if c not in agent_calls],
                 "stray_writes": [f"{c['name']}({c['arguments']})" for c in stray]}
@@ -156,13 +163,17 @@ class CapabilityEnvironment:
     name = "capability"
 
     def __init__(self, capability: Capability, seed: int = 0, difficulty: int = 0, policy: bool = True,
-                 num_tasks: int = 200):
+                 num_tasks: int = 200, cut_share: float = CUT_SHARE):
         """`difficulty` in [0, capability.max_difficulty]; `policy` puts τ²'s retail policy in the system
-        prompt (as the target has it) or only the solo instruction (a short head, for CPU-sized runs)."""
+        prompt (as the target has it) or only the solo instruction (a short head, for CPU-sized runs);
+        `cut_share` in [0, 1]: the share of its level an episode cut at a limit keeps (module docstring)."""
         if not 0 <= difficulty <= capability.max_difficulty:
             raise ValueError(f"difficulty = {difficulty} is out of range for {capability.name}: "
                              f"0 to {capability.max_difficulty}")
+        if not (isinstance(cut_share, (int, float)) and 0 <= cut_share <= 1):
+            raise ValueError(f"cut_share = {cut_share!r} is invalid; it must be a number in [0, 1]")
         self.capability, self.seed, self.difficulty, self.num_tasks = capability, seed, difficulty, num_tasks
+        self.cut_share = cut_share
         state = domain_state("retail")
         self._catalogue = state.db.products
         self.tools = [t for t in state.tool_schemas if t["function"]["name"] in capability.tools[difficulty]]
@@ -191,7 +202,7 @@ class CapabilityEnvironment:
         if hint and not self.hint:
             raise ValueError(f"the capability {self.capability.name!r} offers no hint")
         prompt = f"{self.system_prompt}\n\nHint: {self.hint}" if hint else self.system_prompt
-        return CapabilityEpisode(task, self.scenario(task), prompt, self.tools)
+        return CapabilityEpisode(task, self.scenario(task), prompt, self.tools, self.cut_share)
 
     def _task(self, split: str, index: int) -> tuple[TaskSpec, Scenario]:
         key = f"{self.capability.name}/{self.seed}/{self.difficulty}/{split}/{index}"

@@ -44,6 +44,7 @@ from trace_jax.agent.tool_calls import parse_assistant_output
 from trace_jax.envs.base import END_MAX_TURNS, Outcome, TaskSpec
 from trace_jax.envs.capability.authoring import AuthoringError, capability_from_module, check_scenario
 from trace_jax.envs.capability.environment import (
+    CUT_SHARE,
     SPLITS,
     Capability,
     CapabilityEnvironment,
@@ -221,14 +222,14 @@ class ExportedEnvironment(CapabilityEnvironment):
     reward as `CapabilityEnvironment(its capability, seed=0)`, without importing the module's code."""
 
     def __init__(self, path: str | pathlib.Path, difficulty: int = 0, policy: bool = True,
-                 num_tasks: int | None = None):
+                 num_tasks: int | None = None, cut_share: float = CUT_SHARE):
         """`num_tasks`: how many tasks `tasks(split)` gives by default (None: every exported one)."""
         self.path = pathlib.Path(path)
         data = json.loads(self.path.read_text())
         capability = Capability(name=data["name"], description=data["description"], generate=_exported_only,
                                 tools=tuple(tuple(t) for t in data["tools"]))
         super().__init__(capability, seed=0, difficulty=difficulty, policy=policy,
-                         num_tasks=data["tasks"] if num_tasks is None else num_tasks)
+                         num_tasks=data["tasks"] if num_tasks is None else num_tasks, cut_share=cut_share)
         self._products = data["products"]
         self._pool = {split: data["scenarios"][split][difficulty] for split in SPLITS}
 
@@ -272,7 +273,7 @@ def _scenario(capability: Capability, catalogue: dict[str, Product], difficulty:
 def _play(env: CapabilityEnvironment, spec: TaskSpec, scenario: Scenario, agent: GoldAgent | NoopAgent) -> Outcome:
     """One episode of a scripted agent, its turns parsed as the rollout engine parses them; a gold call that is
     malformed or that τ² answers with an error raises AuthoringError."""
-    episode = CapabilityEpisode(spec, scenario, env.system_prompt, env.tools)
+    episode = CapabilityEpisode(spec, scenario, env.system_prompt, env.tools, env.cut_share)
     episode.reset()
     for _ in range(len(scenario.gold_calls) + 2):
         parsed = parse_assistant_output(agent.reply(episode), env.tools)
