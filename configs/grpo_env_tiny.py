@@ -7,8 +7,8 @@ two minutes). Each step plays one train ticket sixteen times at temperature 0.7,
 turns (the write call, then the reply to the customer), and scores the episodes with the
 environment's multi-level reward (0.2 a well-formed call, 0.5 the right tool, 0.8 the right
 arguments, 1.0 and a final reply), so a group differs while the agent is weak; `env.cut_share = 1`
-keeps the call levels for an episode cut at the turn limit, as most of the tiny agent's are (the
-TRACE configs' environments pay such an episode nothing, as τ² does). One ticket a step
+keeps the call levels for an episode cut at the turn limit, as most of the tiny agent's are (by
+default such an episode earns nothing, as in τ²). One ticket a step
 keeps a step cheap: its episodes open alike, so the sampler prefills the opening once and the
 learner runs it once as the shared head. Sixteen episodes at 0.7, not eight at 1.0, are what
 made the rise dependable: with eight, a group often never found the right arguments and the

@@ -20,8 +20,8 @@ The reward has levels, so GRPO groups have variance while the agent is weak:
 An episode cut at a limit (turns, errors, a turn's length) keeps only `cut_share` of its call
 level: τ² fails such an episode, and when the calls paid in full however the episode ended, GRPO
 taught the embedded agent to keep calling tools after the right write instead of replying
-(docs/trace_pipeline.md). A share of 1 keeps the calls' levels for an agent too weak to end an
-episode (the tiny CI agent); only 1.0 needs the ending either way.
+(docs/trace_pipeline.md). A share of 1 keeps the calls' levels where most episodes are cut (the
+tiny CI agent, the quick config's 3-turn episodes); only 1.0 needs the ending either way.
 
 A built-in capability carries a `hint`: a sentence or two of guidance. A hinted episode
 (`episode(task, hint=True)`) has it appended to its system prompt ("Hint: ..."), nothing
