@@ -38,19 +38,17 @@ def make_environment(config: ml_collections.ConfigDict) -> Environment:
         from trace_jax.envs.tau2_domains import Tau2Environment
 
         return Tau2Environment(config.domain)
-    if config.name == "capability" and config.get("scenarios"):
-        from trace_jax.envs.capability.environment import CUT_SHARE
-        from trace_jax.envs.capability.sandbox import ExportedEnvironment
-
-        return ExportedEnvironment(config.scenarios, difficulty=config.difficulty, policy=config.policy,
-                                   cut_share=config.get("cut_share", CUT_SHARE))
     if config.name == "capability":
         from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment
         from trace_jax.envs.capability.environment import CUT_SHARE
+        from trace_jax.envs.capability.sandbox import ExportedEnvironment
 
+        settings = dict(difficulty=config.difficulty, policy=config.policy,
+                        cut_share=config.get("cut_share", CUT_SHARE))
+        if config.get("scenarios"):
+            return ExportedEnvironment(config.scenarios, **settings)
         if config.get("capability") not in CAPABILITIES:
             raise ValueError(f"config.env.capability = {config.get('capability')!r} is invalid; it must be one of "
                              f"{', '.join(CAPABILITIES)}")
-        return CapabilityEnvironment(CAPABILITIES[config.capability], seed=config.seed, difficulty=config.difficulty,
-                                     policy=config.policy, cut_share=config.get("cut_share", CUT_SHARE))
+        return CapabilityEnvironment(CAPABILITIES[config.capability], seed=config.seed, **settings)
     raise ValueError(f"config.env.name = {config.name!r} is invalid; it must be one of {', '.join(ENVIRONMENTS)}")
