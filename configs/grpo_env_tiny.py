@@ -13,6 +13,7 @@ keeps a step cheap: its episodes open alike, so the sampler prefills the opening
 learner runs it once as the shared head. Sixteen episodes at 0.7, not eight at 1.0, are what
 made the rise dependable: with eight, a group often never found the right arguments and the
 reward stayed flat (docs/agentic_rl.md, "A tiny environment run for CI").
+No held-out evaluation (`eval.num_tasks = 0`; set it to evaluate before and after).
 Hints are off (`--config.rollout.hint_share=0.25` plays a quarter of each group with the capability's
 hint in the system prompt, learned from without it; see configs/grpo_target_embedded.py).
 """
@@ -37,6 +38,8 @@ def get_config() -> ml_collections.ConfigDict:
     # (the same rewards, 5% longer; docs/trace_pipeline.md, "Suite time").
     config.train.update(micro_batch_tokens=2048, remat=False)
     config.train.keep_checkpoints = 8
-    config.eval.update(num_tasks=2, every=4, batch_size=2)
+    # No held-out evaluation: with 2 tasks before and after it took a fifth of the run, mostly compiling its own
+    # programs (CI tests that path in the TRACE pipeline's training stage, tests/test_trace_pipeline.py).
+    config.eval.num_tasks = 0
     config.log_every_s = 0.0
     return config

@@ -7,8 +7,8 @@ The base agent plays 14 train tickets for the analysis and 14 held-out tickets (
 one capability is selected, calibrated on 6 seeds x 4 samples with the authors' looser gates
 (mean reward in [0.2, 0.6], half the groups informative), trained for 2 GRPO steps of 2 tickets
 x 4 (episodes cut at 3 agent turns, which keep their calls' reward level: `calibration.cut_share = 1`,
-as most are cut) and routed. The numbers are a smoke run's, not a measurement: see
-configs/trace_embedded.py for that.
+as most are cut; no held-out evaluation of the adapter alone) and routed. The numbers are a smoke
+run's, not a measurement: see configs/trace_embedded.py for that.
 """
 
 import ml_collections
@@ -25,6 +25,6 @@ def get_config() -> ml_collections.ConfigDict:
                               cut_share=1.0)
     config.training.rollout.update(tasks_per_step=2, group_size=4, max_turns=3)
     config.training.train.steps = 2
-    config.training.eval.update(num_tasks=2, batch_size=2)
+    config.training.eval.num_tasks = 0  # the adapter's own held-out evaluation: 458 of the stage's 1,337 s here
     config.final.per_adapter = False
     return config

@@ -4,7 +4,7 @@
 
 Logs progress with rate and ETA, writes TensorBoard metrics and checkpoints to the
 workdir (rerunning with the same workdir resumes), and ends by printing one JSON line:
-base_reward, final_reward, steps, seconds.
+base_reward, final_reward (held-out, unless `eval.num_tasks` is 0), steps, rollouts, seconds.
 """
 
 from __future__ import annotations

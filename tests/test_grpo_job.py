@@ -127,6 +127,7 @@ def test_sigkilled_run_resumes_to_the_same_adapter(full_run, job_env, tmp_path):
     ("rollout.group_size", 1, "config.rollout.group_size = 1 is invalid"),
     ("advantage", "grpo", "config.advantage = 'grpo' is invalid; it must be one of"),
     ("loss.aggregation", "mean", "config.loss.aggregation"),
+    ("eval.num_tasks", -1, "config.eval.num_tasks = -1 is invalid; it must be an int >= 0"),
 ])
 def test_invalid_setting_fails_naming_the_key(key, value, message):
     config = grpo_tiny.get_config()

@@ -179,8 +179,7 @@ def test_a_grpo_step_with_hints_learns_from_the_hinted_row_and_logs_the_hint_met
     model, _ = tiny_smollm2
     config = _config(group_size=2, batch_size=2, max_turns=1, max_tokens_per_turn=8, temperature=1.0)
     config.model, config.lora.first_layer = str(model.path), 0
-    config.train.update(steps=1, micro_batch_tokens=64)
-    config.eval.update(num_tasks=1, batch_size=2)
+    config.train.update(steps=1, micro_batch_tokens=64)  # and no held-out evaluation (configs/grpo_env_tiny.py)
     sample = EnvironmentRollouts.sample
     monkeypatch.setattr(EnvironmentRollouts, "sample", lambda self, *args: dataclasses.replace(
         sample(self, *args), rewards=np.array([1.0, 0.0])))

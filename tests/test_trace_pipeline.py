@@ -1,7 +1,8 @@
 """The TRACE pipeline end to end, as a user runs it (`configs/trace_tiny.py`: tiny budgets, open gates; on
 the tiny random model with SmolLM2's tokenizer, as the stages' mechanics are under test), through the
 LLM path (analyst, environment writer) against a scripted OpenAI-compatible server: every stage's
-artifacts are written, the routed final evaluation runs each task under the adapter the router chose,
+artifacts are written, each GRPO job evaluates its adapter through the evaluation job's path before and
+after training, the routed final evaluation runs each task under the adapter the router chose,
 the report and its plots exist, the JSON line carries the summary, and a rerun finds every stage done
 and repeats nothing."""
 
@@ -15,6 +16,7 @@ import time
 import ml_collections
 import pytest
 from scripted_llm_server import ScriptedLLMServer
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import trace_tiny
 from trace_jax.envs.capability import example_written
@@ -90,6 +92,18 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
     for name, result in stages["environments"]["result"].items():
         calibration = json.loads((pathlib.Path(result["folder"]) / "calibration.json").read_text())
         assert calibration["calibrated"] and calibration["tries"][0]["episodes"] == 2 * 2, name
+    training, steps = CONFIG.training, CONFIG.training.train.steps
+    for name in summary["trained"]:  # each GRPO job's held-out evaluation, through the evaluation job's path
+        folder = tmp_path / "adapters" / name
+        job = json.loads((folder / "summary.json").read_text())
+        for step in (0, steps):
+            episodes = [json.loads(line) for line in (folder / "eval" / f"step_{step}.jsonl").read_text().splitlines()]
+            assert len(episodes) == training.eval.num_tasks and all("components" in e for e in episodes), name
+            assert "| all |" in (folder / "eval" / f"step_{step}.md").read_text(), name
+        events = EventAccumulator(str(folder / "tensorboard"))
+        events.Reload()
+        assert [(e.step, round(e.value, 6)) for e in events.Scalars("eval/reward")] == \
+            [(0, round(job["base_reward"], 6)), (steps, round(job["final_reward"], 6))], name
     routed = stages["routing"]["result"]["by_task"]
     records = [json.loads(line) for line in (tmp_path / "heldout" / "trace" / "episodes.jsonl").open()]
     assert len(records) == heldout and all(r["adapter_idx"] == routed[r["task_id"]] for r in records)

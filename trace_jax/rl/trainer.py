@@ -9,7 +9,8 @@ sampler's logprobs are the old policy's; the policy trained is the one sampled,
 softmax(logits / rollout.temperature)). `train.steps`, or `train.rollout_budget` (training
 episodes in all: steps = budget / (tasks_per_step x group_size), rounded up), sets the length.
 Held-out tasks are evaluated greedily before training (the base reward), every `eval.every`
-steps and at the end (see the rollout sources for what they report).
+steps and at the end (see the rollout sources for what they report); `eval.num_tasks = 0` skips
+held-out evaluation (a stage that evaluates its adapters elsewhere saves the time).
 
 Hints (environments that offer one): `rollout.hint_share` of each group's episodes are played with
 the hint in the system prompt and learned from without it. Sampled from another policy than the
@@ -52,6 +53,7 @@ from trace_jax.rl.job import ADAPTER, common_checks, export_adapter, start_run
 from trace_jax.rl.learner import make_rescore_fn, make_train_step
 from trace_jax.rl.losses import AGGREGATIONS, LossConfig
 from trace_jax.rl.single_turn import TaskSetRollouts
+from trace_jax.runtime import peak_memory_gb, release_freed_memory
 from trace_jax.sampling import Sampler
 from trace_jax.tasks import TASK_SETS
 
@@ -76,7 +78,7 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
         ("train.steps", lambda v: v is None or positive_int(v), "None (use train.rollout_budget) or a positive int"),
         ("train.rollout_budget", lambda v: v is None or positive_int(v),
          "None (use train.steps) or a positive int (training episodes in all)"),
-        ("eval.num_tasks", positive_int, "a positive int"),
+        ("eval.num_tasks", lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0: no held-out evaluation)"),
         ("eval.every", positive_int, "a positive int"),
         ("eval.batch_size", positive_int, "a positive int"),
     ]
@@ -165,8 +167,9 @@ def _base_eval(workdir: pathlib.Path, evaluate: Callable[[int, int], dict[str, f
 
 
 def _eval_due(step: int, config: ml_collections.ConfigDict) -> bool:
-    """Whether the adapter after `step` is evaluated: every `eval.every` steps and at the end."""
-    return step % config.eval.every == 0 or step == num_steps(config)
+    """Whether the adapter after `step` is evaluated: every `eval.every` steps and at the end (never
+    with `eval.num_tasks` 0)."""
+    return config.eval.num_tasks > 0 and (step % config.eval.every == 0 or step == num_steps(config))
 
 
 def _resumed_eval(workdir: pathlib.Path, step: int, evaluate: Callable[[int, int], dict[str, float]],
@@ -201,10 +204,11 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
                       detokenize=tokenizer.decode, min_shared_prefix=config.rollout.min_shared_prefix)
     evaluate = lambda adapter_idx, step: source.evaluate(sampler, adapter_idx, step)
     writer = MetricsWriter(workdir)
-    base = _base_eval(workdir, evaluate)
-    logging.info("base held-out reward %.3f", base["eval/reward"])
-    if state.step == 0:
-        writer.write(0, base)
+    base = _base_eval(workdir, evaluate) if config.eval.num_tasks else None
+    if base is not None:
+        logging.info("base held-out reward %.3f", base["eval/reward"])
+        if state.step == 0:
+            writer.write(0, base)
     loss_cfg = _loss_config(config)
     train_step = make_train_step(run.model.cfg, loss_cfg, run.optimizer, plan=run.plan,
                                  remat=config.train.remat, temperature=config.rollout.temperature,
@@ -219,6 +223,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         t0 = time.monotonic()
         cursor = state.cursor["next_task"]
         rollouts = source.sample(sampler, cursor, jax.random.fold_in(state.rng, step), ADAPTER)
+        release_freed_memory()  # the rollouts' freed arenas, before the learner's (see runtime.py)
         t_sampled = time.monotonic()
         advantages, keep, advantage_stats = compute_advantages(config.advantage, rollouts.rewards, rollouts.group_ids)
         metrics = {**rollouts.metrics, **{f"advantage/{k}": v for k, v in advantage_stats.items()}}
@@ -237,6 +242,9 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
             metrics["learner/tokens"] = float(padded_tokens(batch))
             metrics["learner/micro_batches"] = float(len(batch["micro_batches"]))
         t_learned = time.monotonic()
+        rss_gb = release_freed_memory()
+        if rss_gb is not None:
+            metrics.update({"memory/rss_gb": rss_gb, "memory/peak_rss_gb": peak_memory_gb()})
         metrics.update({"time/sample_s": t_sampled - t0, "time/learn_s": t_learned - t_sampled,
                         "time/step_s": t_learned - t0, "rollout/rows": float(len(rollouts.sequences))})
         state = TrainState(step=step + 1, adapter_weights=weights, scale=state.scale, opt_state=opt_state,
@@ -255,7 +263,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     run.state = state
     writer.close()
     export_adapter(run, workdir)
-    summary = {**source.summary(base, latest_eval), "steps": int(state.step),
+    summary = {**(source.summary(base, latest_eval) if base is not None else {}), "steps": int(state.step),
                "rollouts": int(state.step) * config.rollout.tasks_per_step * config.rollout.group_size,
                "seconds": round(elapsed(), 1)}  # over every process of the run, less work lost to a kill
     (workdir / "summary.json").write_text(json.dumps(summary))
