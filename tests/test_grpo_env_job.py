@@ -2,7 +2,8 @@
 CPU device). The agent `smollm2-135m-tiny-agent` (SmolLM2 cloning gold trajectories, configs/warmstart_tiny.py)
 is built by the SFT job on first use, once per config, then taken from the cache. The GRPO job on
 `configs/grpo_env_tiny.py` (the tiny agent, one tool_calling ticket played sixteen times a step for two
-agent turns, no held-out evaluation): the training reward rises, and steps and rollouts are as configured.
+agent turns, no held-out evaluation): the training reward rises, steps and rollouts are as configured, and
+every training episode is logged per step.
 (The GRPO job's held-out evaluation on an environment is tested in the TRACE pipeline's training stage,
 tests/test_trace_pipeline.py, on the tiny random model.)
 """
@@ -77,6 +78,10 @@ def test_tiny_environment_run_raises_the_reward(tiny_agent, job_env, tmp_path):
     print(f"[grpo env job] rollout reward per step: {[round(r, 3) for r in reward]}")
     assert len(reward) == STEPS and all(0.0 <= r <= 1.0 for r in reward)
     assert np.mean(reward[-2:]) >= np.mean(reward[:2]) + MIN_RISE
+    for step, mean in enumerate(reward, start=1):  # every training episode is logged, as evaluations record them
+        records = [json.loads(line) for line in (tmp_path / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(records) == CONFIG.rollout.group_size and all(r["messages"] and "components" in r for r in records)
+        assert abs(np.mean([r["reward"] for r in records]) - mean) <= 1e-6
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     # eval.num_tasks = 0: no held-out evaluation, before or after.
     assert "base_reward" not in summary and not (tmp_path / "eval").exists()

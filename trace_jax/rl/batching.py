@@ -68,12 +68,14 @@ class LearnerSequence:
 @dataclasses.dataclass(frozen=True)
 class StepRollouts:
     """One GRPO step's rollouts: learner sequences (advantages not yet set), rewards, the group
-    (task) of each, and their metrics ("rollout/...")."""
+    (task) of each, their metrics ("rollout/...") and, for episodes, each one's record (messages,
+    reward components, end reason) for the step's log."""
 
     sequences: list[LearnerSequence]
     rewards: np.ndarray
     group_ids: np.ndarray
     metrics: dict[str, float]
+    records: list[dict] = dataclasses.field(default_factory=list)
 
 
 def micro_batch_rows(width: int, token_budget: int, row_multiple: int = 1) -> int:

@@ -156,7 +156,7 @@ class EnvironmentRollouts:
         metrics = trajectory_metrics(trajectories, "rollout")
         if self.hinted_per_group:
             metrics.update(hint_metrics(trajectories, "rollout"))
-        return StepRollouts(sequences, rewards, groups, metrics)
+        return StepRollouts(sequences, rewards, groups, metrics, [t.record() for t in trajectories])
 
     def first_prompts(self, task: TaskSpec) -> tuple[list[int], list[int]]:
         """The agent's first prompt of `task` (the ids the engine feeds it first), with the hint and without."""

@@ -23,8 +23,9 @@ RNG key, task cursor, wall time so far), and step k's sampling key is folded fro
 run killed after any checkpoint and restarted on the same workdir continues exactly as if
 it had never stopped; a step's metrics are logged before its evaluation, and an evaluation a kill
 interrupted is made on resume (an environment's plays only the episodes it lacks). Files in the
-workdir: checkpoints/, tensorboard/, metrics.jsonl, base_eval.json, summary.json (and eval/ for
-environments).
+workdir: checkpoints/, tensorboard/, metrics.jsonl, base_eval.json, summary.json (and, for
+environments, eval/ and rollouts/step_<k>.jsonl: every training episode of step k, messages and
+reward components, as the evaluation job records them).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from absl import logging
 from trace_jax import lora
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS
+from trace_jax.files import write_jsonl_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
 from trace_jax.rl.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from trace_jax.rl.batching import pack_sequences, padded_tokens
@@ -251,6 +253,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
                            rng=state.rng, cursor={"next_task": cursor + config.rollout.tasks_per_step,
                                                   "elapsed_s": round(elapsed(), 1)})
         start_time = time.monotonic()  # the cursor now holds the time so far
+        if rollouts.records:  # what the agent did, for reading a run after the fact
+            write_jsonl_atomic(workdir / "rollouts" / f"step_{step + 1}.jsonl", rollouts.records)
         run.checkpointer.save(state, force=step + 1 == steps)
         writer.write(step + 1, metrics)  # before the evaluation, which a kill may interrupt
         held_out = ""
