@@ -38,12 +38,8 @@ def retain_freed_memory() -> bool:
     Call it before JAX starts its threads (at the top of a program). Returns False, doing
     nothing, where the C library is not glibc (macOS, musl) or JAX will not compute on the CPU.
     """
-    if not sys.platform.startswith("linux") or not computes_on_cpu():
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc_function("mallopt") if computes_on_cpu() else None
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     # One arena, so large blocks come from the main heap; no mmap per block; -1 (as size_t) = never trim.
@@ -60,12 +56,20 @@ def release_freed_memory() -> float | None:
     fragments it, and the first TRACE run's training reached 24 GB on a 24 GB machine. Called after a
     training step's rollouts and after its update, it costs a round of page faults per phase, not one
     per executable run (measured: 14.6 GB resident before the call, 4.4 GB after)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
+    malloc_trim = _glibc_function("malloc_trim")
+    if malloc_trim is not None:
+        malloc_trim(0)
     return resident_memory_gb()
+
+
+def _glibc_function(name: str):
+    """The C library's function `name` on Linux (None elsewhere, or where the library lacks it: musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
 
 
 def resident_memory_gb() -> float | None:

@@ -109,7 +109,7 @@ class EnvironmentRollouts:
         if not available:
             raise ValueError(f"config.env.split = {config.env.split!r} has no tasks")
         self.train_tasks = [available[i % len(available)] for i in range(num_train_tasks)]  # finite sets cycle
-        self.heldout = self.env.tasks(config.eval.split, config.eval.num_tasks) if config.eval.num_tasks else []
+        self.heldout = self.env.tasks(config.eval.split, config.eval.num_tasks)
         limits = {k: config.rollout[k] for k in ("batch_size", "max_turns", "max_tokens_per_turn", "max_errors")}
         self.train_rollout = RolloutConfig(**limits, temperature=config.rollout.temperature, top_p=config.rollout.top_p)
         self.eval_rollout = dataclasses.replace(self.train_rollout, batch_size=config.eval.batch_size, temperature=0.0,

@@ -71,7 +71,7 @@ class TaskSetRollouts:
         self.task_set = TASK_SETS[config.task]
         self.train_tasks = self.task_set.make_tasks("train", num_train_tasks, config.seed)
         self.heldout = {split: self.task_set.make_tasks(split, config.eval.num_tasks, config.seed)
-                        for split in config.eval.splits} if config.eval.num_tasks else {}
+                        for split in config.eval.splits}
 
     def sample(self, sampler: Sampler, first_task: int, key: jax.Array, adapter_idx: int) -> StepRollouts:
         """`group_size` completions of each of the next `tasks_per_step` training tasks."""

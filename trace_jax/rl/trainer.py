@@ -45,7 +45,7 @@ from absl import logging
 from trace_jax import lora
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS
-from trace_jax.files import write_jsonl_atomic
+from trace_jax.files import write_json_atomic, write_jsonl_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
 from trace_jax.rl.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from trace_jax.rl.batching import pack_sequences, padded_tokens
@@ -162,9 +162,7 @@ def _base_eval(workdir: pathlib.Path, evaluate: Callable[[int, int], dict[str, f
     if path.is_file():
         return json.loads(path.read_text())
     metrics = evaluate(lora.NO_ADAPTER, 0)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(metrics))
-    tmp.replace(path)
+    write_json_atomic(path, metrics)
     return metrics
 
 
