@@ -1,10 +1,10 @@
-"""TRACE end to end in under 30 minutes on a 2-core CPU (the README's main command): the pipeline of
-configs/trace_embedded.py with small budgets.
+"""TRACE end to end in about half an hour on a 2-core CPU (the README's main command; 36 minutes on
+the slower CPU kind, docs/trace_pipeline.md): the pipeline of configs/trace_embedded.py with small budgets.
 
   python -m launch.trace --config=configs/trace_quick.py --workdir=runs/trace_quick
 
-The base agent plays 14 train tickets for the analysis and 14 held-out tickets (2 per family);
-one capability is selected, calibrated on 6 seeds x 4 samples with the authors' looser gates
+The base agent plays 7 train tickets for the analysis and 7 held-out tickets (one per family);
+one capability is selected, calibrated on 4 seeds x 4 samples with the authors' looser gates
 (mean reward in [0.2, 0.6], half the groups informative), trained for 2 GRPO steps of 2 tickets
 x 4 (episodes cut at 3 agent turns, which keep their calls' reward level: `calibration.cut_share = 1`,
 as most are cut; no held-out evaluation of the adapter alone) and routed. The numbers are a smoke
@@ -19,9 +19,9 @@ from configs import trace_embedded
 def get_config() -> ml_collections.ConfigDict:
     config = trace_embedded.get_config()
     config.log_every_s = 20.0
-    config.target.update(analysis_tasks=14, heldout_tasks=14)
+    config.target.update(analysis_tasks=7, heldout_tasks=7)
     config.analysis.max_selected = 1
-    config.calibration.update(seeds=6, samples=4, min_mean=0.2, max_mean=0.6, min_std=0.2, min_informative=0.5,
+    config.calibration.update(seeds=4, samples=4, min_mean=0.2, max_mean=0.6, min_std=0.2, min_informative=0.5,
                               cut_share=1.0)
     config.training.rollout.update(tasks_per_step=2, group_size=4, max_turns=3)
     config.training.train.steps = 2
