@@ -1,9 +1,10 @@
-"""TRACE end to end in about half an hour on a 2-core CPU (the README's main command; 36 minutes on
-the slower CPU kind, docs/trace_pipeline.md): the pipeline of configs/trace_embedded.py with small budgets.
+"""TRACE end to end in about half an hour on a 2-core CPU (the README's main command; 31 minutes for a
+second run on the slower CPU kind, docs/trace_pipeline.md): the pipeline of configs/trace_embedded.py
+with small budgets.
 
   python -m launch.trace --config=configs/trace_quick.py --workdir=runs/trace_quick
 
-The base agent plays 7 train tickets for the analysis and 7 held-out tickets (one per family);
+The base agent plays 7 train tickets for the analysis and 7 held-out tickets (one per family) in one batch;
 one capability is selected, calibrated on 4 seeds x 4 samples with the authors' looser gates
 (mean reward in [0.2, 0.6], half the groups informative), trained for 2 GRPO steps of 2 tickets
 x 4 (episodes cut at 3 agent turns, which keep their calls' reward level: `calibration.cut_share = 1`,

@@ -11,7 +11,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 pytest.importorskip("tau2")
 
 from configs import embedded_retail  # noqa: E402
-from trace_jax.evaluation import evaluate, run_marker  # noqa: E402
+from trace_jax.evaluation import evaluate, evaluate_together, run_marker  # noqa: E402
 
 
 def _records(workdir) -> list[dict]:
@@ -38,6 +38,34 @@ def test_a_killed_evaluation_resumes_and_another_config_starts_afresh(tmp_path):
     config.num_tasks = 7
     assert evaluate(config, tmp_path, agent="gold")["num_episodes"] == 7 and len(_records(tmp_path)) == 7
     assert evaluate(config, tmp_path, agent="noop")["success"] == 0.0  # another agent: not gold's episodes
+
+
+def test_evaluations_played_together_write_what_each_alone_writes_and_resume(tmp_path):
+    """Two splits in one batch (the pipeline's base evaluations): each workdir gets its own episodes and
+    summary, equal to its evaluation alone; a kill in one resumes only its missing episodes."""
+    heldout = embedded_retail.get_config()
+    heldout.num_tasks, heldout.log_every_s = 7, 0.0
+    train = embedded_retail.get_config()
+    train.update(split="train", num_tasks=5, log_every_s=0.0)
+    runs = [(train, tmp_path / "train"), (heldout, tmp_path / "heldout")]
+    together = evaluate_together(runs, agent="gold")
+    alone = [evaluate(config, tmp_path / f"alone_{n}", agent="gold") for n, (config, _) in enumerate(runs)]
+    for (_, workdir), summary, single in zip(runs, together, alone):
+        assert {k: summary[k] for k in ("num_episodes", "success", "families")} == \
+            {k: single[k] for k in ("num_episodes", "success", "families")}
+    assert {r["split"] for r in _records(tmp_path / "train")} == {"train"}
+    assert {r["split"] for r in _records(tmp_path / "heldout")} == {"heldout"}
+    lines = (tmp_path / "heldout" / "episodes.jsonl").read_text().splitlines()
+    (tmp_path / "heldout" / "episodes.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    train_before = _records(tmp_path / "train")
+    evaluate_together(runs, agent="gold")
+    assert _records(tmp_path / "train") == train_before  # nothing of the finished run played again
+    assert _records(tmp_path / "heldout")[:3] == [json.loads(line) for line in lines[:3]]
+    assert len(_records(tmp_path / "heldout")) == 7
+    other = embedded_retail.get_config()
+    other.rollout.max_turns = 3
+    with pytest.raises(ValueError, match="rollout"):
+        evaluate_together([(heldout, tmp_path / "a"), (other, tmp_path / "b")], agent="gold")
 
 
 def test_grpo_reads_the_base_agents_episodes_from_an_evaluation_run(tmp_path, smollm2):

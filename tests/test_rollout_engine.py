@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("tau2")
 
-from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine  # noqa: E402
+from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine, session_rows  # noqa: E402
 from trace_jax.agent.scripted import GoldAgent, NoopAgent, StoppingUser  # noqa: E402
 from trace_jax.envs import base  # noqa: E402
 from trace_jax.envs.embedded_retail import EmbeddedRetail  # noqa: E402
@@ -53,3 +53,10 @@ def test_max_turns_ends_an_episode_with_its_reason(env):
     for trajectory in engine.run([Job(task) for task in long_tasks], key=jax.random.key(0)):
         assert trajectory.end_reason == base.END_MAX_TURNS and trajectory.num_turns == 1
         assert trajectory.outcome.reward == 0.0
+
+
+def test_a_run_whose_episodes_all_start_at_once_takes_only_the_rows_they_use():
+    assert [session_rows(used, 16, False) for used in (1, 2, 3, 7, 8, 9, 14, 16)] == [1, 2, 4, 8, 8, 16, 16, 16]
+    assert session_rows(5, 6, False) == 6  # never more than the batch
+    # Episodes still to start need every row (a solo episode takes one of the two rows an episode may need).
+    assert session_rows(1, 2, True) == 2 and session_rows(15, 16, True) == 16

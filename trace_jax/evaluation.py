@@ -11,6 +11,7 @@ user-side gold calls for the gold agent (telecom), and stops after the agent's n
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import pathlib
@@ -105,23 +106,44 @@ def play(engine: RolloutEngine, jobs: list[Job], *, key: jax.Array, episodes_pat
     line cut off by the kill is dropped). Each record's `elapsed_s` counts the playing time of
     all runs so far, so the last one is the evaluation's wall time however often it resumed.
     """
-    records = recorded_episodes(episodes_path)
-    played = {_job_id(r["task_id"], r["trial"], r["adapter_idx"]) for r in records}
-    todo = [job for job in jobs if _job_id(job.task.task_id, job.trial, job.adapter_idx) not in played]
-    if records:
-        logging.info("resuming: %d of %d episodes already in %s", len(jobs) - len(todo), len(jobs), episodes_path)
-    progress = Progress(len(jobs), start=len(jobs) - len(todo), every_s=log_every_s, name="episode")
-    offset, start = max((r.get("elapsed_s", 0.0) for r in records), default=0.0), time.monotonic()
-    with open(episodes_path, "w") as log:
-        log.writelines(json.dumps(r) + "\n" for r in records)
+    return play_together(engine, [(jobs, episodes_path)], key=key, log_every_s=log_every_s)[0]
+
+
+def play_together(engine: RolloutEngine, runs: list[tuple[list[Job], pathlib.Path]], *, key: jax.Array,
+                  log_every_s: float = 10.0) -> list[list[dict]]:
+    """`play` for several runs' jobs in one batch, each run's records in its own episodes file (a batch lasts
+    as long as its slowest episode, so runs played one after the other each wait for theirs)."""
+    paths = [path for _, path in runs]
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"two runs write the same episodes file: {paths}")
+    records = [recorded_episodes(path) for path in paths]
+    run_of, todo = {}, []
+    for number, ((jobs, _), done) in enumerate(zip(runs, records)):
+        played = {_job_id(r["task_id"], r["trial"], r["adapter_idx"]) for r in done}
+        for job in jobs:
+            if _job_id(job.task.task_id, job.trial, job.adapter_idx) not in played:
+                run_of[id(job)] = number
+                todo.append(job)
+    total, resumed = sum(len(jobs) for jobs, _ in runs), sum(len(done) for done in records)
+    if resumed:
+        logging.info("resuming: %d of %d episodes already in %s", total - len(todo), total,
+                     ", ".join(map(str, paths)))
+    progress = Progress(total, start=total - len(todo), every_s=log_every_s, name="episode")
+    offset = max((r.get("elapsed_s", 0.0) for done in records for r in done), default=0.0)
+    start = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(open(path, "w")) for path in paths]
+        for log, done in zip(logs, records):
+            log.writelines(json.dumps(r) + "\n" for r in done)
 
         def on_done(trajectory: Trajectory) -> None:
+            number = run_of[id(trajectory.job)]
             record = {**trajectory.record(), "elapsed_s": round(offset + time.monotonic() - start, 1)}
-            records.append(record)
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            successes = sum(r["success"] for r in records)
-            progress.update(len(records), f"success {successes}/{len(records)}")
+            records[number].append(record)
+            logs[number].write(json.dumps(record) + "\n")
+            logs[number].flush()
+            ended = [r for done in records for r in done]
+            progress.update(len(ended), f"success {sum(r['success'] for r in ended)}/{len(ended)}")
 
         engine.run(todo, key=key, on_done=on_done)
     return records
@@ -219,24 +241,45 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, age
              routes: Routes | None = None) -> dict:
     """Runs the evaluation into `workdir` (with `routes`, each task under its own adapter, in place
     of `config.adapter`); returns the summary also written to summary.json."""
+    return evaluate_together([(config, workdir)], agent=agent, routes=routes)[0]
+
+
+TOGETHER_KEYS = ("split", "num_tasks")  # what evaluations played in one batch may differ in
+
+
+def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.Path]], agent: str = "model",
+                      routes: Routes | None = None) -> list[dict]:
+    """Evaluations that differ only in split and task count, played in one batch with one model (each
+    writes its workdir and resumes as `evaluate` does); returns their summaries."""
     if agent not in AGENTS:
         raise ValueError(f"agent {agent!r} is invalid; it must be one of {', '.join(AGENTS)}")
-    validate_config(config)
+    config = runs[0][0]
+    for other, _ in runs:
+        validate_config(other)
+        mismatch = [k for k, v in other.items() if k not in TOGETHER_KEYS and v != config.get(k)]
+        if mismatch or set(other.keys()) != set(config.keys()):
+            raise ValueError(f"evaluations played together differ only in {TOGETHER_KEYS}, not in {mismatch}")
     if routes and config.adapter:
         raise ValueError("config.adapter must be '' when the tasks are routed among adapters")
     start = time.monotonic()
-    workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    _keep_episodes_of_same_run(workdir, run_marker(config, agent, routes))
+    workdirs = [pathlib.Path(workdir) for _, workdir in runs]
     env = make_environment(config.env)
-    tasks = env.tasks(config.split, config.num_tasks)
+    groups = []
+    for (run, _), workdir in zip(runs, workdirs):
+        workdir.mkdir(parents=True, exist_ok=True)
+        _keep_episodes_of_same_run(workdir, run_marker(run, agent, routes))
+        groups.append((run, env.tasks(run.split, run.num_tasks)))
     engine, adapter_of = _engine(config, env, agent, routes)
-    jobs = [Job(task, trial, adapter_of(task.task_id)) for trial in range(config.trials) for task in tasks]
-    records = play(engine, jobs, key=jax.random.key(config.seed), episodes_path=workdir / "episodes.jsonl",
-                   log_every_s=config.log_every_s)
-    summary, table = summarize_run(records, config.trials)
-    (workdir / "table.md").write_text(table + "\n")
-    summary = {**summary, "agent": agent, "seconds": round(time.monotonic() - start, 1),
-               "play_seconds": max((r["elapsed_s"] for r in records), default=0.0)}
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
+    played = play_together(engine, [([Job(task, trial, adapter_of(task.task_id)) for trial in range(run.trials)
+                                      for task in tasks], workdir / "episodes.jsonl")
+                                    for (run, tasks), workdir in zip(groups, workdirs)],
+                           key=jax.random.key(config.seed), log_every_s=config.log_every_s)
+    summaries = []
+    for workdir, records in zip(workdirs, played):
+        summary, table = summarize_run(records, config.trials)
+        (workdir / "table.md").write_text(table + "\n")
+        summary = {**summary, "agent": agent, "seconds": round(time.monotonic() - start, 1),
+                   "play_seconds": max((r["elapsed_s"] for r in records), default=0.0)}
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+        summaries.append(summary)
+    return summaries

@@ -7,7 +7,8 @@ a rerun skips finished stages, and the stage a kill interrupted resumes from wha
 files). A stage's wall time sums every process that worked on it (`stage_clock.json`). Layout:
 
   base_analysis/      the base agent on the target's analysis split (the analyst's trajectories)
-  heldout/base/       the base agent on the held-out split (or `target.base_run`, checked to be that run)
+  heldout/base/       the base agent on the held-out split, in the same batch (or `target.base_run`, checked
+                      to be that run)
   analysis/           stage 1 (`trace_jax.trace.analysis`)
   environments/<c>/   stage 2: calibration of each selected capability's environment; written/ holds the
                       LLM-written module, its attempts and exported tasks (`trace_jax.trace.env_writer`)
@@ -34,7 +35,7 @@ from trace_jax.envs import make_environment
 from trace_jax.envs.base import Gold
 from trace_jax.envs.capability import CAPABILITIES
 from trace_jax.envs.capability.sandbox import ValidationReport
-from trace_jax.evaluation import Routes, check_base_run, evaluate, recorded_episodes
+from trace_jax.evaluation import Routes, check_base_run, evaluate, evaluate_together, recorded_episodes
 from trace_jax.evaluation import validate_config as validate_evaluation_config
 from trace_jax.files import write_json_atomic
 from trace_jax.llm.client import ChatClient, validate_llm_config
@@ -195,15 +196,16 @@ class Pipeline:
         return summary
 
     def _base(self) -> dict:
+        """The base agent on the analysis split and, unless `target.base_run` names that run, on the held-out
+        split, both in one batch."""
         target = self.config.target
-        analysis = evaluate(_evaluation_config(self.config, target.analysis_split, target.analysis_tasks),
-                            self.workdir / "base_analysis")
-        if target.base_run:
-            heldout_dir = pathlib.Path(target.base_run)
-            heldout = json.loads((heldout_dir / "summary.json").read_text())
-        else:
-            heldout_dir = self.workdir / "heldout" / "base"
-            heldout = evaluate(_heldout_evaluation(self.config), heldout_dir)
+        runs = [(_evaluation_config(self.config, target.analysis_split, target.analysis_tasks),
+                 self.workdir / "base_analysis")]
+        heldout_dir = pathlib.Path(target.base_run) if target.base_run else self.workdir / "heldout" / "base"
+        if not target.base_run:
+            runs.append((_heldout_evaluation(self.config), heldout_dir))
+        analysis, *played = evaluate_together(runs)
+        heldout = played[0] if played else json.loads((heldout_dir / "summary.json").read_text())
         return {"analysis_success": analysis["success"], "heldout_success": heldout["success"],
                 "heldout_dir": str(heldout_dir)}
 
