@@ -256,8 +256,9 @@ def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.
     config = runs[0][0]
     for other, _ in runs:
         validate_config(other)
-        mismatch = [k for k, v in other.items() if k not in TOGETHER_KEYS and v != config.get(k)]
-        if mismatch or set(other.keys()) != set(config.keys()):
+        mismatch = sorted(k for k in set(config) | set(other)
+                          if k not in TOGETHER_KEYS and other.get(k) != config.get(k))
+        if mismatch:
             raise ValueError(f"evaluations played together differ only in {TOGETHER_KEYS}, not in {mismatch}")
     if routes and config.adapter:
         raise ValueError("config.adapter must be '' when the tasks are routed among adapters")
