@@ -54,14 +54,15 @@ def _programs(sampler: Sampler) -> dict[str, int]:
 
 
 def _profile(stats) -> dict:
-    """Where the timed run went: decoding, prefilling (tool results, user turns, new episodes) and
-    the host (tools, the evaluator, encoding turns), with the rows busy per decode step."""
+    """Where the timed run went: decoding, prefilling (shared system prompts, tool results, user turns, new
+    episodes) and the host (tools, the evaluator, encoding turns), with the rows busy per decode step."""
     host = stats["run_s"] - stats["decode_s"] - stats["prefill_s"]
     return {"decode_s": round(stats["decode_s"], 1), "prefill_s": round(stats["prefill_s"], 1),
             "host_s": round(host, 1), "decode_steps": stats["decode_steps"], "decode_calls": stats["decode_calls"],
             "rows_per_decode_step": round(stats["decode_tokens"] / max(stats["decode_steps"], 1), 2),
             "s_per_decode_step": round(stats["decode_s"] / max(stats["decode_steps"], 1), 3),
-            "prefill_calls": stats["prefill_calls"], "prefill_rows": stats["prefill_rows"],
+            "prefix_prefills": stats["prefix_prefills"], "prefill_calls": stats["prefill_calls"],
+            "prefill_rows": stats["prefill_rows"],
             "prefill_tokens": stats["prefill_tokens"], "prefill_padded_tokens": stats["prefill_padded_tokens"],
             "cache_resizes": stats["resizes"]}
 

@@ -23,11 +23,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import pathlib  # noqa: E402
 
-from trace_jax.runtime import enable_compilation_cache, retain_freed_memory  # noqa: E402
+from trace_jax.runtime import enable_compilation_cache, full_precision_matmuls, retain_freed_memory  # noqa: E402
 
 if "PYTEST_XDIST_WORKER" not in os.environ:  # beside a job, a worker gives freed memory back
     retain_freed_memory()  # as every launch entry point does (see launch/__init__.py)
 enable_compilation_cache()
+full_precision_matmuls()  # the parity bounds are fp32's, also where the suite runs on a GPU
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

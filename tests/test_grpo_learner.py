@@ -102,9 +102,10 @@ def test_sharded_gradients_equal_single_device(setup, shared_prefix):
 def test_kl_zero_at_base_positive_after_update_and_matches_finite_differences(setup):
     cfg, params, fresh, adapters, batch = setup
     fn = grad_fn(cfg, LOSS, 1)
-    # A fresh adapter (B = 0) is the base: the reference KL is exactly zero.
+    # A fresh adapter (B = 0) is the base: the reference KL is zero (exactly on the CPU; 3e-14 on an H100,
+    # whose kernels sum the policy's and the reference's passes in different orders).
     _, metrics = fn(params, fresh.weights, fresh.scale, batch)
-    assert float(metrics["kl_ref"]) == 0.0
+    assert abs(float(metrics["kl_ref"])) <= 1e-12
     # One AdamW step moves the policy off the base.
     optimizer, step = train_step(cfg, LOSS)
     weights = jax.tree.map(jnp.copy, fresh.weights)  # the step donates (consumes) its weights

@@ -9,7 +9,7 @@ import re
 import subprocess
 import sys
 
-from trace_jax.runtime import compilation_cache_dir, computes_on_cpu
+from trace_jax.runtime import compilation_cache_dir, computes_on_cpu, full_precision_matmuls
 
 
 def test_the_cpu_is_recognised_from_the_platforms_variable_or_the_installed_plugins():
@@ -18,6 +18,20 @@ def test_the_cpu_is_recognised_from_the_platforms_variable_or_the_installed_plug
     assert not computes_on_cpu({}, ["jax_rocm7_plugin"]) and not computes_on_cpu({}, ["libtpu"])
     assert computes_on_cpu({"JAX_PLATFORMS": "cpu"}, ["jax-cuda12-plugin"])  # a GPU build asked to run on the CPU
     assert not computes_on_cpu({"JAX_PLATFORMS": "cuda,cpu"}, ["jax"])
+
+
+def test_fp32_matmuls_run_at_full_precision_on_accelerators_unless_the_user_says_otherwise():
+    import jax
+
+    before = jax.config.jax_default_matmul_precision
+    try:
+        assert not full_precision_matmuls({"JAX_PLATFORMS": "cpu"})  # XLA:CPU multiplies fp32 in full
+        assert not full_precision_matmuls({"JAX_PLATFORMS": "cuda", "JAX_DEFAULT_MATMUL_PRECISION": "tensorfloat32"})
+        assert jax.config.jax_default_matmul_precision == before
+        assert full_precision_matmuls({"JAX_PLATFORMS": "cuda"})
+        assert jax.config.jax_default_matmul_precision == "highest"
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)
 
 
 def test_compiled_programs_persist_in_a_folder_named_after_the_machine(tmp_path, monkeypatch):

@@ -146,7 +146,20 @@ def play_together(engine: RolloutEngine, runs: list[tuple[list[Job], pathlib.Pat
             progress.update(len(ended), f"success {sum(r['success'] for r in ended)}/{len(ended)}")
 
         engine.run(todo, key=key, on_done=on_done)
+    _log_profile(engine.stats)
     return records
+
+
+def _log_profile(stats) -> None:
+    """Where a run's time went: prefilling (shared system prompts, then first prompts and tool results), decoding,
+    and the host (tools, the evaluator, encoding turns), with each side's call counts."""
+    if not stats.get("run_s"):
+        return
+    host = stats["run_s"] - stats["prefill_s"] - stats["decode_s"]
+    logging.info("rollouts %.0f s: prefill %.0f s (%d shared prefixes of %d tokens, %d calls of %d tokens padded to "
+                 "%d), decode %.0f s (%d steps in %d calls), host %.0f s", stats["run_s"], stats["prefill_s"],
+                 stats["prefix_prefills"], stats["prefix_tokens"], stats["prefill_calls"], stats["prefill_tokens"],
+                 stats["prefill_padded_tokens"], stats["decode_s"], stats["decode_steps"], stats["decode_calls"], host)
 
 
 def _job_id(task_id: str, trial: int, adapter_idx: int) -> tuple:

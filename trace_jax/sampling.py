@@ -468,7 +468,8 @@ class Session:
         self._done: dict[int, Completion] = {}  # finished rows not yet returned by `step`
         self._text_end: dict[int, int] = {}  # where a stop string cut a row's text
         self._prefixes: dict[tuple, tuple[list[int], int]] = {}  # (adapter, group) -> (tokens, slot)
-        # Where the time goes (for benchmarks): prefill calls, rows and tokens; decode calls, steps and tokens.
+        # Where the time goes (for benchmarks): prefill calls, rows and tokens (and the stored prefixes'); decode
+        # calls, steps and tokens.
         self.stats = collections.Counter()
 
     @property
@@ -488,7 +489,10 @@ class Session:
             return 0
         if (adapter_idx, group) not in self._prefixes:
             tokens = list(prompt[:-1])  # the row must feed at least its last prompt token
+            start = time.perf_counter()
             self.cache, slot = sampler.add_prefix(self.cache, tokens, adapter_idx)
+            jax.block_until_ready(self.cache.k)
+            self.stats.update(prefill_s=time.perf_counter() - start, prefix_prefills=1, prefix_tokens=len(tokens))
             self._prefixes[adapter_idx, group] = (tokens, slot)
         tokens, slot = self._prefixes[adapter_idx, group]
         shared = min(common_prefix_length([tokens, prompt]), len(prompt) - 1)
