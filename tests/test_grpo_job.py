@@ -7,13 +7,10 @@ processes share a JAX compilation cache so the second one does not compile again
 """
 
 import json
-import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -22,6 +19,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import grpo_tiny
+from job_kills import kill_after_checkpoint
 from trace_jax.rl.trainer import validate_config
 
 pytestmark = pytest.mark.optimized_xla  # SmolLM2 runs long here (tests/conftest.py)
@@ -81,15 +79,6 @@ def test_tiny_config_trains_the_adapter_and_logs_metrics(full_run):
     assert json.loads((workdir / "summary.json").read_text()) == summary
 
 
-def _wait_for_checkpoint(workdir: pathlib.Path, step: int, child: subprocess.Popen, timeout_s: float) -> None:
-    """Returns once checkpoint `step` is complete in `workdir` (orbax renames its folder into place when it
-    has finished writing it) or the child exits."""
-    done = workdir / "checkpoints" / str(step)
-    deadline = time.monotonic() + timeout_s
-    while child.poll() is None and time.monotonic() < deadline and not done.is_dir():
-        time.sleep(0.2)
-
-
 def test_sigkilled_run_resumes_to_the_same_adapter(full_run, job_env, tmp_path):
     """A run restarted from the uninterrupted run's checkpoint of step STEPS - 1 trains the last step,
     and is SIGKILLed as soon as it has saved that step (during its final evaluation). Restarted on the
@@ -102,13 +91,7 @@ def test_sigkilled_run_resumes_to_the_same_adapter(full_run, job_env, tmp_path):
     (workdir / "checkpoints").mkdir(parents=True)
     shutil.copytree(full_dir / "checkpoints" / str(last), workdir / "checkpoints" / str(last))
     shutil.copy(full_dir / "base_eval.json", workdir)  # the base evaluation is not under test
-    with open(tmp_path / "first.log", "w") as log:
-        child = subprocess.Popen(_command(workdir), cwd=REPO, env=job_env, stdout=log, stderr=subprocess.STDOUT)
-        _wait_for_checkpoint(workdir, STEPS, child, timeout_s=1200)
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait()
-    first_log = (tmp_path / "first.log").read_text()
-    assert child.returncode == -signal.SIGKILL, first_log[-3000:]
+    first_log = kill_after_checkpoint(_command(workdir), job_env, workdir, STEPS, tmp_path / "first.log", 1200)
     assert f"resumed from step {last}" in first_log and "base_reward" not in first_log  # killed before the end
     out = subprocess.run(_command(workdir), cwd=REPO, env=job_env, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -1,6 +1,6 @@
 """The SFT job (`configs/warmstart_tiny.py`: a few gold trajectories of the tool_calling capability
 environment) on the tiny random model with SmolLM2's tokenizer, run as a user runs it (subprocesses on
-one CPU device): a stopped run resumes to the weights of an uninterrupted one, the loss falls, and the
+one CPU device): a SIGKILLed run resumes to the weights of an uninterrupted one, the loss falls, and the
 PEFT adapter and the merged HF folder agree. (The SFT build of the tiny SmolLM2 agent, and its cache, are
 tested where the agent is used: tests/test_grpo_env_job.py.)
 """
@@ -16,6 +16,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from configs import warmstart_tiny
+from job_kills import kill_after_checkpoint
 from trace_jax import lora
 from trace_jax.models import decoder
 from trace_jax.models.model import load_model
@@ -38,16 +39,18 @@ def _command(workdir, model):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, job_env, tiny_chat_model):
-    """The workdirs of two runs on the tiny chat model: one stopped after step 1 and run again to the end,
-    one uninterrupted."""
+    """The workdirs of two runs on the tiny chat model: one SIGKILLed as soon as it has saved step 2 (in step 3,
+    each step taking seconds) and run again to the end, one uninterrupted."""
     resumed, uninterrupted = tmp_path_factory.mktemp("sft_resumed"), tmp_path_factory.mktemp("sft_uninterrupted")
-    _run([*_command(resumed, tiny_chat_model), "--config.train.steps=1"], job_env)
+    killed = kill_after_checkpoint([sys.executable, *_command(resumed, tiny_chat_model)], job_env, resumed, 2,
+                                   resumed.parent / "sft_killed.log", 1200)
+    assert "resumed from" not in killed and '"steps"' not in killed  # a fresh run, killed before its end
     for workdir in (resumed, uninterrupted):
         assert json.loads(_run(_command(workdir, tiny_chat_model), job_env))["steps"] == CONFIG.train.steps
     return resumed, uninterrupted
 
 
-def test_a_stopped_run_resumes_to_the_same_weights_and_lowers_the_loss(runs):
+def test_a_killed_run_resumes_to_the_same_weights_and_lowers_the_loss(runs):
     resumed, uninterrupted = runs
     losses = [json.loads(line)["learner/loss"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == CONFIG.train.steps and losses[-1] < losses[0]

@@ -150,7 +150,7 @@ def play_together(engine: RolloutEngine, runs: list[tuple[list[Job], pathlib.Pat
     return records
 
 
-def _log_profile(stats) -> None:
+def _log_profile(stats: Counter) -> None:
     """Where a run's time went: prefilling (shared system prompts, then first prompts and tool results), decoding,
     and the host (tools, the evaluator, encoding turns), with each side's call counts."""
     if not stats.get("run_s"):
