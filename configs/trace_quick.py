@@ -1,4 +1,4 @@
-"""TRACE end to end in under half an hour on a 2-core CPU (the README's main command; 29 minutes for a
+"""TRACE end to end in under half an hour on a 2-core CPU (the README's main command; 28-29 minutes for a
 second run on the slower CPU kind, docs/trace_pipeline.md): the pipeline of configs/trace_embedded.py
 with small budgets.
 

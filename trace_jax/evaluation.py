@@ -118,11 +118,11 @@ def play_together(engine: RolloutEngine, runs: list[tuple[list[Job], pathlib.Pat
         raise ValueError(f"two runs write the same episodes file: {paths}")
     records = [recorded_episodes(path) for path in paths]
     run_of, todo = {}, []
-    for number, ((jobs, _), done) in enumerate(zip(runs, records)):
+    for run, ((jobs, _), done) in enumerate(zip(runs, records)):
         played = {_job_id(r["task_id"], r["trial"], r["adapter_idx"]) for r in done}
         for job in jobs:
             if _job_id(job.task.task_id, job.trial, job.adapter_idx) not in played:
-                run_of[id(job)] = number
+                run_of[id(job)] = run
                 todo.append(job)
     total, resumed = sum(len(jobs) for jobs, _ in runs), sum(len(done) for done in records)
     if resumed:
@@ -137,11 +137,11 @@ def play_together(engine: RolloutEngine, runs: list[tuple[list[Job], pathlib.Pat
             log.writelines(json.dumps(r) + "\n" for r in done)
 
         def on_done(trajectory: Trajectory) -> None:
-            number = run_of[id(trajectory.job)]
+            run = run_of[id(trajectory.job)]
             record = {**trajectory.record(), "elapsed_s": round(offset + time.monotonic() - start, 1)}
-            records[number].append(record)
-            logs[number].write(json.dumps(record) + "\n")
-            logs[number].flush()
+            records[run].append(record)
+            logs[run].write(json.dumps(record) + "\n")
+            logs[run].flush()
             ended = [r for done in records for r in done]
             progress.update(len(ended), f"success {sum(r['success'] for r in ended)}/{len(ended)}")
 
