@@ -23,7 +23,7 @@ import jax
 from absl import app, flags, logging
 
 from trace_jax import runtime
-from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
+from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine, rollout_profile
 from trace_jax.envs.embedded_retail import EmbeddedRetail
 from trace_jax.models.model import load_model
 from trace_jax.sampling import Sampler
@@ -51,20 +51,6 @@ def _programs(sampler: Sampler) -> dict[str, int]:
     """How many programs each of the sampler's jitted functions has so far (compiled or loaded)."""
     names = ("_prefill", "_take_rows", "_prefill_rows", "_put_rows", "_decode")
     return {name: getattr(sampler, name)._cache_size() for name in names}
-
-
-def _profile(stats) -> dict:
-    """Where the timed run went: decoding, prefilling (shared system prompts, tool results, user turns, new
-    episodes) and the host (tools, the evaluator, encoding turns), with the rows busy per decode step."""
-    host = stats["run_s"] - stats["decode_s"] - stats["prefill_s"]
-    return {"decode_s": round(stats["decode_s"], 1), "prefill_s": round(stats["prefill_s"], 1),
-            "host_s": round(host, 1), "decode_steps": stats["decode_steps"], "decode_calls": stats["decode_calls"],
-            "rows_per_decode_step": round(stats["decode_tokens"] / max(stats["decode_steps"], 1), 2),
-            "s_per_decode_step": round(stats["decode_s"] / max(stats["decode_steps"], 1), 3),
-            "prefix_prefills": stats["prefix_prefills"], "prefill_calls": stats["prefill_calls"],
-            "prefill_rows": stats["prefill_rows"],
-            "prefill_tokens": stats["prefill_tokens"], "prefill_padded_tokens": stats["prefill_padded_tokens"],
-            "cache_resizes": stats["resizes"]}
 
 
 def main(argv: list[str]) -> None:
@@ -101,7 +87,7 @@ def main(argv: list[str]) -> None:
               "sampler": {"rows": len(first_prompts), "new_tokens_per_row": per_row,
                           "seconds": round(sampler_seconds, 1), "generated_tokens_per_s": round(sampler_rate, 1)},
               "ratio": round(engine_rate / sampler_rate, 3),
-              "profile": {**_profile(engine.stats), "new_programs_in_timed_run": new_programs,
+              "profile": {**rollout_profile(engine.stats), "new_programs_in_timed_run": new_programs,
                           "of_which_loaded_from_compilation_cache": loaded},
               "batch_size": _BATCH.value, "max_turns": _TURNS.value, "max_tokens_per_turn": _TOKENS.value}
     logging.info("rollouts: %s", result)

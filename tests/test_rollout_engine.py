@@ -7,12 +7,14 @@ ends at once and scores 0.
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import pytest
 
 pytest.importorskip("tau2")
 
-from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine, session_rows  # noqa: E402
+from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine, rollout_profile, session_rows  # noqa: E402
 from trace_jax.agent.scripted import GoldAgent, NoopAgent, StoppingUser  # noqa: E402
 from trace_jax.envs import base  # noqa: E402
 from trace_jax.envs.embedded_retail import EmbeddedRetail  # noqa: E402
@@ -53,6 +55,15 @@ def test_max_turns_ends_an_episode_with_its_reason(env):
     for trajectory in engine.run([Job(task) for task in long_tasks], key=jax.random.key(0)):
         assert trajectory.end_reason == base.END_MAX_TURNS and trajectory.num_turns == 1
         assert trajectory.outcome.reward == 0.0
+
+
+def test_the_profile_splits_a_run_into_prefill_decode_and_host():
+    stats = collections.Counter(run_s=10.0, prefill_s=4.0, decode_s=5.0, decode_steps=20, decode_tokens=50,
+                                prefix_prefills=1, prefix_tokens=1200)
+    profile = rollout_profile(stats)
+    assert (profile["prefill_s"], profile["decode_s"], profile["host_s"]) == (4.0, 5.0, 1.0)
+    assert profile["rows_per_decode_step"] == 2.5 and profile["s_per_decode_step"] == 0.25
+    assert (profile["prefix_prefills"], profile["prefix_tokens"], profile["prefill_calls"]) == (1, 1200, 0)
 
 
 def test_a_run_whose_episodes_all_start_at_once_takes_only_the_rows_they_use():

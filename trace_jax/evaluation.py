@@ -24,7 +24,7 @@ import ml_collections
 from absl import logging
 
 from trace_jax import lora
-from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Trajectory
+from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Trajectory, rollout_profile
 from trace_jax.agent.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS, make_environment
@@ -146,20 +146,9 @@ def play_together(engine: RolloutEngine, runs: list[tuple[list[Job], pathlib.Pat
             progress.update(len(ended), f"success {sum(r['success'] for r in ended)}/{len(ended)}")
 
         engine.run(todo, key=key, on_done=on_done)
-    _log_profile(engine.stats)
+    if engine.stats["decode_steps"]:  # the model played: where its time went
+        logging.info("rollouts in %.0f s: %s", engine.stats["run_s"], rollout_profile(engine.stats))
     return records
-
-
-def _log_profile(stats: Counter) -> None:
-    """Where a run's time went: prefilling (shared system prompts, then first prompts and tool results), decoding,
-    and the host (tools, the evaluator, encoding turns), with each side's call counts."""
-    if not stats.get("run_s"):
-        return
-    host = stats["run_s"] - stats["prefill_s"] - stats["decode_s"]
-    logging.info("rollouts %.0f s: prefill %.0f s (%d shared prefixes of %d tokens, %d calls of %d tokens padded to "
-                 "%d), decode %.0f s (%d steps in %d calls), host %.0f s", stats["run_s"], stats["prefill_s"],
-                 stats["prefix_prefills"], stats["prefix_tokens"], stats["prefill_calls"], stats["prefill_tokens"],
-                 stats["prefill_padded_tokens"], stats["decode_s"], stats["decode_steps"], stats["decode_calls"], host)
 
 
 def _job_id(task_id: str, trial: int, adapter_idx: int) -> tuple:

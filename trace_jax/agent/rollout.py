@@ -355,6 +355,20 @@ def session_rows(used: int, batch_size: int, more_to_start: bool) -> int:
     return batch_size if more_to_start else min(batch_size, 1 << max(used - 1, 0).bit_length())
 
 
+def rollout_profile(stats: collections.Counter) -> dict:
+    """Where a run went (`RolloutEngine.stats`): decoding, prefilling (shared system prompts, tool results, user
+    turns, new episodes) and the host (tools, the evaluator, encoding turns), with the rows busy per decode step."""
+    host = stats["run_s"] - stats["decode_s"] - stats["prefill_s"]
+    return {"decode_s": round(stats["decode_s"], 1), "prefill_s": round(stats["prefill_s"], 1),
+            "host_s": round(host, 1), "decode_steps": stats["decode_steps"], "decode_calls": stats["decode_calls"],
+            "rows_per_decode_step": round(stats["decode_tokens"] / max(stats["decode_steps"], 1), 2),
+            "s_per_decode_step": round(stats["decode_s"] / max(stats["decode_steps"], 1), 3),
+            "prefix_prefills": stats["prefix_prefills"], "prefix_tokens": stats["prefix_tokens"],
+            "prefill_calls": stats["prefill_calls"], "prefill_rows": stats["prefill_rows"],
+            "prefill_tokens": stats["prefill_tokens"], "prefill_padded_tokens": stats["prefill_padded_tokens"],
+            "cache_resizes": stats["resizes"]}
+
+
 def _rows(item: _Live) -> list[int]:
     """The sampler rows an episode's model speakers use."""
     return [s.row for s in (item.agent, item.user) if s is not None and s.row is not None]
