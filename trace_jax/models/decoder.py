@@ -284,6 +284,7 @@ def forward_hidden(
     cos, sin = (jnp.asarray(table)[positions][:, :, None, :] for table in (cos, sin))  # [B, T, 1, hd/2]
     if cache is None:
         write_pos = write_mask = k_pos = k_valid = prefix_valid = None
+    # What every layer reads besides its own weights and cache: arguments of the jitted layer below, not closures.
     ctx = (cos, sin, positions, write_pos, write_mask, k_pos, k_valid, prefix_valid)
 
     def layer_fn(x, layer, lora, layer_k, layer_v, prefix_k, prefix_v, ctx):
