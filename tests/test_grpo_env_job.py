@@ -1,8 +1,8 @@
 """The tiny embedded agent and the GRPO job on an environment, run as a user runs them (subprocesses on one
 CPU device). The agent `smollm2-135m-tiny-agent` (SmolLM2 cloning gold trajectories, configs/warmstart_tiny.py)
 is built by the SFT job on first use, once per config, then taken from the cache. The GRPO job on
-`configs/grpo_env_tiny.py` (the tiny agent, one tool_calling ticket played sixteen times a step for two
-agent turns, no held-out evaluation): the training reward rises, steps and rollouts are as configured, and
+`configs/grpo_env_tiny.py` (the tiny agent, one tool_calling ticket played sixteen times a step for one
+agent turn, no held-out evaluation): the training reward rises, steps and rollouts are as configured, and
 every training episode is logged per step.
 (The GRPO job's held-out evaluation on an environment is tested in the TRACE pipeline's training stage,
 tests/test_trace_pipeline.py, on the tiny random model.)
@@ -27,7 +27,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 AGENT = "smollm2-135m-tiny-agent"
 CONFIG = grpo_env_tiny.get_config()
 STEPS = CONFIG.train.steps
-MIN_RISE = 0.1  # the rollout reward's rise from the first two steps to the last two (0.13-0.20, three seeds)
+# The rollout reward's rise from the first step (the untrained agent's episodes) to the mean of the last two:
+# +0.225, +0.30, +0.20 for seeds 0, 1, 2 (docs/agentic_rl.md, "A tiny environment run for CI").
+MIN_RISE = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,7 @@ def test_tiny_environment_run_raises_the_reward(tiny_agent, job_env, tmp_path):
     reward = [e.value for e in events.Scalars("rollout/reward")]
     print(f"[grpo env job] rollout reward per step: {[round(r, 3) for r in reward]}")
     assert len(reward) == STEPS and all(0.0 <= r <= 1.0 for r in reward)
-    assert np.mean(reward[-2:]) >= np.mean(reward[:2]) + MIN_RISE
+    assert np.mean(reward[-2:]) >= reward[0] + MIN_RISE
     for step, mean in enumerate(reward, start=1):  # every training episode is logged, as evaluations record them
         records = [json.loads(line) for line in (tmp_path / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
         assert len(records) == CONFIG.rollout.group_size and all(r["messages"] and "components" in r for r in records)
