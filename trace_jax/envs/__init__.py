@@ -13,7 +13,7 @@ import ml_collections
 
 from trace_jax.envs.base import Environment
 
-ENVIRONMENTS = ("embedded_retail", "tau2", "capability")
+ENVIRONMENTS = ("embedded_retail", "tau2", "capability", "mixed")
 
 # τ² imports litellm, which otherwise spends ~8 s trying to download a model cost map; and τ²
 # logs every tool response (and its registry at import) through loguru at DEBUG level.
@@ -29,7 +29,27 @@ except ImportError:  # τ² (which brings loguru) is an optional extra
 def make_environment(config: ml_collections.ConfigDict) -> Environment:
     """The environment `config.name` names: "embedded_retail" (with `seed`, `families`), "tau2" (with `domain`)
     or "capability" (with `capability`, `seed`, `difficulty`, `policy`, optionally `cut_share`; a written
-    capability's `scenarios`: the file its validated module exported)."""
+    capability's `scenarios`: the file its validated module exported) or "mixed" (with `parts`: environment
+    configs whose tasks it takes in turn, `trace_jax.envs.mixed`). An optional `guidance` text is appended to the
+    agent's system prompt in every episode (`trace_jax.envs.guided`)."""
+    guidance = config.get("guidance", "")
+    if not isinstance(guidance, str):
+        raise ValueError(f"config.env.guidance = {guidance!r} is invalid; it must be a text ('' for none)")
+    env = _environment(config)
+    if guidance:
+        from trace_jax.envs.guided import GuidedEnvironment
+
+        return GuidedEnvironment(env, guidance)
+    return env
+
+
+def _environment(config: ml_collections.ConfigDict) -> Environment:
+    if config.name == "mixed":
+        from trace_jax.envs.mixed import MixedEnvironment
+
+        if not config.get("parts"):
+            raise ValueError("config.env.parts is missing or empty: a mixed environment needs environment configs")
+        return MixedEnvironment([make_environment(ml_collections.ConfigDict(part)) for part in config.parts])
     if config.name == "embedded_retail":
         from trace_jax.envs.embedded_retail import EmbeddedRetail
 

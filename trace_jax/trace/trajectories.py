@@ -125,8 +125,10 @@ def failure_reasons(trajectory: ScoredTrajectory) -> list[str]:
         reasons.append(f"episode ended abnormally ({trajectory.end_reason}), which scores 0")
     if trajectory.components.get("DB", 1.0) < 1.0:
         reasons.append("DB: the final database differs from the gold replay's")
-    for action in info.get("failed_actions") or ():
+    for action in (info.get("failed_actions") or []) + (info.get("missing_calls") or []):  # τ²'s, capability envs'
         reasons.append(f"ACTION: gold call not made: {action}")
+    for write in info.get("stray_writes") or ():
+        reasons.append(f"ACTION: a write the task did not ask for: {write}")
     if info.get("failed_communicate"):
         reasons.append(f"COMMUNICATE: the reply did not state {info['failed_communicate']}")
     for name, value in trajectory.components.items():

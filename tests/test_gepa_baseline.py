@@ -1,0 +1,165 @@
+"""The GEPA baseline: GEPA (the real `gepa` package) evolving the guidance in the agent's system prompt on a
+capability environment, with a reflection LM behind a real OpenAI-compatible server on 127.0.0.1 (answering
+from a script), its budget counted by the code that plays the episodes, resume, and the base model as the
+reflection LM. (Guidance itself: tests/test_env_wrappers.py.)
+
+The agent of the GEPA run is scripted: it plays the gold calls when its guidance holds a key phrase and
+does nothing otherwise, a stand-in for a model that follows its prompt, so that which candidate wins is known.
+"""
+
+import json
+
+import ml_collections
+import pytest
+
+pytest.importorskip("tau2")
+
+from scripted_llm_server import ScriptedLLMServer  # noqa: E402
+from trace_jax.agent.rollout import RolloutConfig, RolloutEngine  # noqa: E402
+from trace_jax.agent.scripted import GoldAgent, ScriptedUser  # noqa: E402
+from trace_jax.baselines import gepa as gepa_baseline  # noqa: E402
+from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment  # noqa: E402
+from trace_jax.llm import ChatClient, llm_defaults  # noqa: E402
+from trace_jax.models.model import load_model  # noqa: E402
+from trace_jax.sampling import Sampler  # noqa: E402
+
+KEY_PHRASE = "Make every call the ticket needs"
+HELPFUL = f"{KEY_PHRASE}, with the exact arguments, then state the outcome."
+
+
+class FollowsGuidance:
+    """Plays the task's gold turns when its guidance holds KEY_PHRASE, else ends at once with an empty reply."""
+
+    def __init__(self):
+        self.gold = GoldAgent()
+
+    def reply(self, episode) -> str:
+        return self.gold.reply(episode) if KEY_PHRASE in getattr(episode, "guidance", "") else ""
+
+    def forget(self, episode) -> None:
+        self.gold.forget(episode)
+
+
+def _env() -> CapabilityEnvironment:
+    return CapabilityEnvironment(CAPABILITIES["tool_calling"], policy=False)
+
+
+def _client(server, cache_dir) -> ChatClient:
+    cfg = llm_defaults()
+    cfg.update(model="scripted-reflection", base_url=server.base_url, max_retries=0)
+    return ChatClient(cfg, cache_dir)
+
+
+def _optimize(workdir, server, played_guidance: list[str]) -> dict:
+    cfg = gepa_baseline.gepa_defaults()
+    cfg.update(train_tasks=6, val_tasks=4, max_metric_calls=40, minibatch_size=2)
+
+    def make_engine(env):
+        played_guidance.append(env.guidance)
+        return RolloutEngine(env, agent=FollowsGuidance(), user=ScriptedUser(), config=RolloutConfig(batch_size=4))
+
+    reflect = gepa_baseline.endpoint_reflection(_client(server, workdir / "llm_cache"))
+    return gepa_baseline.optimize_guidance(_env(), "Help the customer.", make_engine, reflect, cfg, workdir / "run")
+
+
+def test_gepa_keeps_the_reflected_guidance_that_solves_the_tasks_counts_its_episodes_and_resumes(tmp_path):
+    script = ["```\nBe kind to the customer.\n```", f"A better instruction:\n```\n{HELPFUL}\n```"]
+    played: list[str] = []
+    with ScriptedLLMServer(script + ["```\nBe brief.\n```"] * 20) as server:
+        summary = _optimize(tmp_path, server, played)
+        requests = list(server.requests)
+    print(f"\n[gepa] {json.dumps({k: v for k, v in summary.items() if k != 'candidates'})}")
+    found = [(c["text"][:30], c["val_score"], c["found_at_metric_calls"]) for c in summary["candidates"]]
+    print(f"[gepa] candidates: {found}")
+    assert summary["seed_val_score"] == 0.0 and summary["best_val_score"] == 1.0 and summary["best_text"] == HELPFUL
+    # The budget: GEPA's metric calls, within its budget (it stops before an iteration once the budget is spent,
+    # so the last iteration may pass it by its own calls), and the episodes played for them, as logged.
+    logged = [json.loads(line) for line in (tmp_path / "run" / "evaluations.jsonl").read_text().splitlines()]
+    assert summary["episodes_played"] == sum(len(entry["records"]) for entry in logged) <= summary["metric_calls"]
+    assert summary["budget"] <= summary["metric_calls"] <= summary["budget"] + 2 * 2 + 4
+    assert played[0] == "Help the customer." and HELPFUL in played
+    # The reflection LM read the seed text, the ticket, what the agent did and the evaluator's feedback.
+    first = requests[0]["messages"][-1]["content"]
+    assert "Help the customer." in first and "reward 0.00 of 1.00" in first and "gold call not made" in first
+    assert gepa_baseline.best_within(summary, 0) == "Help the customer."
+    helpful = next(c for c in summary["candidates"] if c["text"] == HELPFUL)
+    assert gepa_baseline.best_within(summary, helpful["found_at_metric_calls"]) == HELPFUL
+    # A rerun on the finished workdir plays nothing and asks nothing (GEPA's seed evaluation, which it repeats
+    # before loading its state, comes from the log; the budget is spent).
+    with ScriptedLLMServer([]) as server:
+        again = _optimize(tmp_path, server, played_again := [])
+        assert server.requests == [] and played_again == []
+    assert {**again, "seconds": 0} == {**summary, "seconds": 0}
+
+
+def test_joined_guidance_names_each_capability_in_order_and_drops_empty_texts():
+    texts = {"tool_calling": " Use exact arguments. ", "structured_data": "", "precondition": "Read first."}
+    assert gepa_baseline.joined_guidance(texts) == "Tool calling: Use exact arguments.\n\nPrecondition: Read first."
+
+
+def test_a_bad_gepa_setting_fails_naming_the_key():
+    cfg = gepa_baseline.gepa_defaults()
+    gepa_baseline.validate_gepa_config(cfg)
+    cfg.reflection = "teacher"
+    with pytest.raises(ValueError, match=r"config.gepa.reflection = 'teacher' is invalid; it must be one of local"):
+        gepa_baseline.validate_gepa_config(cfg)
+
+
+def test_the_base_model_reflects_deterministically_and_a_long_prompt_keeps_its_ends(tiny_chat_model):
+    model = load_model(tiny_chat_model)
+    sampler = Sampler(model.cfg, model.params, max_context=256, detokenize=model.tokenizer.decode)
+    lms = [gepa_baseline.LocalReflectionLM(model, sampler, max_new_tokens=16, temperature=1.0, seed=3)
+           for _ in range(2)]
+    prompt = "Write a better instruction for the agent."
+    first = [lm(prompt) for lm in lms]
+    assert first[0] == first[1] == lms[0](prompt)  # one seed and prompt, one reply (a resumed run's too)
+    assert lms[0](prompt + " Be brief.") != first[0]  # another prompt, another key
+    long = "Write a better instruction. " + "The agent called the tool twice. " * 100 + "Reply in ``` blocks."
+    assert len(model.tokenizer.apply_chat([{"role": "user", "content": long}])) > sampler.max_context
+    assert lms[0](long).strip()  # uncut, the prompt would fill the context and leave no room for a reply
+    ids = list(range(10))
+    assert gepa_baseline.keep_ends(ids, 5) == [0, 1, 7, 8, 9] and gepa_baseline.keep_ends(ids, 10) == ids
+
+
+def test_the_gepa_arm_spends_its_budget_per_capability_and_evaluates_the_joined_texts_on_the_target(
+        tiny_chat_model, tmp_path):
+    """The arm end to end on the tiny random model, which scores 0 everywhere: its local reflections are never
+    kept, so each capability ends on its seed text; the budget is split and spent, the held-out episodes carry
+    the joined texts, and a rerun plays nothing."""
+    envs = {name: dict(name="capability", capability=name, seed=0, difficulty=0, policy=False)
+            for name in ("tool_calling", "precondition")}
+    seeds = {"tool_calling": "Make the write the ticket asks for.", "precondition": "Check the order first."}
+    heldout = ml_collections.ConfigDict(dict(
+        model=str(tiny_chat_model), dtype="float32", adapter="", seed=0, env=envs["tool_calling"], split="heldout",
+        num_tasks=2, trials=1, log_every_s=0.0, rollout=dict(batch_size=4, max_turns=2, max_tokens_per_turn=12,
+                                                             max_errors=2, temperature=0.0, top_p=1.0,
+                                                             user_temperature=0.0)))
+    cfg = gepa_baseline.gepa_defaults()
+    cfg.update(train_tasks=2, val_tasks=2, minibatch_size=2, reflection_max_tokens=24)
+    rollout = RolloutConfig(batch_size=4, max_turns=2, max_tokens_per_turn=12, max_errors=2, temperature=1.0)
+    capabilities = {name: (envs[name], seeds[name]) for name in envs}
+
+    def arm():
+        return gepa_baseline.gepa_arm(capabilities, heldout, rollout, cfg, None, 8, tmp_path)
+
+    result = arm()
+    print(f"\n[gepa arm] metric calls {result['metric_calls']}, episodes {result['episodes_played']}, "
+          f"held-out success {result['heldout']['success']}, {result['seconds']} s")
+    assert result["texts"] == seeds and result["guidance"] == gepa_baseline.joined_guidance(seeds)
+    for name in envs:
+        run = result["capabilities"][name]
+        assert 4 <= run["metric_calls"] <= 4 + 2 * 2 and run["episodes_played"] <= run["metric_calls"]
+        assert len(run["candidates"]) == 1  # nothing beat the seed on a minibatch
+    episodes = [json.loads(line) for line in (tmp_path / "heldout" / "episodes.jsonl").read_text().splitlines()]
+    assert len(episodes) == 2 and all(e["messages"][0]["content"].endswith(result["guidance"]) for e in episodes)
+    logs = {name: (tmp_path / name / "evaluations.jsonl").read_text() for name in envs}
+    again = arm()
+    assert {name: (tmp_path / name / "evaluations.jsonl").read_text() for name in envs} == logs
+    assert _timeless(again) == _timeless(result)
+
+
+def _timeless(value):
+    """`value` without its wall times (a rerun's differ)."""
+    if isinstance(value, dict):
+        return {k: _timeless(v) for k, v in value.items() if k not in ("seconds", "play_seconds")}
+    return value
