@@ -14,7 +14,6 @@ import json
 import time
 
 import jax
-import numpy as np
 from absl import app, flags, logging
 
 from trace_jax.models.model import load_model

@@ -19,9 +19,10 @@ from scripted_llm_server import ScriptedLLMServer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import trace_tiny
+from trace_jax.baselines.experiment import validate_config as validate_experiment_config
 from trace_jax.envs.capability import example_written
 from trace_jax.evaluation import run_marker
-from trace_jax.trace.pipeline import STAGES, Pipeline, StageClock, _heldout_evaluation, validate_config
+from trace_jax.trace.pipeline import STAGES, Pipeline, StageClock, heldout_evaluation, validate_config
 from trace_jax.trace.trace_report import oracle_routes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -60,17 +61,29 @@ def _scripted_llm(request):
                                   for name in ("tool_calling", "order_facts")}})
 
 
-def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tiny_chat_model, job_env, tmp_path):
-    """Through the LLM path (a scripted server on the loopback address): discovery, labelling and selection
-    pick a built-in capability and one the LLM writes (a reply without code first, then a module that the
-    sandbox validates and exports); both are calibrated and trained, the router picks among them."""
-    model = [f"--config.model={tiny_chat_model}", "--config.training.lora.first_layer=0"]
+@pytest.fixture(scope="module")
+def tiny_run(tiny_chat_model, job_env, tmp_path_factory):
+    """(workdir, summary, output, the LLM requests' openings, the rerun's summary) of the tiny pipeline, run twice
+    through the LLM path (a scripted server on the loopback address); the rerun must ask nothing."""
+    workdir = tmp_path_factory.mktemp("trace_tiny")
     with ScriptedLLMServer(_scripted_llm) as server:
-        overrides = [f"--config.llm.base_url={server.base_url}", *LLM_PATH, *model]
-        summary, out = _run(tmp_path, job_env, *overrides)
+        overrides = [f"--config.llm.base_url={server.base_url}", *LLM_PATH, *_model(tiny_chat_model)]
+        summary, out = _run(workdir, job_env, *overrides)
         kinds = [r["messages"][0]["content"][:30] for r in server.requests]
-        again, _ = _run(tmp_path, job_env, *overrides)
+        again, _ = _run(workdir, job_env, *overrides)
         assert len(server.requests) == len(kinds)  # the rerun asks nothing
+    return workdir, summary, out, kinds, again
+
+
+def _model(tiny_chat_model) -> list[str]:
+    return [f"--config.model={tiny_chat_model}", "--config.training.lora.first_layer=0"]
+
+
+def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tiny_run):
+    """Through the LLM path: discovery, labelling and selection pick a built-in capability and one the LLM
+    writes (a reply without code first, then a module that the sandbox validates and exports); both are
+    calibrated and trained, the router picks among them."""
+    tmp_path, summary, out, kinds, again = tiny_run
     print(f"\n[trace pipeline] tiny config, LLM path ({len(kinds)} requests): {summary}")
     assert sum(k.startswith("You are an expert Python") for k in kinds) == 2  # no code, then the module
     heldout = CONFIG.target.heldout_tasks
@@ -116,6 +129,51 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
     assert again["this_run_seconds"] < 120  # nothing replayed, nothing retrained (a replay takes minutes)
 
 
+def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budget(tiny_run, tiny_chat_model,
+                                                                                 job_env, tmp_path):
+    """configs/experiment_tiny.py on the tiny pipeline's run: every adapter alone, GRPO on the target, one adapter
+    on both capability environments mixed and GEPA, each with TRACE's budget, all on the same held-out tickets;
+    a rerun repeats nothing."""
+    trace_dir = tiny_run[0]
+    overrides = [f"--config.trace_run={trace_dir}", *(f"--config.trace.{o[len('--config.'):]}" for o in
+                                                       [*LLM_PATH, *_model(tiny_chat_model)])]
+    command = [sys.executable, "-m", "launch.experiment", "--config=configs/experiment_tiny.py",
+               f"--workdir={tmp_path}", *overrides]
+    outputs = [subprocess.run(command, cwd=REPO, env=job_env, capture_output=True, text=True, timeout=3600)
+               for _ in range(2)]
+    for out in outputs:
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    summary, again = (json.loads(out.stdout.strip().splitlines()[-1]) for out in outputs)
+    print(f"\n[experiment] tiny config: {summary}")
+    results = json.loads((tmp_path / "results.json").read_text())
+    trained = tiny_run[1]["trained"]
+    budget = sum(json.loads((trace_dir / "adapters" / n / "summary.json").read_text())["rollouts"] for n in trained)
+    assert results["budget"] == summary["budget"] == budget > 0
+    arms = {row["arm"]: row for row in results["arms"]}
+    names = list(arms)
+    assert names[:3] == ["base", "TRACE", "TRACE, oracle routing"] and names[3].startswith("best single adapter (")
+    assert names[4:] == ["GRPO on the target", "one adapter, environments mixed", "GEPA"]
+    assert set(summary["success"]) == set(arms)
+    heldout = CONFIG.target.heldout_tasks
+    assert all(row["episodes"] == heldout for row in arms.values())
+    for name in ("GRPO on the target", "one adapter, environments mixed", "GEPA"):  # the budget, as counted
+        assert abs(arms[name]["rollouts"] - budget) <= 0.05 * budget, name
+    mixed = [json.loads(line)["task_id"] for path in sorted((tmp_path / "mixed" / "rollouts").glob("step_*.jsonl"))
+             for line in path.read_text().splitlines()]
+    print(f"[experiment] the mixed arm's episodes: {mixed}")
+    assert {task_id.split("/")[1] for task_id in mixed} == set(trained)  # one adapter, every environment
+    gepa = json.loads((tmp_path / "gepa" / "result.json").read_text())
+    assert sorted(gepa["texts"]) == sorted(trained)
+    episodes = [json.loads(line) for line in (tmp_path / "gepa" / "heldout" / "episodes.jsonl").open()]
+    assert all(e["messages"][0]["content"].endswith(gepa["guidance"]) for e in episodes)
+    assert all((trace_dir / "heldout" / n / "summary.json").is_file() for n in trained)  # each adapter alone
+    report = (tmp_path / "report.md").read_text()
+    assert all(f"| {name} |" in report for name in arms) and "## Held-out success per family" in report
+    assert {k: v for k, v in again.items() if k != "this_run_seconds"} == \
+        {k: v for k, v in summary.items() if k != "this_run_seconds"}
+    assert again["this_run_seconds"] < 60  # nothing trained or played again
+
+
 def test_a_resumed_stage_reports_the_time_of_every_process_that_worked_on_it(tmp_path):
     path = tmp_path / "stage_clock.json"
     with StageClock(path, "training", every_s=0.05):
@@ -150,10 +208,26 @@ def test_every_pipeline_config_validates_or_names_the_key_a_user_must_set(name):
         validate_config(config)
 
 
+@pytest.mark.parametrize("name", ["experiment_embedded", "experiment_tiny", "experiment_tau2_retail",
+                                  "experiment_tau2_airline"])
+def test_every_experiment_config_validates_or_names_the_key_a_user_must_set(name):
+    config = importlib.import_module(f"configs.{name}").get_config()
+    if name.startswith("experiment_tau2"):
+        with pytest.raises(ValueError, match=r"config.trace.model = '' is invalid"):
+            validate_experiment_config(config)
+        config.trace.model = "/path/to/hf_checkpoint"
+        if config.trace.analysis.analyst == "llm":
+            config.trace.llm.model = "some-model"
+    validate_experiment_config(config)
+    config.arms = ("grpo_target", "teacher")
+    with pytest.raises(ValueError, match=r"config.arms = .* is invalid; it must be a subset of"):
+        validate_experiment_config(config)
+
+
 def test_a_base_run_of_other_episodes_fails_at_start_naming_the_key(tmp_path, smollm2):
     config = trace_tiny.get_config()
     config.model = "smollm2-135m-instruct"  # the bare model: the test builds no agent
-    heldout = _heldout_evaluation(config)
+    heldout = heldout_evaluation(config)
     base = tmp_path / "base"
     base.mkdir()
     config.target.base_run = str(base)

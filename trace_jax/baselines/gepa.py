@@ -52,6 +52,7 @@ def gepa_defaults() -> ml_collections.ConfigDict:
         reflection_max_tokens=384,  # the local reflection's reply
         reflection_temperature=0.7,  # the local reflection's sampling
         message_chars=300,  # messages are cut to this many characters in what the reflection LM reads
+        temperature=0.0,  # its episodes' sampling (greedy: the target's held-out evaluation is)
     ))
 
 
@@ -65,6 +66,7 @@ def _checks() -> list[Check]:
         ("gepa.reflection_max_tokens", positive_int, "a positive int"),
         ("gepa.reflection_temperature", lambda v: number(v) and v >= 0, "a number >= 0"),
         ("gepa.message_chars", positive_int, "a positive int"),
+        ("gepa.temperature", lambda v: number(v) and v >= 0, "a number >= 0 (0 is greedy)"),
     ]
 
 

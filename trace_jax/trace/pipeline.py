@@ -78,13 +78,13 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     """Fails at start naming the first wrong key, in any stage's block."""
     check_config(config, _checks())
     try:
-        validate_evaluation_config(_heldout_evaluation(config))
+        validate_evaluation_config(heldout_evaluation(config))
     except ValueError as error:  # the evaluation's env and rollout blocks are the pipeline's target.*
         message = str(error).replace("config.rollout.", "config.target.rollout.")
         raise ValueError(message.replace("config.env.", "config.target.env.")) from None
     validate_analysis_config(config.analysis)
     validate_calibration_config(config.calibration)
-    grpo.validate_config(_training_config(config, "tool_calling", 0))
+    grpo.validate_config(training_config(config, "tool_calling", 0))
     if config.environments.source != "builtin":
         validate_env_writer_config(config.env_writer)
     if config.analysis.analyst == "llm" or config.environments.source == "llm":  # "auto": checked if it writes
@@ -99,12 +99,12 @@ def _evaluation_config(config: ml_collections.ConfigDict, split: str, num_tasks:
         log_every_s=config.log_every_s))
 
 
-def _heldout_evaluation(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def heldout_evaluation(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The evaluation job's config of the base agent on the target's held-out tasks."""
     return _evaluation_config(config, config.target.heldout_split, config.target.heldout_tasks)
 
 
-def _training_config(config: ml_collections.ConfigDict, capability: str, difficulty: int,
+def training_config(config: ml_collections.ConfigDict, capability: str, difficulty: int,
                      scenarios: str | None = None) -> ml_collections.ConfigDict:
     """The GRPO job's config for one capability's environment (equal iterations for every capability)."""
     training = ml_collections.ConfigDict(config.training.to_dict())
@@ -150,6 +150,44 @@ class StageClock:
             write_json_atomic(self.path, {self.stage: round(self.seconds(), 1)})
 
 
+class Stages:
+    """The stages of a resumable job in `workdir`, in order: `stages.json` keeps each finished one's result and
+    wall time (summed over every process that worked on it: `StageClock`), and `run` skips a finished one."""
+
+    def __init__(self, workdir: pathlib.Path, names: tuple[str, ...]):
+        self.workdir, self.names = workdir, names
+        self.path = workdir / "stages.json"
+        self.done: dict = json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def run(self, name: str, run: Callable[[], dict]) -> dict:
+        """Runs stage `name` unless it is done; returns its result."""
+        number = f"{self.names.index(name) + 1}/{len(self.names)}"
+        if name in self.done:
+            logging.info("stage %s %s: done before (%.0f s)", number, name, self.done[name]["seconds"])
+            return self.done[name]["result"]
+        with StageClock(self.workdir / "stage_clock.json", name) as clock:
+            if clock.before:
+                logging.info("stage %s %s: resuming (%.0f s before)", number, name, clock.before)
+            else:
+                logging.info("stage %s %s: starting", number, name)
+            result = run()
+        self.done[name] = {"seconds": round(clock.seconds(), 1), "result": result}
+        write_json_atomic(self.path, self.done)
+        logging.info("stage %s %s: done in %.0f s", number, name, self.done[name]["seconds"])
+        return result
+
+
+def evaluate_alone(config: ml_collections.ConfigDict, workdir: pathlib.Path, adapters: dict[str, str]) -> dict:
+    """Each adapter (name -> PEFT folder) alone on every held-out task, into workdir/heldout/<name> (the oracle's
+    and the best single adapter's input); name -> success."""
+    success = {}
+    for name, folder in adapters.items():
+        alone = heldout_evaluation(config)
+        alone.adapter = folder
+        success[name] = evaluate(alone, workdir / "heldout" / name)["success"]
+    return success
+
+
 class Pipeline:
     """One TRACE run in `workdir` (see the module docstring)."""
 
@@ -157,39 +195,22 @@ class Pipeline:
         validate_config(config)
         self.config, self.workdir = config, pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._stages_path = self.workdir / "stages.json"
-        self.stages: dict = json.loads(self._stages_path.read_text()) if self._stages_path.exists() else {}
+        self._stages = Stages(self.workdir, STAGES)
+        self.stages = self._stages.done
         self.target = make_environment(config.target.env)
         if config.target.base_run:  # now, not after the analysis split's episodes
-            check_base_run(pathlib.Path(config.target.base_run), _heldout_evaluation(config), "target.base_run")
-
-    def _stage(self, name: str, run: Callable[[], dict]) -> dict:
-        """Runs a stage unless `stages.json` records it done; returns its result."""
-        number = f"{STAGES.index(name) + 1}/{len(STAGES)}"
-        if name in self.stages:
-            logging.info("stage %s %s: done before (%.0f s)", number, name, self.stages[name]["seconds"])
-            return self.stages[name]["result"]
-        with StageClock(self.workdir / "stage_clock.json", name) as clock:
-            if clock.before:
-                logging.info("stage %s %s: resuming (%.0f s before)", number, name, clock.before)
-            else:
-                logging.info("stage %s %s: starting", number, name)
-            result = run()
-        self.stages[name] = {"seconds": round(clock.seconds(), 1), "result": result}
-        write_json_atomic(self._stages_path, self.stages)
-        logging.info("stage %s %s: done in %.0f s", number, name, self.stages[name]["seconds"])
-        return result
+            check_base_run(pathlib.Path(config.target.base_run), heldout_evaluation(config), "target.base_run")
 
     def run(self) -> dict:
         """Runs (or resumes) every stage; returns the summary also written to summary.json."""
         start = time.monotonic()
-        self._stage("base", self._base)
-        analysis = self._stage("analysis", self._analysis)
-        environments = self._stage("environments", lambda: self._environments(analysis["selected"]))
-        adapters = self._stage("training", lambda: self._training(environments))
-        routing = self._stage("routing", lambda: self._routing(adapters))
-        self._stage("final", lambda: self._final(adapters, routing))
-        summary = self._stage("report", lambda: write_report(self.workdir, self.stages, self.config))
+        self._stages.run("base", self._base)
+        analysis = self._stages.run("analysis", self._analysis)
+        environments = self._stages.run("environments", lambda: self._environments(analysis["selected"]))
+        adapters = self._stages.run("training", lambda: self._training(environments))
+        routing = self._stages.run("routing", lambda: self._routing(adapters))
+        self._stages.run("final", lambda: self._final(adapters, routing))
+        summary = self._stages.run("report", lambda: write_report(self.workdir, self.stages, self.config))
         summary["seconds"] = round(sum(s["seconds"] for s in self.stages.values()), 1)
         summary["this_run_seconds"] = round(time.monotonic() - start, 1)
         write_json_atomic(self.workdir / "summary.json", summary)
@@ -203,7 +224,7 @@ class Pipeline:
                  self.workdir / "base_analysis")]
         heldout_dir = pathlib.Path(target.base_run) if target.base_run else self.workdir / "heldout" / "base"
         if not target.base_run:
-            runs.append((_heldout_evaluation(self.config), heldout_dir))
+            runs.append((heldout_evaluation(self.config), heldout_dir))
         analysis, *played = evaluate_together(runs)
         heldout = played[0] if played else json.loads((heldout_dir / "summary.json").read_text())
         return {"analysis_success": analysis["success"], "heldout_success": heldout["success"],
@@ -265,7 +286,7 @@ class Pipeline:
         for name, result in environments.items():
             if result["calibrated"]:
                 folder = self.workdir / "adapters" / name
-                grpo.train(_training_config(self.config, name, result["difficulty"], result.get("scenarios")), folder)
+                grpo.train(training_config(self.config, name, result["difficulty"], result.get("scenarios")), folder)
                 adapters[name] = str(folder / "adapter")
         return adapters
 
@@ -305,15 +326,12 @@ class Pipeline:
 
     def _final(self, adapters: dict, routing: dict) -> dict:
         """The routed held-out evaluation and, with `final.per_adapter`, each adapter alone (the oracle's input)."""
-        heldout = _heldout_evaluation(self.config)
+        heldout = heldout_evaluation(self.config)
         folders = tuple(adapters.values())
         routes = Routes(folders, routing["by_task"]) if folders else None
         runs = {"trace": evaluate(heldout, self.workdir / "heldout" / "trace", routes=routes)["success"]}
         if self.config.final.per_adapter:
-            for name, folder in adapters.items():
-                alone = ml_collections.ConfigDict(heldout.to_dict())
-                alone.adapter = folder
-                runs[name] = evaluate(alone, self.workdir / "heldout" / name)["success"]
+            runs.update(evaluate_alone(self.config, self.workdir, adapters))
         oracle = oracle_routes(self.workdir, self.stages["base"]["result"]["heldout_dir"], list(adapters),
                                routing["by_task"]) if self.config.final.per_adapter and adapters else None
         return {"success": runs, "oracle": oracle}

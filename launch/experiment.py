@@ -1,0 +1,40 @@
+"""TRACE against its baselines at equal training-rollout budgets: GRPO on the target, one adapter on every
+capability environment mixed, GEPA, and TRACE's own routed, oracle-routed and best-single-adapter results.
+
+  python -m launch.experiment --config=configs/experiment_embedded.py --workdir=runs/experiment_embedded \
+      [--config.trace_run=runs/trace_embedded]
+
+Runs (or takes, with `trace_run`) the TRACE pipeline's run, then each arm, every one resumable from the
+workdir. Ends with report.md and results.json in the workdir, the table, and one JSON line: success per arm,
+the budget, seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from trace_jax.baselines.experiment import Experiment
+from trace_jax.metrics import not_orbax_info
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (configs/experiment_*.py).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for every arm's outputs and the report.", required=True)
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    absl_logging.get_absl_handler().addFilter(not_orbax_info)
+    summary = Experiment(_CONFIG.value, _WORKDIR.value).run()
+    print(pathlib.Path(_WORKDIR.value, "report.md").read_text().rstrip(), flush=True)
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,205 @@
+"""The paper's comparison as one resumable job: TRACE against its baselines at equal training-rollout budgets.
+
+Stages, recorded in <workdir>/stages.json as the pipeline records its own (a rerun skips what is done; a
+killed stage resumes from what its jobs wrote):
+
+  trace        the TRACE pipeline's run (`trace_run`, or run here in <workdir>/trace), with every adapter alone
+               on the held-out tasks (the oracle's and the best single adapter's input) where it lacks them
+  grpo_target  GRPO on the target's `grpo_target.split` with the budget, then held-out
+  mixed        GRPO on every calibrated capability environment mixed (one adapter), the budget, then held-out
+  gepa         GEPA per capability with an equal share of the budget, the texts joined into the target's
+               system prompt, then held-out (`trace_jax.baselines.gepa`)
+
+The budget, in training episodes, is TRACE's own (the episodes its GRPO jobs played, summed over the
+capabilities) unless `budget` sets it. Every arm is evaluated by the evaluation job on the same held-out
+tasks (greedy); results.json and report.md hold success per arm, overall and per family, with 95% intervals,
+the rollouts each arm used and its wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import ml_collections
+from absl import logging
+
+from trace_jax.agent.rollout import RolloutConfig
+from trace_jax.baselines.gepa import gepa_arm, validate_gepa_config
+from trace_jax.config_checks import Check, check_config, positive_int
+from trace_jax.evaluation import evaluate, recorded_episodes
+from trace_jax.files import write_json_atomic
+from trace_jax.report import summarize
+from trace_jax.rl import trainer as grpo
+from trace_jax.trace.calibration import environment_config
+from trace_jax.trace.pipeline import Pipeline, Stages, evaluate_alone, heldout_evaluation
+from trace_jax.trace.pipeline import validate_config as validate_pipeline_config
+from trace_jax.trace.trace_report import oracle_routes
+
+ARMS = ("grpo_target", "mixed", "gepa")
+CAPABILITY_ARMS = ("mixed", "gepa")  # arms on TRACE's capability environments
+STAGES = ("trace", *ARMS)
+BUDGET_TOLERANCE = 0.05  # training arms of one comparison use budgets within 5% of each other
+
+
+def _checks() -> list[Check]:
+    return [("trace_run", lambda v: isinstance(v, str), '"" (run the pipeline here) or a TRACE run\'s workdir'),
+            ("budget", lambda v: v is None or positive_int(v), "None (TRACE's own rollouts) or a positive int"),
+            ("arms", lambda v: isinstance(v, tuple | list) and set(v) <= set(ARMS), f"a subset of {ARMS}"),
+            ("grpo_target.split", lambda v: isinstance(v, str) and bool(v), "the target's training split")]
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """Fails at start naming the first wrong key (the pipeline's under `trace.`)."""
+    check_config(config, _checks())
+    try:
+        validate_pipeline_config(config.trace)
+    except ValueError as error:
+        raise ValueError(str(error).replace("config.", "config.trace.", 1)) from None
+    validate_gepa_config(config.gepa)
+
+
+class Experiment:
+    """One comparison in `workdir` (see the module docstring)."""
+
+    def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path):
+        validate_config(config)
+        self.config, self.workdir = config, pathlib.Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.trace_dir = pathlib.Path(config.trace_run) if config.trace_run else self.workdir / "trace"
+        self.stages = Stages(self.workdir, STAGES)
+
+    def run(self) -> dict:
+        """Runs (or resumes) every arm; writes results.json and report.md; returns the summary."""
+        start = time.monotonic()
+        trace = self.stages.run("trace", self._trace)
+        budget = self.config.budget or trace["trace_rollouts"]
+        if not budget:
+            raise ValueError("TRACE trained no adapter, so it gives no budget: set config.budget")
+        target = {**self.config.trace.target.env.to_dict(), "split": self.config.grpo_target.split}
+        mixed = {"name": "mixed", "parts": list(trace["environments"].values()), "split": "train"}
+        runs = {"grpo_target": lambda: self._grpo("grpo_target", target, budget, hints=False),
+                "mixed": lambda: self._grpo("mixed", mixed, budget, hints=trace["hints"]),
+                "gepa": lambda: self._gepa(trace, budget)}
+        for arm in ARMS:
+            if arm in self.config.arms and arm in CAPABILITY_ARMS and not trace["environments"]:
+                logging.warning("arm %s skipped: TRACE calibrated no capability environment", arm)
+            elif arm in self.config.arms:
+                self.stages.run(arm, runs[arm])
+        results = self._results(trace, budget)
+        write_json_atomic(self.workdir / "results.json", results)
+        (self.workdir / "report.md").write_text(report(results))
+        return {"success": {row["arm"]: row["success"] for row in results["arms"]}, "budget": results["budget"],
+                "seconds": round(sum(s["seconds"] for s in self.stages.done.values()), 1),
+                "this_run_seconds": round(time.monotonic() - start, 1)}
+
+    def _trace(self) -> dict:
+        """The TRACE run (resumed or run here) and what the arms take from it: its training episodes (the budget),
+        the calibrated environments, the analysis's descriptions, and each adapter alone on the held-out tasks."""
+        pipeline = Pipeline(self.config.trace, self.trace_dir)
+        summary = pipeline.run()
+        adapters = pipeline.stages["training"]["result"]
+        missing = {n: f for n, f in adapters.items() if not (self.trace_dir / "heldout" / n / "summary.json").exists()}
+        evaluate_alone(self.config.trace, self.trace_dir, missing)
+        environments = pipeline.stages["environments"]["result"]
+        cards = json.loads((self.trace_dir / "analysis" / "capabilities.json").read_text())["candidates"]
+        rollouts = sum(json.loads((self.trace_dir / "adapters" / n / "summary.json").read_text())["rollouts"]
+                       for n in adapters)
+        return {"trace_rollouts": rollouts, "adapters": adapters,
+                "trace_seconds": summary["seconds"], "base_seconds": pipeline.stages["base"]["seconds"],
+                "base_dir": pipeline.stages["base"]["result"]["heldout_dir"],
+                "routing": pipeline.stages["routing"]["result"]["by_task"],
+                "environments": {n: environment_config(n, environments[n]["difficulty"], self.config.trace.calibration,
+                                                       environments[n].get("scenarios")) for n in adapters},
+                "hints": not any(environments[n].get("scenarios") for n in adapters),  # written ones offer none
+                "descriptions": {c["name"]: c["description"] for c in cards if c["name"] in adapters}}
+
+    def _grpo(self, arm: str, env: dict, budget: int, hints: bool) -> dict:
+        """GRPO with TRACE's training settings on `env` for `budget` episodes, then its adapter on the held-out
+        tasks (`hints`: keep TRACE's hinted share, where every environment offers a hint)."""
+        trace, folder = self.config.trace, self.workdir / arm
+        training = ml_collections.ConfigDict(trace.training.to_dict())
+        training.update(model=trace.model, dtype=trace.dtype, seed=trace.seed, log_every_s=trace.log_every_s, env=env)
+        training.train.update(steps=None, rollout_budget=budget)
+        training.eval.num_tasks = 0  # held out below, as every arm is
+        if not hints:
+            training.rollout.hint_share = 0.0
+        summary = grpo.train(training, folder)
+        heldout = heldout_evaluation(trace)
+        heldout.adapter = str(folder / "adapter")
+        return {"rollouts": summary["rollouts"], "heldout": evaluate(heldout, folder / "heldout")["success"],
+                "episodes_dir": str(folder / "heldout")}
+
+    def _gepa(self, trace: dict, budget: int) -> dict:
+        limits = self.config.trace.training.rollout
+        rollout = RolloutConfig(batch_size=limits.batch_size, max_turns=limits.max_turns,
+                                max_tokens_per_turn=limits.max_tokens_per_turn, max_errors=limits.max_errors,
+                                temperature=self.config.gepa.temperature)
+        capabilities = {n: (env, trace["descriptions"][n]) for n, env in trace["environments"].items()}
+        result = gepa_arm(capabilities, heldout_evaluation(self.config.trace), rollout, self.config.gepa,
+                          self.config.trace.llm, budget, self.workdir / "gepa")
+        return {"rollouts": result["metric_calls"], "episodes_played": result["episodes_played"],
+                "texts": result["texts"], "heldout": result["heldout"]["success"],
+                "episodes_dir": str(self.workdir / "gepa" / "heldout")}
+
+    def _results(self, trace: dict, budget: int) -> dict:
+        """One row per arm: held-out success overall (95% interval) and per family, rollouts, wall time."""
+        base = recorded_episodes(pathlib.Path(trace["base_dir"]) / "episodes.jsonl")
+        rows = [_row("base", base, 0, trace["base_seconds"]),
+                _row("TRACE", _episodes(self.trace_dir / "heldout" / "trace"), trace["trace_rollouts"],
+                     trace["trace_seconds"])]
+        adapters = list(trace["adapters"])
+        if adapters:
+            oracle = oracle_routes(self.trace_dir, trace["base_dir"], adapters, trace["routing"])
+            chosen = {f: pathlib.Path(trace["base_dir"]) if name == "general_service" else
+                      self.trace_dir / "heldout" / name for f, name in oracle["by_family"].items()}
+            picked = {f: {r["task_id"]: r for r in _episodes(folder)} for f, folder in chosen.items()}
+            rows.append(_row("TRACE, oracle routing", [picked[r["family"]][r["task_id"]] for r in base],
+                             trace["trace_rollouts"], trace["trace_seconds"]))
+            singles = {n: _episodes(self.trace_dir / "heldout" / n) for n in adapters}
+            best = max(adapters, key=lambda n: sum(r["success"] for r in singles[n]))
+            rows.append(_row(f"best single adapter ({best})", singles[best], trace["trace_rollouts"],
+                             trace["trace_seconds"]))
+        names = {"grpo_target": "GRPO on the target", "mixed": "one adapter, environments mixed", "gepa": "GEPA"}
+        for arm in ARMS:
+            if arm in self.stages.done:
+                done = self.stages.done[arm]
+                rows.append(_row(names[arm], _episodes(pathlib.Path(done["result"]["episodes_dir"])),
+                                 done["result"]["rollouts"], done["seconds"]))
+        for row in rows[1:]:
+            if abs(row["rollouts"] - budget) > BUDGET_TOLERANCE * budget:
+                logging.warning("%s used %d rollouts against the budget of %d", row["arm"], row["rollouts"], budget)
+        return {"budget": budget, "trace_rollouts": trace["trace_rollouts"], "arms": rows}
+
+
+def _episodes(folder: pathlib.Path) -> list[dict]:
+    return recorded_episodes(folder / "episodes.jsonl")
+
+
+def _row(arm: str, records: list[dict], rollouts: int, seconds: float) -> dict:
+    """An arm's line of the comparison from its held-out episode records."""
+    if not records:
+        raise ValueError(f"the arm {arm!r} has no held-out episodes")
+    *families, overall = summarize(records, 1)
+    return {"arm": arm, "success": overall["success"], "ci_low": overall["ci_low"], "ci_high": overall["ci_high"],
+            "episodes": overall["episodes"], "rollouts": int(rollouts), "seconds": round(float(seconds), 1),
+            "families": {row["family"]: row["success"] for row in families}}
+
+
+def report(results: dict) -> str:
+    """The comparison's tables: success per arm with its 95% interval, rollouts and wall time; then per family."""
+    lines = [f"# TRACE against its baselines (budget: {results['budget']} training episodes per arm)", "",
+             "| arm | held-out success [95% CI] | episodes | training rollouts | wall time |",
+             "|---|---|---:|---:|---:|"]
+    for row in results["arms"]:
+        lines.append(f"| {row['arm']} | {100 * row['success']:.1f}% [{100 * row['ci_low']:.1f}, "
+                     f"{100 * row['ci_high']:.1f}] | {row['episodes']} | {row['rollouts']} | "
+                     f"{row['seconds'] / 60:.1f} min |")
+    families = sorted({f for row in results["arms"] for f in row["families"]})
+    lines += ["", "## Held-out success per family", "", "| arm | " + " | ".join(families) + " |",
+              "|---|" + "---:|" * len(families)]
+    for row in results["arms"]:
+        cells = [f"{100 * row['families'][f]:.0f}%" if f in row["families"] else "-" for f in families]
+        lines.append(f"| {row['arm']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
