@@ -132,8 +132,8 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
 def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budget(tiny_run, tiny_chat_model,
                                                                                  job_env, tmp_path):
     """configs/experiment_tiny.py on the tiny pipeline's run: every adapter alone, GRPO on the target, one adapter
-    on both capability environments mixed and GEPA, each with TRACE's budget, all on the same held-out tickets;
-    a rerun repeats nothing."""
+    on both capability environments mixed and GEPA, each with TRACE's budget, and TRACE routed to its first
+    capability only, all on the same held-out tickets; a rerun repeats nothing."""
     trace_dir = tiny_run[0]
     overrides = [f"--config.trace_run={trace_dir}", *(f"--config.trace.{o[len('--config.'):]}" for o in
                                                        [*LLM_PATH, *_model(tiny_chat_model)])]
@@ -152,12 +152,18 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     arms = {row["arm"]: row for row in results["arms"]}
     names = list(arms)
     assert names[:3] == ["base", "TRACE", "TRACE, oracle routing"] and names[3].startswith("best single adapter (")
-    assert names[4:] == ["GRPO on the target", "one adapter, environments mixed", "GEPA"]
+    assert names[4:] == ["GRPO on the target", "one adapter, environments mixed", "GEPA",
+                         "TRACE, top 1 of 2 capabilities"]
     assert set(summary["success"]) == set(arms)
     heldout = CONFIG.target.heldout_tasks
     assert all(row["episodes"] == heldout for row in arms.values())
     for name in ("GRPO on the target", "one adapter, environments mixed", "GEPA"):  # the budget, as counted
         assert abs(arms[name]["rollouts"] - budget) <= 0.05 * budget, name
+    first = json.loads((trace_dir / "stages.json").read_text())["analysis"]["result"]["selected"][0]
+    top_1 = [json.loads(line) for line in (tmp_path / "subsets" / "top_1" / "episodes.jsonl").open()]
+    assert arms["TRACE, top 1 of 2 capabilities"]["rollouts"] == json.loads(
+        (trace_dir / "adapters" / first / "summary.json").read_text())["rollouts"]
+    assert len(top_1) == heldout and {e["adapter_idx"] for e in top_1} <= {-1, 0}  # the first adapter or none
     mixed = [json.loads(line)["task_id"] for path in sorted((tmp_path / "mixed" / "rollouts").glob("step_*.jsonl"))
              for line in path.read_text().splitlines()]
     print(f"[experiment] the mixed arm's episodes: {mixed}")

@@ -9,6 +9,8 @@ killed stage resumes from what its jobs wrote):
   mixed        GRPO on every calibrated capability environment mixed (one adapter), the budget, then held-out
   gepa         GEPA per capability with an equal share of the budget, the texts joined into the target's
                system prompt, then held-out (`trace_jax.baselines.gepa`)
+  subsets      TRACE with only its first 1, 2, ... selected capabilities (by coverage, as selected): the
+               router over those adapters alone, then held-out (the paper's 1 / 2 / 4 capabilities)
 
 The budget, in training episodes, is TRACE's own (the episodes its GRPO jobs played, summed over the
 capabilities) unless `budget` sets it. Every arm is evaluated by the evaluation job on the same held-out
@@ -28,17 +30,19 @@ from absl import logging
 from trace_jax.agent.rollout import RolloutConfig
 from trace_jax.baselines.gepa import gepa_arm, validate_gepa_config
 from trace_jax.config_checks import Check, check_config, positive_int
-from trace_jax.evaluation import evaluate, recorded_episodes
+from trace_jax.envs import make_environment
+from trace_jax.evaluation import Routes, evaluate, recorded_episodes
 from trace_jax.files import write_json_atomic
 from trace_jax.report import summarize
 from trace_jax.rl import trainer as grpo
 from trace_jax.trace.calibration import environment_config
-from trace_jax.trace.pipeline import Pipeline, Stages, evaluate_alone, heldout_evaluation
+from trace_jax.trace.pipeline import Pipeline, Stages, evaluate_alone, heldout_evaluation, route_tasks
 from trace_jax.trace.pipeline import validate_config as validate_pipeline_config
+from trace_jax.trace.routing import RouteOption
 from trace_jax.trace.trace_report import oracle_routes
 
-ARMS = ("grpo_target", "mixed", "gepa")
-CAPABILITY_ARMS = ("mixed", "gepa")  # arms on TRACE's capability environments
+ARMS = ("grpo_target", "mixed", "gepa", "subsets")
+CAPABILITY_ARMS = ("mixed", "gepa", "subsets")  # arms on TRACE's capability environments or adapters
 STAGES = ("trace", *ARMS)
 BUDGET_TOLERANCE = 0.05  # training arms of one comparison use budgets within 5% of each other
 
@@ -81,7 +85,8 @@ class Experiment:
         mixed = {"name": "mixed", "parts": list(trace["environments"].values()), "split": "train"}
         runs = {"grpo_target": lambda: self._grpo("grpo_target", target, budget, hints=False),
                 "mixed": lambda: self._grpo("mixed", mixed, budget, hints=trace["hints"]),
-                "gepa": lambda: self._gepa(trace, budget)}
+                "gepa": lambda: self._gepa(trace, budget),
+                "subsets": lambda: self._subsets(trace)}
         for arm in ARMS:
             if arm in self.config.arms and arm in CAPABILITY_ARMS and not trace["environments"]:
                 logging.warning("arm %s skipped: TRACE calibrated no capability environment", arm)
@@ -104,9 +109,10 @@ class Experiment:
         evaluate_alone(self.config.trace, self.trace_dir, missing)
         environments = pipeline.stages["environments"]["result"]
         cards = json.loads((self.trace_dir / "analysis" / "capabilities.json").read_text())["candidates"]
-        rollouts = sum(json.loads((self.trace_dir / "adapters" / n / "summary.json").read_text())["rollouts"]
-                       for n in adapters)
-        return {"trace_rollouts": rollouts, "adapters": adapters,
+        rollouts = {n: json.loads((self.trace_dir / "adapters" / n / "summary.json").read_text())["rollouts"]
+                    for n in adapters}
+        return {"trace_rollouts": sum(rollouts.values()), "rollouts_by_capability": rollouts, "adapters": adapters,
+                "examples": pipeline.stages["routing"]["result"].get("examples", {}),
                 "trace_seconds": summary["seconds"], "base_seconds": pipeline.stages["base"]["seconds"],
                 "base_dir": pipeline.stages["base"]["result"]["heldout_dir"],
                 "routing": pipeline.stages["routing"]["result"]["by_task"],
@@ -143,6 +149,24 @@ class Experiment:
                 "texts": result["texts"], "heldout": result["heldout"]["success"],
                 "episodes_dir": str(self.workdir / "gepa" / "heldout")}
 
+    def _subsets(self, trace: dict) -> dict:
+        """TRACE routed among its first k adapters only, for each k below their number; k -> the rollouts those
+        adapters' training used and the held-out episodes' folder."""
+        names, config = list(trace["adapters"]), self.config.trace
+        target = make_environment(config.target.env)
+        tasks = target.tasks(config.target.heldout_split, config.target.heldout_tasks)
+        runs = {}
+        for k in range(1, len(names)):
+            options = [RouteOption(n, trace["descriptions"][n], trace["examples"][n]) for n in names[:k]]
+            indices, _ = route_tasks(config, target, tasks, options)
+            routes = Routes(tuple(trace["adapters"][n] for n in names[:k]),
+                            {t.task_id: i for t, i in zip(tasks, indices)})
+            folder = self.workdir / "subsets" / f"top_{k}"
+            evaluate(heldout_evaluation(config), folder, routes=routes)
+            runs[str(k)] = {"rollouts": sum(trace["rollouts_by_capability"][n] for n in names[:k]),
+                            "episodes_dir": str(folder)}
+        return runs
+
     def _results(self, trace: dict, budget: int) -> dict:
         """One row per arm: held-out success overall (95% interval) and per family, rollouts, wall time."""
         base = recorded_episodes(pathlib.Path(trace["base_dir"]) / "episodes.jsonl")
@@ -162,13 +186,16 @@ class Experiment:
             rows.append(_row(f"best single adapter ({best})", singles[best], trace["trace_rollouts"],
                              trace["trace_seconds"]))
         names = {"grpo_target": "GRPO on the target", "mixed": "one adapter, environments mixed", "gepa": "GEPA"}
-        for arm in ARMS:
+        for arm in ("grpo_target", "mixed", "gepa"):
             if arm in self.stages.done:
                 done = self.stages.done[arm]
                 rows.append(_row(names[arm], _episodes(pathlib.Path(done["result"]["episodes_dir"])),
                                  done["result"]["rollouts"], done["seconds"]))
+        for k, run in self.stages.done.get("subsets", {}).get("result", {}).items():
+            rows.append(_row(f"TRACE, top {k} of {len(adapters)} capabilities", _episodes(pathlib.Path(
+                run["episodes_dir"])), run["rollouts"], self.stages.done["subsets"]["seconds"]))
         for row in rows[1:]:
-            if abs(row["rollouts"] - budget) > BUDGET_TOLERANCE * budget:
+            if abs(row["rollouts"] - budget) > BUDGET_TOLERANCE * budget and " top " not in row["arm"]:
                 logging.warning("%s used %d rollouts against the budget of %d", row["arm"], row["rollouts"], budget)
         return {"budget": budget, "trace_rollouts": trace["trace_rollouts"], "arms": rows}
 

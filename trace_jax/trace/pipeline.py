@@ -28,11 +28,12 @@ import time
 from collections.abc import Callable
 
 import ml_collections
+import numpy as np
 from absl import logging
 
 from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import make_environment
-from trace_jax.envs.base import Gold
+from trace_jax.envs.base import Environment, Gold, TaskSpec
 from trace_jax.envs.capability import CAPABILITIES
 from trace_jax.envs.capability.sandbox import ValidationReport
 from trace_jax.evaluation import Routes, check_base_run, evaluate, evaluate_together, recorded_episodes
@@ -188,6 +189,15 @@ def evaluate_alone(config: ml_collections.ConfigDict, workdir: pathlib.Path, ada
     return success
 
 
+def route_tasks(config: ml_collections.ConfigDict, target: Environment, tasks: list[TaskSpec],
+                options: list[RouteOption]) -> tuple[list[int], np.ndarray]:
+    """Stage 4's router (the base model, `config.routing`'s settings) over `options`: each task's adapter index
+    (NO_ADAPTER: the base model) and the label weights, from the task's opening messages."""
+    router = Router(load_model(config.model, config.dtype), options, max_messages=config.routing.max_messages,
+                    batch_size=config.routing.batch_size, calibration=config.routing.calibration)
+    return router.route([target.episode(t).reset() for t in tasks])
+
+
 class Pipeline:
     """One TRACE run in `workdir` (see the module docstring)."""
 
@@ -297,10 +307,7 @@ class Pipeline:
             return {"by_task": {t.task_id: NO_ADAPTER for t in tasks}, "labels": ["general_service"], "weights": {}}
         cards = self._cards()
         options = [RouteOption(name, cards[name]["description"], self._example(name)) for name in adapters]
-        router = Router(load_model(self.config.model, self.config.dtype), options,
-                        max_messages=self.config.routing.max_messages, batch_size=self.config.routing.batch_size,
-                        calibration=self.config.routing.calibration)
-        indices, weights = router.route([self.target.episode(t).reset() for t in tasks])
+        indices, weights = route_tasks(self.config, self.target, tasks, options)
         return {"by_task": {t.task_id: i for t, i in zip(tasks, indices)},
                 "labels": ["general_service", *adapters],
                 "weights": {t.task_id: [round(float(w), 4) for w in row] for t, row in zip(tasks, weights)},
