@@ -106,7 +106,7 @@ def heldout_evaluation(config: ml_collections.ConfigDict) -> ml_collections.Conf
 
 
 def training_config(config: ml_collections.ConfigDict, capability: str, difficulty: int,
-                     scenarios: str | None = None) -> ml_collections.ConfigDict:
+                    scenarios: str | None = None) -> ml_collections.ConfigDict:
     """The GRPO job's config for one capability's environment (equal iterations for every capability)."""
     training = ml_collections.ConfigDict(config.training.to_dict())
     training.update(model=config.model, dtype=config.dtype, seed=config.seed, log_every_s=config.log_every_s)
