@@ -1,7 +1,8 @@
 """The GEPA baseline: GEPA (the real `gepa` package) evolving the guidance in the agent's system prompt on a
 capability environment, with a reflection LM behind a real OpenAI-compatible server on 127.0.0.1 (answering
 from a script), its budget counted by the code that plays the episodes, resume, and the base model as the
-reflection LM. (Guidance itself: tests/test_env_wrappers.py.)
+reflection LM. (Guidance itself: tests/test_env_wrappers.py; the whole GEPA arm on the tiny model, in the
+experiment job: tests/test_trace_pipeline.py.)
 
 The agent of the GEPA run is scripted: it plays the gold calls when its guidance holds a key phrase and
 does nothing otherwise, a stand-in for a model that follows its prompt, so that which candidate wins is known.
@@ -9,7 +10,6 @@ does nothing otherwise, a stand-in for a model that follows its prompt, so that 
 
 import json
 
-import ml_collections
 import pytest
 
 pytest.importorskip("tau2")
@@ -119,47 +119,3 @@ def test_the_base_model_reflects_deterministically_and_a_long_prompt_keeps_its_e
     assert lms[0](long).strip()  # uncut, the prompt would fill the context and leave no room for a reply
     ids = list(range(10))
     assert gepa_baseline.keep_ends(ids, 5) == [0, 1, 7, 8, 9] and gepa_baseline.keep_ends(ids, 10) == ids
-
-
-def test_the_gepa_arm_spends_its_budget_per_capability_and_evaluates_the_joined_texts_on_the_target(
-        tiny_chat_model, tmp_path):
-    """The arm end to end on the tiny random model, which scores 0 everywhere: its local reflections are never
-    kept, so each capability ends on its seed text; the budget is split and spent, the held-out episodes carry
-    the joined texts, and a rerun plays nothing."""
-    envs = {name: dict(name="capability", capability=name, seed=0, difficulty=0, policy=False)
-            for name in ("tool_calling", "precondition")}
-    seeds = {"tool_calling": "Make the write the ticket asks for.", "precondition": "Check the order first."}
-    heldout = ml_collections.ConfigDict(dict(
-        model=str(tiny_chat_model), dtype="float32", adapter="", seed=0, env=envs["tool_calling"], split="heldout",
-        num_tasks=2, trials=1, log_every_s=0.0, rollout=dict(batch_size=4, max_turns=2, max_tokens_per_turn=12,
-                                                             max_errors=2, temperature=0.0, top_p=1.0,
-                                                             user_temperature=0.0)))
-    cfg = gepa_baseline.gepa_defaults()
-    cfg.update(train_tasks=2, val_tasks=2, minibatch_size=2, reflection_max_tokens=24)
-    rollout = RolloutConfig(batch_size=4, max_turns=2, max_tokens_per_turn=12, max_errors=2, temperature=1.0)
-    capabilities = {name: (envs[name], seeds[name]) for name in envs}
-
-    def arm():
-        return gepa_baseline.gepa_arm(capabilities, heldout, rollout, cfg, None, 8, tmp_path)
-
-    result = arm()
-    print(f"\n[gepa arm] metric calls {result['metric_calls']}, episodes {result['episodes_played']}, "
-          f"held-out success {result['heldout']['success']}, {result['seconds']} s")
-    assert result["texts"] == seeds and result["guidance"] == gepa_baseline.joined_guidance(seeds)
-    for name in envs:
-        run = result["capabilities"][name]
-        assert 4 <= run["metric_calls"] <= 4 + 2 * 2 and run["episodes_played"] <= run["metric_calls"]
-        assert len(run["candidates"]) == 1  # nothing beat the seed on a minibatch
-    episodes = [json.loads(line) for line in (tmp_path / "heldout" / "episodes.jsonl").read_text().splitlines()]
-    assert len(episodes) == 2 and all(e["messages"][0]["content"].endswith(result["guidance"]) for e in episodes)
-    logs = {name: (tmp_path / name / "evaluations.jsonl").read_text() for name in envs}
-    again = arm()
-    assert {name: (tmp_path / name / "evaluations.jsonl").read_text() for name in envs} == logs
-    assert _timeless(again) == _timeless(result)
-
-
-def _timeless(value):
-    """`value` without its wall times (a rerun's differ)."""
-    if isinstance(value, dict):
-        return {k: _timeless(v) for k, v in value.items() if k not in ("seconds", "play_seconds")}
-    return value

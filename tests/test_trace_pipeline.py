@@ -170,6 +170,9 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     assert {task_id.split("/")[1] for task_id in mixed} == set(trained)  # one adapter, every environment
     gepa = json.loads((tmp_path / "gepa" / "result.json").read_text())
     assert sorted(gepa["texts"]) == sorted(trained)
+    share = budget // len(trained)  # each capability's; GEPA may pass it by one iteration
+    assert all(share <= run["metric_calls"] <= share + 2 * 2 + 2 and run["episodes_played"] <= run["metric_calls"]
+               for run in gepa["capabilities"].values())
     episodes = [json.loads(line) for line in (tmp_path / "gepa" / "heldout" / "episodes.jsonl").open()]
     assert all(e["messages"][0]["content"].endswith(gepa["guidance"]) for e in episodes)
     assert all((trace_dir / "heldout" / n / "summary.json").is_file() for n in trained)  # each adapter alone
