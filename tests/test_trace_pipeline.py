@@ -4,7 +4,8 @@ LLM path (analyst, environment writer) against a scripted OpenAI-compatible serv
 artifacts are written, each GRPO job evaluates its adapter through the evaluation job's path before and
 after training, the routed final evaluation runs each task under the adapter the router chose,
 the report and its plots exist, the JSON line carries the summary, and a rerun finds every stage done
-and repeats nothing."""
+and repeats nothing. The comparison job (`launch.experiment`, configs/experiment_tiny.py) then runs every
+baseline on that same run, so the pipeline runs once for both."""
 
 import importlib
 import json
