@@ -17,7 +17,18 @@ def write_json_atomic(path: pathlib.Path, value: Any) -> None:
 
 def write_jsonl_atomic(path: pathlib.Path, records: list[Any]) -> None:
     """Writes `records` one JSON object a line, atomically as `write_json_atomic`."""
-    _write_text_atomic(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    _write_text_atomic(path, "".join(map(_jsonl_line, records)))
+
+
+def append_jsonl(path: pathlib.Path, record: Any) -> None:
+    """Appends `record` as one line, as `write_jsonl_atomic` writes them (a kill may cut the last line; readers
+    such as `trace_jax.evaluation.recorded_episodes` stop before it)."""
+    with open(path, "a") as f:
+        f.write(_jsonl_line(record))
+
+
+def _jsonl_line(record: Any) -> str:
+    return json.dumps(record, ensure_ascii=False) + "\n"
 
 
 def _write_text_atomic(path: pathlib.Path, text: str) -> None:

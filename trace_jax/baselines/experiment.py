@@ -36,7 +36,14 @@ from trace_jax.files import write_json_atomic
 from trace_jax.report import summarize
 from trace_jax.rl import trainer as grpo
 from trace_jax.trace.calibration import environment_config
-from trace_jax.trace.pipeline import Pipeline, Stages, evaluate_alone, heldout_evaluation, route_tasks
+from trace_jax.trace.pipeline import (
+    Pipeline,
+    Stages,
+    evaluate_alone,
+    grpo_config,
+    heldout_evaluation,
+    route_tasks,
+)
 from trace_jax.trace.pipeline import validate_config as validate_pipeline_config
 from trace_jax.trace.routing import RouteOption
 from trace_jax.trace.trace_report import oracle_routes
@@ -125,12 +132,9 @@ class Experiment:
         """GRPO with TRACE's training settings on `env` for `budget` episodes, then its adapter on the held-out
         tasks (`hints`: keep TRACE's hinted share, where every environment offers a hint)."""
         trace, folder = self.config.trace, self.workdir / arm
-        training = ml_collections.ConfigDict(trace.training.to_dict())
-        training.update(model=trace.model, dtype=trace.dtype, seed=trace.seed, log_every_s=trace.log_every_s, env=env)
+        training = grpo_config(trace, env, hints)
         training.train.update(steps=None, rollout_budget=budget)
         training.eval.num_tasks = 0  # held out below, as every arm is
-        if not hints:
-            training.rollout.hint_share = 0.0
         summary = grpo.train(training, folder)
         heldout = heldout_evaluation(trace)
         heldout.adapter = str(folder / "adapter")
@@ -171,19 +175,19 @@ class Experiment:
 
     def _results(self, trace: dict, budget: int) -> dict:
         """One row per arm: held-out success overall (95% interval) and per family, rollouts, wall time."""
-        base = recorded_episodes(pathlib.Path(trace["base_dir"]) / "episodes.jsonl")
+        base = _episodes(pathlib.Path(trace["base_dir"]))
         rows = [_row("base", base, 0, trace["base_seconds"]),
                 _row("TRACE", _episodes(self.trace_dir / "heldout" / "trace"), trace["trace_rollouts"],
                      trace["trace_seconds"])]
         adapters = list(trace["adapters"])
         if adapters:
             oracle = oracle_routes(self.trace_dir, trace["base_dir"], adapters, trace["routing"])
-            chosen = {f: pathlib.Path(trace["base_dir"]) if name == "general_service" else
-                      self.trace_dir / "heldout" / name for f, name in oracle["by_family"].items()}
-            picked = {f: {r["task_id"]: r for r in _episodes(folder)} for f, folder in chosen.items()}
-            rows.append(_row("TRACE, oracle routing", [picked[r["family"]][r["task_id"]] for r in base],
-                             trace["trace_rollouts"], trace["trace_seconds"]))
             singles = {n: _episodes(self.trace_dir / "heldout" / n) for n in adapters}
+            by_task = {name: {r["task_id"]: r for r in records}
+                       for name, records in {"general_service": base, **singles}.items()}
+            rows.append(_row("TRACE, oracle routing",
+                             [by_task[oracle["by_family"][r["family"]]][r["task_id"]] for r in base],
+                             trace["trace_rollouts"], trace["trace_seconds"]))
             best = max(adapters, key=lambda n: sum(r["success"] for r in singles[n]))
             rows.append(_row(f"best single adapter ({best})", singles[best], trace["rollouts_by_capability"][best],
                              trace["trace_seconds"]))

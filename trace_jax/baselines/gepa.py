@@ -31,7 +31,7 @@ from trace_jax.envs import make_environment
 from trace_jax.envs.base import Environment, TaskSpec
 from trace_jax.envs.guided import GuidedEnvironment
 from trace_jax.evaluation import evaluate, recorded_episodes
-from trace_jax.files import write_json_atomic, write_jsonl_atomic
+from trace_jax.files import append_jsonl, write_json_atomic, write_jsonl_atomic
 from trace_jax.llm import ChatClient
 from trace_jax.models.model import Model, load_model
 from trace_jax.sampling import Sampler
@@ -102,8 +102,7 @@ class EpisodeAdapter:
             engine = self.make_engine(GuidedEnvironment(self.env, candidate[COMPONENT]))
             records = [t.record() for t in engine.run([Job(task) for task in batch],
                                                        key=jax.random.fold_in(jax.random.key(self.seed), key))]
-            with open(self.log_path, "a") as log:  # written as write_jsonl_atomic writes it
-                log.write(json.dumps({"key": key, "records": records}, ensure_ascii=False) + "\n")
+            append_jsonl(self.log_path, {"key": key, "records": records})
             self.memo[key] = records
             self.played += len(records)
         views = [self._view(task, record) for task, record in zip(batch, records)] if capture_traces else None

@@ -108,11 +108,18 @@ def heldout_evaluation(config: ml_collections.ConfigDict) -> ml_collections.Conf
 def training_config(config: ml_collections.ConfigDict, capability: str, difficulty: int,
                     scenarios: str | None = None) -> ml_collections.ConfigDict:
     """The GRPO job's config for one capability's environment (equal iterations for every capability)."""
+    env = {**environment_config(capability, difficulty, config.calibration, scenarios), "split": "train"}
+    return grpo_config(config, env, hints=not scenarios)  # an LLM-written environment offers no hint
+
+
+def grpo_config(config: ml_collections.ConfigDict, env: dict, hints: bool) -> ml_collections.ConfigDict:
+    """The GRPO job's config from the pipeline's `training` block, model and seed, on `env` (`hints`: keep the
+    block's hinted share, for environments that offer a hint)."""
     training = ml_collections.ConfigDict(config.training.to_dict())
     training.update(model=config.model, dtype=config.dtype, seed=config.seed, log_every_s=config.log_every_s)
-    training.env = {**environment_config(capability, difficulty, config.calibration, scenarios), "split": "train"}
-    if scenarios:
-        training.rollout.hint_share = 0.0  # an LLM-written environment offers no hint
+    training.env = env
+    if not hints:
+        training.rollout.hint_share = 0.0
     return training
 
 
