@@ -37,7 +37,7 @@ from hf_checkpoints import make_chat_checkpoint, make_checkpoint  # noqa: E402
 
 # Modules whose tests run jobs on SmolLM2 (subprocesses of several GB each; two at once would not fit in
 # 24 GB): they run on one worker, one after another and first. Jobs on the tiny chat model are light.
-JOB_MODULES = ("test_grpo_env_job.py", "test_grpo_job.py")
+JOB_MODULES = ("test_grpo_env_job.py",)
 
 
 def _is_job_test(nodeid: str) -> bool:

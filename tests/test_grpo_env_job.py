@@ -2,24 +2,31 @@
 CPU device). The agent `smollm2-135m-tiny-agent` (SmolLM2 cloning gold trajectories, configs/warmstart_tiny.py)
 is built by the SFT job on first use, once per config, then taken from the cache. The GRPO job on
 `configs/grpo_env_tiny.py` (the tiny agent, one tool_calling ticket played sixteen times a step for one
-agent turn, no held-out evaluation): the training reward rises, steps and rollouts are as configured, and
-every training episode is logged per step.
+agent turn, no held-out evaluation): the training reward rises, steps and rollouts are as configured, every
+step moves the adapter, every training episode is logged per step, the adapter snapshots are the checkpoints'
+adapters, and a SIGKILLed run resumes exactly (its last step's episodes and adapter).
 (The GRPO job's held-out evaluation on an environment is tested in the TRACE pipeline's training stage,
 tests/test_trace_pipeline.py, on the tiny random model.)
 """
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import grpo_env_tiny, warmstart_tiny
-from trace_jax import warmstart
+from job_kills import kill_after_checkpoint
+from trace_jax import lora, warmstart
+from trace_jax.models.config import ModelConfig
 from trace_jax.models.embedded import resolve_model_dir
+from trace_jax.rl.trainer import snapshot_step
 
 pytestmark = pytest.mark.optimized_xla  # SmolLM2 runs long here (tests/conftest.py)
 
@@ -65,26 +72,85 @@ def test_the_tiny_agent_is_built_once_per_config(tiny_agent, monkeypatch):
         warmstart.agent_dir(AGENT, cache)
 
 
-def test_tiny_environment_run_raises_the_reward(tiny_agent, job_env, tmp_path):
+def _command(workdir):
+    return [sys.executable, "-m", "launch.grpo", "--config=configs/grpo_env_tiny.py", f"--workdir={workdir}"]
+
+
+def _adapter_at(workdir: pathlib.Path, step: int) -> dict:
+    return ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(step) / "arrays")["adapter_weights"]
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+@pytest.fixture(scope="module")
+def env_run(tiny_agent, job_env, tmp_path_factory):
+    """(workdir, summary, log, the jobs' environment) of one uninterrupted run of configs/grpo_env_tiny.py."""
     cache, _ = tiny_agent
-    command = [sys.executable, "-m", "launch.grpo", "--config=configs/grpo_env_tiny.py", f"--workdir={tmp_path}"]
-    out = subprocess.run(command, cwd=REPO, env={**job_env, "TRACE_JAX_CACHE": str(cache)}, capture_output=True,
-                         text=True, timeout=3600)
+    workdir, env = tmp_path_factory.mktemp("grpo_env"), {**job_env, "TRACE_JAX_CACHE": str(cache)}
+    out = subprocess.run(_command(workdir), cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    return workdir, json.loads(out.stdout.strip().splitlines()[-1]), out.stderr, env
+
+
+def test_tiny_environment_run_raises_the_reward(env_run, tiny_agent):
+    workdir, summary, log, _ = env_run
     print(f"\n[grpo env job] tiny config, {STEPS} steps: {summary}")
     assert summary["steps"] == STEPS and summary["rollouts"] == STEPS * CONFIG.rollout.group_size
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    assert json.loads((workdir / "summary.json").read_text()) == summary
+    events = EventAccumulator(str(workdir / "tensorboard"))
     events.Reload()
     reward = [e.value for e in events.Scalars("rollout/reward")]
     print(f"[grpo env job] rollout reward per step: {[round(r, 3) for r in reward]}")
     assert len(reward) == STEPS and all(0.0 <= r <= 1.0 for r in reward)
     assert np.mean(reward[-2:]) >= reward[0] + MIN_RISE
+    assert [e.step for e in events.Scalars("rollout/reward")] == list(range(1, STEPS + 1))
+    assert {"learner/loss", "learner/grad_norm", "learner/clip_fraction", "learner/entropy", "learner/approx_kl",
+            "learner/dropped_fraction"} <= set(events.Tags()["scalars"])
+    assert f"step {STEPS}/{STEPS} (100%)" in log and "ETA" in log
     for step, mean in enumerate(reward, start=1):  # every training episode is logged, as evaluations record them
-        records = [json.loads(line) for line in (tmp_path / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (workdir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
         assert len(records) == CONFIG.rollout.group_size and all(r["messages"] and "components" in r for r in records)
         assert abs(np.mean([r["reward"] for r in records]) - mean) <= 1e-6
-    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    # Every step moves the adapter (step 1 from B = 0, A starting random), so the resume test compares trained
+    # weights.
+    first = max(float(np.abs(np.asarray(w["b"])).max()) for w in _adapter_at(workdir, 1).values())
+    moved = [first] + [_max_diff(_adapter_at(workdir, k), _adapter_at(workdir, k - 1)) for k in range(2, STEPS + 1)]
+    print(f"[grpo env job] adapter change per step (max |diff|): {[f'{m:.1e}' for m in moved]}")
+    assert min(moved) > 1e-4
+    assert (workdir / "adapter" / "adapter_config.json").is_file()
+    # The adapter snapshots along the run (train.snapshot_fractions) are the checkpoints' adapters at those steps.
+    snapshots = sorted(int(p.name.split("_")[1]) for p in (workdir / "snapshots").iterdir())
+    assert snapshots == sorted({snapshot_step(f, STEPS) for f in CONFIG.train.snapshot_fractions} - {0, STEPS})
+    cfg = ModelConfig.from_dir(tiny_agent[1])
+    for step in snapshots:
+        exported = lora.load_peft(workdir / "snapshots" / f"step_{step}", cfg).weights
+        assert _max_diff(_adapter_at(workdir, step), exported) <= 1e-7, step
     # eval.num_tasks = 0: no held-out evaluation, before or after.
-    assert "base_reward" not in summary and not (tmp_path / "eval").exists()
+    assert "base_reward" not in summary and not (workdir / "eval").exists()
     assert not any(tag.startswith("eval/") for tag in events.Tags()["scalars"])
+
+
+def test_sigkilled_run_resumes_to_the_same_adapter_and_episodes(env_run, tmp_path):
+    """A run started from the uninterrupted run's checkpoint of step STEPS - 2 trains step STEPS - 1 and is
+    SIGKILLed as soon as it has saved it (in the next step's rollouts). Restarted on the same workdir, it
+    resumes from the killed process's checkpoint, plays the last step's episodes exactly as the uninterrupted
+    run did, and ends with its adapter and summary."""
+    full_dir, full_summary, _, env = env_run
+    workdir, start = tmp_path / "resumed", STEPS - 2
+    (workdir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full_dir / "checkpoints" / str(start), workdir / "checkpoints" / str(start))
+    first_log = kill_after_checkpoint(_command(workdir), env, workdir, STEPS - 1, tmp_path / "first.log", 1800)
+    assert f"resumed from step {start}" in first_log and '"steps"' not in first_log  # killed before the end
+    out = subprocess.run(_command(workdir), cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert f"resumed from step {STEPS - 1}" in out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {**summary, "seconds": 0} == {**full_summary, "seconds": 0}
+    episodes = lambda folder: (folder / "rollouts" / f"step_{STEPS}.jsonl").read_text()
+    assert episodes(workdir) == episodes(full_dir)
+    diff = _max_diff(_adapter_at(workdir, STEPS), _adapter_at(full_dir, STEPS))
+    print(f"\n[grpo env job] killed-and-resumed vs uninterrupted adapter at step {STEPS}: max |diff| {diff:.2e}")
+    assert diff <= 1e-6

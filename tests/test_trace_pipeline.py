@@ -21,8 +21,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from configs import trace_tiny
 from trace_jax.baselines.experiment import validate_config as validate_experiment_config
+from trace_jax.baselines.gepa import joined_guidance
 from trace_jax.envs.capability import example_written
-from trace_jax.evaluation import run_marker
+from trace_jax.evaluation import recorded_episodes, run_marker
+from trace_jax.rl.trainer import snapshot_step
 from trace_jax.trace.pipeline import STAGES, Pipeline, StageClock, heldout_evaluation, validate_config
 from trace_jax.trace.trace_report import oracle_routes
 
@@ -74,6 +76,10 @@ def tiny_run(tiny_chat_model, job_env, tmp_path_factory):
         again, _ = _run(workdir, job_env, *overrides)
         assert len(server.requests) == len(kinds)  # the rerun asks nothing
     return workdir, summary, out, kinds, again
+
+
+def _records(folder) -> list[dict]:
+    return recorded_episodes(pathlib.Path(folder) / "episodes.jsonl")
 
 
 def _model(tiny_chat_model) -> list[str]:
@@ -179,6 +185,32 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     assert all((trace_dir / "heldout" / n / "summary.json").is_file() for n in trained)  # each adapter alone
     report = (tmp_path / "report.md").read_text()
     assert all(f"| {name} |" in report for name in arms) and "## Held-out success per family" in report
+    # The scaling curve: each arm from the base agent to its finished run through its shares of the budget.
+    # TRACE's one GRPO step per adapter rounds to step 0 or 1, so its points are the base and itself; GRPO on
+    # the target (2 steps) is evaluated at its snapshot of step 1; GEPA with its seed texts (found at call 0).
+    fractions = sorted(CONFIG.training.train.snapshot_fractions)
+    curves = results["scaling"]
+    assert list(curves) == ["TRACE", "GRPO on the target", "GEPA"] and "## Scaling" in report
+    for arm, points in curves.items():
+        assert [p["fraction"] for p in points] == [0.0, *fractions, 1.0], arm
+        assert (points[0]["rollouts"], points[0]["success"]) == (0, arms["base"]["success"]), arm
+        assert (points[-1]["rollouts"], points[-1]["success"]) == (arms[arm]["rollouts"], arms[arm]["success"]), arm
+        assert all(p["episodes"] == heldout for p in points), arm
+    assert [p["rollouts"] for p in curves["TRACE"]] == [0, 0, budget, budget, budget]
+    grpo_steps = [snapshot_step(f, 2) for f in fractions]  # a budget of 4 episodes: 2 steps of 1 task x 2
+    assert [p["rollouts"] for p in curves["GRPO on the target"]][1:-1] == [2 * k for k in grpo_steps]
+    played = json.loads((tmp_path / "stages.json").read_text())["scaling"]["result"]  # each point's episodes
+    assert [pathlib.Path(p["episodes_dir"]).name for p in played["GRPO on the target"][1:-1]] == \
+        [f"step_{k}" if k == 1 else "heldout" for k in grpo_steps]
+    assert len(_records(tmp_path / "scaling" / "grpo_target" / "step_1")) == heldout
+    assert (tmp_path / "grpo_target" / "snapshots" / "step_1").is_dir()
+    assert not (tmp_path / "mixed" / "snapshots").exists()  # no curve for the mixed arm
+    assert [p["rollouts"] for p in curves["GEPA"]][1:-1] == [
+        sum(int(f * run["metric_calls"]) for run in gepa["capabilities"].values()) for f in fractions]
+    seeds = joined_guidance({n: run["seed_text"] for n, run in gepa["capabilities"].items()})
+    for point in played["GEPA"][1:-1]:  # within 1 call of 2 per capability, GEPA had only its seed texts
+        assert all(r["messages"][0]["content"].endswith(seeds) for r in _records(point["episodes_dir"]))
+    assert (tmp_path / "plots" / "scaling.png").is_file()
     assert {k: v for k, v in again.items() if k != "this_run_seconds"} == \
         {k: v for k, v in summary.items() if k != "this_run_seconds"}
     assert again["this_run_seconds"] < 60  # nothing trained or played again

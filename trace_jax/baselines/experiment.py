@@ -11,11 +11,13 @@ killed stage resumes from what its jobs wrote):
                system prompt, then held-out (`trace_jax.baselines.gepa`)
   subsets      TRACE with only its first 1, 2, ... selected capabilities (by coverage, as selected): the
                router over those adapters alone, then held-out (the paper's 1 / 2 / 4 capabilities)
+  scaling      TRACE, GRPO on the target and GEPA at each of `trace.training.train.snapshot_fractions` of their
+               budget, read along their runs (`trace_jax.baselines.scaling`), then held-out
 
 The budget, in training episodes, is TRACE's own (the episodes its GRPO jobs played, summed over the
 capabilities) unless `budget` sets it. Every arm is evaluated by the evaluation job on the same held-out
 tasks (greedy); results.json and report.md hold success per arm, overall and per family, with 95% intervals,
-the rollouts each arm used and its wall time.
+the rollouts each arm used and its wall time, and the scaling curve (a table in report.md, plots/scaling.png).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from absl import logging
 
 from trace_jax.agent.rollout import RolloutConfig
 from trace_jax.baselines.gepa import gepa_arm, validate_gepa_config
+from trace_jax.baselines.scaling import plot_scaling, scaling_points, scaling_table
 from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import make_environment
 from trace_jax.evaluation import Routes, evaluate, recorded_episodes
@@ -50,7 +53,7 @@ from trace_jax.trace.trace_report import oracle_routes
 
 ARMS = ("grpo_target", "mixed", "gepa", "subsets")
 CAPABILITY_ARMS = ("mixed", "gepa", "subsets")  # arms on TRACE's capability environments or adapters
-STAGES = ("trace", *ARMS)
+STAGES = ("trace", *ARMS, "scaling")
 BUDGET_TOLERANCE = 0.05  # the baselines' budgets are within 5% of TRACE's (else a warning)
 
 
@@ -90,8 +93,8 @@ class Experiment:
             raise ValueError("TRACE trained no adapter, so it gives no budget: set config.budget")
         target = {**self.config.trace.target.env.to_dict(), "split": self.config.grpo_target.split}
         mixed = {"name": "mixed", "parts": list(trace["environments"].values()), "split": "train"}
-        runs = {"grpo_target": lambda: self._grpo("grpo_target", target, budget, hints=False),
-                "mixed": lambda: self._grpo("mixed", mixed, budget, hints=trace["hints"]),
+        runs = {"grpo_target": lambda: self._grpo("grpo_target", target, budget, hints=False, snapshots=True),
+                "mixed": lambda: self._grpo("mixed", mixed, budget, hints=trace["hints"], snapshots=False),
                 "gepa": lambda: self._gepa(trace, budget),
                 "subsets": lambda: self._subsets(trace)}
         for arm in ARMS:
@@ -99,9 +102,15 @@ class Experiment:
                 logging.warning("arm %s skipped: TRACE calibrated no capability environment", arm)
             elif arm in self.config.arms:
                 self.stages.run(arm, runs[arm])
+        fractions = sorted(self.config.trace.training.train.snapshot_fractions)
+        self.stages.run("scaling", lambda: scaling_points(
+            fractions, heldout_evaluation(self.config.trace), self.workdir, trace,
+            {arm: self.stages.done[arm]["result"] for arm in ("grpo_target", "gepa") if arm in self.stages.done}))
         results = self._results(trace, budget)
         write_json_atomic(self.workdir / "results.json", results)
         (self.workdir / "report.md").write_text(report(results))
+        if results["scaling"]:
+            plot_scaling(results["scaling"], self.workdir / "plots" / "scaling.png")
         return {"success": {row["arm"]: row["success"] for row in results["arms"]}, "budget": results["budget"],
                 "seconds": round(sum(s["seconds"] for s in self.stages.done.values()), 1),
                 "this_run_seconds": round(time.monotonic() - start, 1)}
@@ -116,9 +125,11 @@ class Experiment:
         evaluate_alone(self.config.trace, self.trace_dir, missing)
         environments = pipeline.stages["environments"]["result"]
         cards = json.loads((self.trace_dir / "analysis" / "capabilities.json").read_text())["candidates"]
-        rollouts = {n: json.loads((self.trace_dir / "adapters" / n / "summary.json").read_text())["rollouts"]
-                    for n in adapters}
+        jobs = {n: json.loads((self.trace_dir / "adapters" / n / "summary.json").read_text()) for n in adapters}
+        rollouts = {n: job["rollouts"] for n, job in jobs.items()}
         return {"trace_rollouts": sum(rollouts.values()), "rollouts_by_capability": rollouts, "adapters": adapters,
+                "steps_by_capability": {n: job["steps"] for n, job in jobs.items()},
+                "episodes_dir": str(self.trace_dir / "heldout" / "trace"),
                 "examples": pipeline.stages["routing"]["result"].get("examples", {}),
                 "trace_seconds": summary["seconds"], "base_seconds": pipeline.stages["base"]["seconds"],
                 "base_dir": pipeline.stages["base"]["result"]["heldout_dir"],
@@ -128,18 +139,21 @@ class Experiment:
                 "hints": not any(environments[n].get("scenarios") for n in adapters),  # written ones offer none
                 "descriptions": {c["name"]: c["description"] for c in cards if c["name"] in adapters}}
 
-    def _grpo(self, arm: str, env: dict, budget: int, hints: bool) -> dict:
+    def _grpo(self, arm: str, env: dict, budget: int, hints: bool, snapshots: bool) -> dict:
         """GRPO with TRACE's training settings on `env` for `budget` episodes, then its adapter on the held-out
-        tasks (`hints`: keep TRACE's hinted share, where every environment offers a hint)."""
+        tasks (`hints`: keep TRACE's hinted share, where every environment offers a hint; `snapshots`: keep
+        TRACE's adapter snapshots along the run, for the scaling curve)."""
         trace, folder = self.config.trace, self.workdir / arm
         training = grpo_config(trace, env, hints)
         training.train.update(steps=None, rollout_budget=budget)
+        if not snapshots:
+            training.train.snapshot_fractions = ()
         training.eval.num_tasks = 0  # held out below, as every arm is
         summary = grpo.train(training, folder)
         heldout = heldout_evaluation(trace)
         heldout.adapter = str(folder / "adapter")
-        return {"rollouts": summary["rollouts"], "heldout": evaluate(heldout, folder / "heldout")["success"],
-                "episodes_dir": str(folder / "heldout")}
+        return {"rollouts": summary["rollouts"], "steps": summary["steps"], "adapter": heldout.adapter,
+                "heldout": evaluate(heldout, folder / "heldout")["success"], "episodes_dir": str(folder / "heldout")}
 
     def _gepa(self, trace: dict, budget: int) -> dict:
         """GEPA per calibrated capability (seeded with its description, episodes cut as TRACE's training cuts
@@ -149,11 +163,12 @@ class Experiment:
                                 max_tokens_per_turn=limits.max_tokens_per_turn, max_errors=limits.max_errors,
                                 temperature=self.config.gepa.temperature)
         capabilities = {n: (env, trace["descriptions"][n]) for n, env in trace["environments"].items()}
+        folder = self.workdir / "gepa"
         result = gepa_arm(capabilities, heldout_evaluation(self.config.trace), rollout, self.config.gepa,
-                          self.config.trace.llm, budget, self.workdir / "gepa")
+                          self.config.trace.llm, budget, folder)
         return {"rollouts": result["metric_calls"], "episodes_played": result["episodes_played"],
                 "texts": result["texts"], "heldout": result["heldout"]["success"],
-                "episodes_dir": str(self.workdir / "gepa" / "heldout")}
+                "episodes_dir": str(folder / "heldout"), "result": str(folder / "result.json")}
 
     def _subsets(self, trace: dict) -> dict:
         """TRACE routed among its first k adapters only, for each k below their number; k -> the rollouts those
@@ -203,7 +218,14 @@ class Experiment:
         for k, run in self.stages.done.get("subsets", {}).get("result", {}).items():
             rows.append(_row(f"TRACE, top {k} of {len(adapters)} capabilities", _episodes(pathlib.Path(
                 run["episodes_dir"])), run["rollouts"], self.stages.done["subsets"]["seconds"]))
-        return {"budget": budget, "trace_rollouts": trace["trace_rollouts"], "arms": rows}
+        return {"budget": budget, "trace_rollouts": trace["trace_rollouts"], "arms": rows,
+                "scaling": self._curves()}
+
+    def _curves(self) -> dict[str, list[dict]]:
+        """The scaling stage's points as rows: held-out success with its 95% interval at each point's rollouts."""
+        return {arm: [{**_row(arm, _episodes(pathlib.Path(p["episodes_dir"])), p["rollouts"], 0.0),
+                       "fraction": p["fraction"]} for p in points]
+                for arm, points in self.stages.done["scaling"]["result"].items()}
 
 
 def _episodes(folder: pathlib.Path) -> list[dict]:
@@ -235,4 +257,7 @@ def report(results: dict) -> str:
     for row in results["arms"]:
         cells = [f"{100 * row['families'][f]:.0f}%" if f in row["families"] else "-" for f in families]
         lines.append(f"| {row['arm']} | " + " | ".join(cells) + " |")
+    if results["scaling"]:
+        lines += ["", "## Scaling: held-out success at shares of the budget (plots/scaling.png)", "",
+                  *scaling_table(results["scaling"])]
     return "\n".join(lines) + "\n"

@@ -224,6 +224,13 @@ def joined_guidance(texts: dict[str, str]) -> str:
                        if text.strip())
 
 
+def guided_evaluation(heldout: ml_collections.ConfigDict, texts: dict[str, str]) -> ml_collections.ConfigDict:
+    """The evaluation job's config `heldout` with the capabilities' texts joined into the agent's system prompt."""
+    evaluation = ml_collections.ConfigDict(heldout.to_dict())
+    evaluation.env.guidance = joined_guidance(texts)
+    return evaluation
+
+
 def gepa_arm(capabilities: dict[str, tuple[dict, str]], heldout: ml_collections.ConfigDict,
              rollout: RolloutConfig, cfg: ml_collections.ConfigDict, llm: ml_collections.ConfigDict | None,
              budget: int, workdir: str | pathlib.Path) -> dict:
@@ -252,8 +259,7 @@ def gepa_arm(capabilities: dict[str, tuple[dict, str]], heldout: ml_collections.
                                     reflection_lm, share, workdir / name, seed=heldout.seed)
             for name, (env, seed_text) in capabilities.items()}
     texts = {name: run["best_text"] for name, run in runs.items()}
-    evaluation = ml_collections.ConfigDict(heldout.to_dict())
-    evaluation.env.guidance = joined_guidance(texts)
+    evaluation = guided_evaluation(heldout, texts)
     summary = evaluate(evaluation, workdir / "heldout")
     result = {"texts": texts, "guidance": evaluation.env.guidance, "budget": budget,
               "metric_calls": sum(run["metric_calls"] for run in runs.values()),

@@ -92,8 +92,7 @@ def start_run(config: ml_collections.ConfigDict, workdir: pathlib.Path, cursor: 
     return TrainingRun(model, params, plan, optimizer, state, checkpointer)
 
 
-def export_adapter(run: TrainingRun, workdir: pathlib.Path) -> pathlib.Path:
-    """Writes the trained adapter in PEFT's format to `<workdir>/adapter` (replaced whole)."""
-    out = workdir / "adapter"
-    lora.save_peft(run.adapters(), out, index=ADAPTER, base_model=str(run.model.path))
+def export_adapter(run: TrainingRun, out: pathlib.Path, weights=None) -> pathlib.Path:
+    """Writes the adapter (`weights`, default the state's) in PEFT's format to `out` (files overwritten)."""
+    lora.save_peft(run.adapters(weights), out, index=ADAPTER, base_model=str(run.model.path))
     return out

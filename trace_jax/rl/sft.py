@@ -165,7 +165,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     run.checkpointer.close()
     writer.close()
     run.state = state
-    export_adapter(run, workdir)
+    export_adapter(run, workdir / "adapter")
     if config.export.merged:
         merged = lora.merge(run.model.params, jax.device_get(run.adapters()), ADAPTER)
         save_hf_checkpoint(merged, run.model.path, workdir / "merged", run.model.cfg)

@@ -25,7 +25,8 @@ it had never stopped; a step's metrics are logged before its evaluation, and an 
 interrupted is made on resume (an environment's plays only the episodes it lacks). Files in the
 workdir: checkpoints/, tensorboard/, metrics.jsonl, base_eval.json, summary.json (and, for
 environments, eval/ and rollouts/step_<k>.jsonl: every training episode of step k, messages and
-reward components, as the evaluation job records them).
+reward components, as the evaluation job records them), adapter/ (PEFT) at the end, and snapshots/step_<k>/
+(PEFT) at each of `train.snapshot_fractions` of the run's steps (a scaling curve's points along one run).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
         ("train.steps", lambda v: v is None or positive_int(v), "None (use train.rollout_budget) or a positive int"),
         ("train.rollout_budget", lambda v: v is None or positive_int(v),
          "None (use train.steps) or a positive int (training episodes in all)"),
+        ("train.snapshot_fractions", lambda v: isinstance(v, tuple | list) and all(number(f) and 0 < f < 1 for f in v),
+         "a tuple of fractions in (0, 1): the adapter is also exported at these shares of the steps (may be ())"),
         ("eval.num_tasks", lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0: no held-out evaluation)"),
         ("eval.every", positive_int, "a positive int"),
         ("eval.batch_size", positive_int, "a positive int"),
@@ -146,6 +149,16 @@ def num_steps(config: ml_collections.ConfigDict) -> int:
     if config.train.steps is not None:
         return config.train.steps
     return math.ceil(config.train.rollout_budget / (config.rollout.tasks_per_step * config.rollout.group_size))
+
+
+def snapshot_step(fraction: float, steps: int) -> int:
+    """The step whose adapter stands for `fraction` of a run of `steps` steps (rounded half up)."""
+    return math.floor(fraction * steps + 0.5)
+
+
+def _snapshot_steps(config: ml_collections.ConfigDict, steps: int) -> set[int]:
+    """The steps, strictly inside the run, at which the adapter is exported to snapshots/step_<k>."""
+    return {k for k in (snapshot_step(f, steps) for f in config.train.snapshot_fractions) if 0 < k < steps}
 
 
 def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
@@ -218,6 +231,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
 
     latest_eval = base if state.step == 0 else _resumed_eval(workdir, state.step, evaluate, writer, config)
     progress = Progress(steps, start=state.step, every_s=config.log_every_s)
+    snapshots = _snapshot_steps(config, steps)
     weights, opt_state = state.adapter_weights, state.opt_state
     for step in range(state.step, steps):
         t0 = time.monotonic()
@@ -253,6 +267,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         start_time = time.monotonic()  # the cursor now holds the time so far
         if rollouts.records:  # what the agent did, for reading a run after the fact
             write_jsonl_atomic(workdir / "rollouts" / f"step_{step + 1}.jsonl", rollouts.records)
+        if step + 1 in snapshots:  # before the checkpoint: a step redone after a kill exports the same again
+            export_adapter(run, workdir / "snapshots" / f"step_{step + 1}", weights)
         run.checkpointer.save(state, force=step + 1 == steps)
         writer.write(step + 1, metrics)  # before the evaluation, which a kill may interrupt
         held_out = ""
@@ -264,7 +280,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     run.checkpointer.close()
     run.state = state
     writer.close()
-    export_adapter(run, workdir)
+    export_adapter(run, workdir / "adapter")
     summary = {**(source.summary(base, latest_eval) if base is not None else {}), "steps": int(state.step),
                "rollouts": int(state.step) * config.rollout.tasks_per_step * config.rollout.group_size,
                "seconds": round(elapsed(), 1)}  # over every process of the run, less work lost to a kill
