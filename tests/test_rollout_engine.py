@@ -2,7 +2,8 @@
 
 The gold agent replays each task's gold calls and states its facts through the engine's
 parsing, tool execution, episode ends and scoring: every task scores 1. The noop agent
-ends at once and scores 0.
+ends at once and scores 0. A model agent's sampled episodes do not depend on the batch or order
+they are played in (each job has its own random streams).
 """
 
 from __future__ import annotations
@@ -14,10 +15,19 @@ import pytest
 
 pytest.importorskip("tau2")
 
-from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine, rollout_profile, session_rows  # noqa: E402
+from trace_jax.agent.rollout import (  # noqa: E402
+    MODEL,
+    Job,
+    RolloutConfig,
+    RolloutEngine,
+    rollout_profile,
+    session_rows,
+)
 from trace_jax.agent.scripted import GoldAgent, NoopAgent, StoppingUser  # noqa: E402
 from trace_jax.envs import base  # noqa: E402
 from trace_jax.envs.embedded_retail import EmbeddedRetail  # noqa: E402
+from trace_jax.models.model import load_model  # noqa: E402
+from trace_jax.sampling import Sampler  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +81,23 @@ def test_a_run_whose_episodes_all_start_at_once_takes_only_the_rows_they_use():
     assert session_rows(5, 6, False) == 6  # never more than the batch
     # Episodes still to start need every row (a solo episode takes one of the two rows an episode may need).
     assert session_rows(1, 2, True) == 2 and session_rows(15, 16, True) == 16
+
+
+def test_sampled_episodes_are_the_same_in_any_batch_or_order(env, tiny_chat_model):
+    """Four jobs (two tasks x two trials) at temperature 1 on the tiny random model: played together in one
+    batch, and in reverse order two rows at a time, each job's episode is token for token the same, so a run
+    can be split across processes (each playing its share) without changing what is played."""
+    model = load_model(tiny_chat_model)
+    sampler = Sampler(model.cfg, model.params, detokenize=model.tokenizer.decode)
+    jobs = [Job(task, trial) for task in env.tasks("heldout", 2) for trial in range(2)]
+
+    def play(batch_size, order):
+        config = RolloutConfig(batch_size=batch_size, max_turns=2, max_tokens_per_turn=12, temperature=1.0)
+        engine = RolloutEngine(env, agent=MODEL, user=StoppingUser(), sampler=sampler, tokenizer=model.tokenizer,
+                               config=config)
+        played = engine.run([jobs[i] for i in order], key=jax.random.key(5))
+        return {(t.job.task.task_id, t.job.trial): t.token_ids for t in played}
+
+    together = play(4, [0, 1, 2, 3])
+    assert play(2, [3, 2, 1, 0]) == together
+    assert len({tuple(ids) for ids in together.values()}) == 4  # trials of one task sample differently

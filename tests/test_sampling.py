@@ -212,11 +212,38 @@ def test_sampling_parameters_do_not_recompile_and_key_decides(model):
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
 
 
+def test_a_row_samples_by_its_stream_whatever_the_batch_around_it(model):
+    """At temperature 1, a row fed a prompt on stream 7 draws the same tokens (and logprobs) alone in a
+    one-row session as in row 2 of four beside other prompts and streams, fed after them; another
+    stream or another key draws otherwise."""
+    cfg, params, _ = model
+    sampler = Sampler(cfg, params, decode_chunk=4, min_cache=32)
+    prompt = [3, 1, 4, 1, 5]
+
+    def sampled(batch, row, key=0, stream=7, others=()):
+        session = sampler.session(batch)
+        for other_row, other in others:
+            session.feed([other_row], [other], max_new_tokens=12, temperature=1.0, stream=other_row + 100)
+        session.feed([row], [prompt], max_new_tokens=10, temperature=1.0, stream=stream)
+        done = {}
+        while session.running:
+            done.update(session.step(jax.random.key(key)))
+        return done[row]
+
+    alone = sampled(1, 0)
+    crowded = sampled(4, 2, others=[(0, [9, 9, 2]), (1, list(range(20, 44))), (3, [7])])
+    assert crowded.token_ids == alone.token_ids
+    assert np.abs(np.array(crowded.logprobs) - np.array(alone.logprobs)).max() <= 1e-5
+    assert sampled(1, 0, stream=8).token_ids != alone.token_ids
+    assert sampled(1, 0, key=1).token_ids != alone.token_ids
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = jax.random.normal(jax.random.key(0), (4, 50)) * 3
     greedy = np.asarray(jnp.argmax(logits, -1))
     for top_p, top_k in (([1.0] * 4, [1] * 4), ([1e-6] * 4, [0] * 4)):
-        tokens, logp = sample_from_logits(logits, jax.random.key(1), jnp.ones(4), jnp.asarray(top_p), jnp.asarray(top_k))
+        keys = jax.random.split(jax.random.key(1), 4)
+        tokens, logp = sample_from_logits(logits, keys, jnp.ones(4), jnp.asarray(top_p), jnp.asarray(top_k))
         assert np.array_equal(np.asarray(tokens), greedy) and np.allclose(np.asarray(logp), 0.0, atol=1e-6)
 
 
@@ -248,7 +275,8 @@ def test_truncation_matches_sorting_reference():
 def test_top_k_restricts_support():
     logits = jax.random.normal(jax.random.key(0), (2, 30))
     allowed = np.argsort(-np.asarray(logits), -1)[:, :3]
-    sample = jax.jit(lambda key: sample_from_logits(logits, key, jnp.ones(2), jnp.ones(2), jnp.full(2, 3)))
+    sample = jax.jit(lambda key: sample_from_logits(logits, jax.random.split(key, 2), jnp.ones(2), jnp.ones(2),
+                                                    jnp.full(2, 3)))
     for seed in range(20):
         tokens, _ = sample(jax.random.key(seed))
         assert all(t in allowed[b] for b, t in enumerate(np.asarray(tokens)))

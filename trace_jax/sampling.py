@@ -105,8 +105,8 @@ def truncate_logits(scaled, top_p, top_k):
     return jnp.where(keep, scaled, -jnp.inf)
 
 
-def sample_from_logits(logits, key, temperature, top_p, top_k):
-    """Draws one token per row. Returns (tokens [B], logprobs [B]).
+def sample_from_logits(logits, keys, temperature, top_p, top_k):
+    """Draws one token per row, row b with its own key `keys[b]`. Returns (tokens [B], logprobs [B]).
 
     Rows with temperature <= 0 are greedy and report the plain log-softmax of their
     token; other rows report the log-probability under the distribution they were
@@ -120,7 +120,7 @@ def sample_from_logits(logits, key, temperature, top_p, top_k):
     tokens = jax.lax.cond(
         jnp.all(greedy),
         lambda: jnp.argmax(logits, axis=-1),
-        lambda: jnp.where(greedy, jnp.argmax(logits, axis=-1), jax.random.categorical(key, scaled, axis=-1)),
+        lambda: jnp.where(greedy, jnp.argmax(logits, axis=-1), jax.vmap(jax.random.categorical)(keys, scaled)),
     )
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
@@ -160,17 +160,25 @@ def _copy_rows(k, v, lengths, logits, src, dst):
     return tuple(map(copy, k)), tuple(map(copy, v)), copy(lengths), copy(logits)
 
 
+def row_keys(key: jax.Array, streams: jax.Array, positions: jax.Array) -> jax.Array:
+    """Each row's key for the token it samples at `positions` (absolute, in its sequence): `key` folded with the
+    row's stream, then the position. A row's draws thus depend on its stream and positions only, not on the
+    batch around it or when it was fed, so an episode samples the same wherever it is played."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(key, s), p))(streams, positions)
+
+
 def _decode(params, adapters, cache, logits, key, sampling, stop_ids, remaining, done, adapter_idx, return_early,
             *, cfg, constrain, steps, max_context):
     """Samples up to `steps` tokens for each unfinished row, feeding each back through the cache;
-    with `return_early`, returns as soon as a row finishes (so its next turn can be fed).
+    with `return_early`, returns as soon as a row finishes (so its next turn can be fed). `sampling`:
+    per-row temperature, top_p, top_k and stream (`row_keys`).
 
     Every sampled token (stop tokens included) is written to the cache, so a row can
     later continue after it. Returns tokens and logprobs [B, steps] (-1 / 0 past a
     row's end), the next logits, the cache, and per row: tokens generated and a
     finish code (0 running, 1 stop token, 2 length, 3 context full).
     """
-    temperature, top_p, top_k = sampling
+    temperature, top_p, top_k, streams = sampling
     row_lora = lora_lib.for_rows(adapters, adapter_idx)
     batch = logits.shape[0]
 
@@ -180,7 +188,8 @@ def _decode(params, adapters, cache, logits, key, sampling, stop_ids, remaining,
 
     def body(state):
         step, cache, logits, count, done, out_tokens, out_logp, finish = state
-        tokens, logp = sample_from_logits(logits, jax.random.fold_in(key, step), temperature, top_p, top_k)
+        keys = row_keys(key, streams, cache.sequence_lengths)
+        tokens, logp = sample_from_logits(logits, keys, temperature, top_p, top_k)
         active = ~done
         out_tokens = out_tokens.at[:, step].set(jnp.where(active, tokens, -1))
         out_logp = out_logp.at[:, step].set(jnp.where(active, logp, 0.0))
@@ -353,11 +362,13 @@ class Sampler:
         stop_strings: Sequence[str] = (),
         cache: decoder.KVCache | None = None,
         rows: Sequence[int] | None = None,
+        stream=None,
     ) -> tuple[list[Completion], decoder.KVCache]:
         """Appends prompts[i] to row rows[i] (a fresh cache and rows 0..n-1 by default) and samples.
 
         Sampling arguments are scalars or one value per prompt. Every prompt must be
-        non-empty: a continuing row appends at least the next turn's tokens.
+        non-empty: a continuing row appends at least the next turn's tokens. `stream`: each
+        prompt's random stream (default its row; see `Session.feed`).
         """
         n = len(prompts)
         if cache is None:
@@ -366,12 +377,10 @@ class Sampler:
         rows = list(range(n)) if rows is None else [int(r) for r in rows]
         session = Session(self, cache, stop_token_ids=stop_token_ids, stop_strings=stop_strings)
         session.feed(rows, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                     top_k=top_k, adapter_idx=adapter_idx)
+                     top_k=top_k, adapter_idx=adapter_idx, stream=stream)
         done: dict[int, Completion] = {}
-        chunk = 0
         while len(done) < n:
-            done.update(session.step(jax.random.fold_in(key, chunk)))
-            chunk += 1
+            done.update(session.step(key))
         return [done[r] for r in rows], session.cache
 
     def session(self, batch: int, **stops) -> "Session":
@@ -457,7 +466,7 @@ class Session:
         batch = cache.batch
         self._logits = sampler._put(np.zeros((batch, sampler.cfg.vocab_size), np.float32), "batch")
         self._settings = {"temperature": np.zeros((batch,), np.float32), "top_p": np.ones((batch,), np.float32),
-                          "top_k": np.zeros((batch,), np.int32),
+                          "top_k": np.zeros((batch,), np.int32), "stream": np.arange(batch, dtype=np.int32),
                           "adapter_idx": np.full((batch,), lora_lib.NO_ADAPTER, np.int32)}
         self._remaining = np.zeros((batch,), np.int32)
         self._running = np.zeros((batch,), bool)
@@ -503,10 +512,11 @@ class Session:
         return shared
 
     def feed(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], *, max_new_tokens=256, temperature=0.0,
-             top_p=1.0, top_k=0, adapter_idx=lora_lib.NO_ADAPTER) -> None:
+             top_p=1.0, top_k=0, adapter_idx=lora_lib.NO_ADAPTER, stream=None) -> None:
         """Appends prompts[i] to row rows[i] (not sampling now) and starts it sampling up to
         max_new_tokens[i] tokens. Settings are scalars or one value per prompt; every prompt
-        needs a token (a continuing row appends at least the next turn's)."""
+        needs a token (a continuing row appends at least the next turn's). `stream`: the random
+        stream each row draws from (`row_keys`; default the row's index), e.g. one per episode."""
         n, batch, sampler = len(prompts), self.cache.batch, self.sampler
         rows = np.asarray(rows, np.int64).reshape(-1)
         if any(len(p) == 0 for p in prompts):
@@ -516,7 +526,8 @@ class Session:
         if self._running[rows].any() or any(int(r) in self._done for r in rows):
             raise ValueError(f"rows {rows.tolist()} include a row whose turn has not been returned by step()")
         settings = {"temperature": _per_row(temperature, n, np.float32), "top_p": _per_row(top_p, n, np.float32),
-                    "top_k": _per_row(top_k, n, np.int32), "adapter_idx": _per_row(adapter_idx, n, np.int32)}
+                    "top_k": _per_row(top_k, n, np.int32), "adapter_idx": _per_row(adapter_idx, n, np.int32),
+                    "stream": rows.astype(np.int32) if stream is None else _per_row(stream, n, np.int32)}
         max_new = _per_row(max_new_tokens, n, np.int32)
         lengths = np.asarray(self.cache.lengths)
         new_len = np.array([len(p) for p in prompts])
@@ -629,11 +640,12 @@ class Session:
 
     def step(self, key: jax.Array, *, return_early: bool = False) -> dict[int, Completion]:
         """Decodes every sampling row for up to `decode_chunk` tokens (with `return_early`, until the
-        first row finishes) and returns {row: completion} of the rows that finished since the last step."""
+        first row finishes) and returns {row: completion} of the rows that finished since the last step.
+        Each token is drawn with `row_keys(key, stream, position)`: pass the same `key` at every step."""
         if self._running.any():
             self._fit(self._needed())
             sampler, put, start = self.sampler, self.sampler._put, time.perf_counter()
-            sampling = tuple(put(self._settings[name], "batch") for name in ("temperature", "top_p", "top_k"))
+            sampling = tuple(put(self._settings[name], "batch") for name in ("temperature", "top_p", "top_k", "stream"))
             step_tokens, step_logp, self._logits, self.cache, count, code = sampler._decode(
                 sampler.params, sampler.adapters, self.cache, self._logits, key, sampling, self._stop_ids,
                 put(self._remaining, "batch"), put(~self._running, "batch"),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -71,6 +72,11 @@ class Job:
     trial: int = 0
     adapter_idx: int = lora.NO_ADAPTER
     hint: bool = False
+
+    def stream(self, speaker: str) -> int:
+        """The random stream `speaker`'s turns draw from (`sampling.row_keys`): one per task, trial and speaker,
+        so the episode samples the same in any batch, order or process that plays it."""
+        return zlib.crc32(f"{self.task.task_id}\x00{self.trial}\x00{speaker}".encode()) & 0x7FFFFFFF
 
 
 @dataclasses.dataclass
@@ -156,7 +162,9 @@ class RolloutEngine:
 
         Episodes advance independently: when a model turn ends, the episode takes it (tool calls,
         the user's reply) and its row is fed the next turn while the other rows go on sampling,
-        and an episode that ends frees its rows for the next queued job at once.
+        and an episode that ends frees its rows for the next queued job at once. Each speaker of an
+        episode samples from its own stream of `key` (`Job.stream`), so a job plays the same alone, in
+        any batch or order, or in another process's share of the jobs (numerics allowing).
         """
         queue = collections.deque(enumerate(jobs))
         results: list[Trajectory | None] = [None] * len(jobs)
@@ -164,7 +172,7 @@ class RolloutEngine:
         free_rows = list(reversed(range(self.config.batch_size))) if self._uses_model else []  # lowest first
         session: Session | None = None
         sampling: dict[int, _Live] = {}  # row -> the episode whose model turn it samples
-        step, start = 0, time.perf_counter()
+        start = time.perf_counter()
         while queue or live:
             while queue and len(live) < self.config.batch_size and len(free_rows) >= self._rows_per_episode:
                 index, job = queue.popleft()
@@ -180,9 +188,8 @@ class RolloutEngine:
             if turns:
                 self._feed(session, turns, sampling)
             if session is not None and session.running:
-                for row, completion in session.step(jax.random.fold_in(key, step), return_early=True).items():
+                for row, completion in session.step(key, return_early=True).items():
                     self._take_model_turn(sampling.pop(row), completion)
-                step += 1
             ended = [item for item in live if item.end_reason is not None]
             for item in ended:
                 live.remove(item)
@@ -262,7 +269,8 @@ class RolloutEngine:
             sampling[speaker.row] = item
         session.feed(rows, feeds, max_new_tokens=[budget for *_, budget in turns],
                      temperature=[self.config.temperature if a else self.config.user_temperature for a in agents],
-                     top_p=[self.config.top_p if a else 1.0 for a in agents], adapter_idx=adapters)
+                     top_p=[self.config.top_p if a else 1.0 for a in agents], adapter_idx=adapters,
+                     stream=[item.job.stream("agent" if a else "user") for (item, *_), a in zip(turns, agents)])
 
     def _take_model_turn(self, item: _Live, completion: Completion) -> None:
         """Records a sampled turn (its tokens on the loss mask, with their logprobs) and takes it."""

@@ -46,14 +46,16 @@ class ScoredRollouts:
 def rollout(sampler: Sampler, tokenizer: ChatTokenizer, task_set: ModuleType, tasks: Sequence, *, key: jax.Array,
             group_size: int = 1, adapter_idx: int, temperature: float, top_p: float = 1.0, max_new_tokens: int,
             batch_size: int | None = None) -> ScoredRollouts:
-    """`group_size` samples of every task (rows of one task are adjacent), each scored by `task_set.reward`."""
+    """`group_size` samples of every task (rows of one task are adjacent), each scored by `task_set.reward`; sample
+    i draws from random stream i, so what is sampled does not depend on `batch_size`."""
     rendered = [tokenizer.apply_chat(task.messages, tools=task.tools) for task in tasks]  # once per task
     prompts = [prompt for prompt in rendered for _ in range(group_size)]
     owners = [task for task in tasks for _ in range(group_size)]
     batch_size = batch_size or len(prompts)
     completions: list[Completion] = []
-    for chunk, start in enumerate(range(0, len(prompts), batch_size)):
-        outs, _ = sampler.generate(prompts[start : start + batch_size], key=jax.random.fold_in(key, chunk),
+    for start in range(0, len(prompts), batch_size):
+        rows = range(start, min(start + batch_size, len(prompts)))
+        outs, _ = sampler.generate([prompts[i] for i in rows], key=key, stream=list(rows),
                                    max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                    adapter_idx=adapter_idx, stop_token_ids=sorted(tokenizer.eos_token_ids))
         completions.extend(outs)
