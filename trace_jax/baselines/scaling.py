@@ -55,6 +55,7 @@ def trace_routes(fraction: float, adapters: dict[str, str], steps: dict[str, int
 
 
 def _evaluated(heldout: ml_collections.ConfigDict, folder: pathlib.Path, routes: Routes | None = None) -> str:
+    """`heldout` (with `routes`) evaluated into `folder` once its adapters are known to exist; the folder."""
     missing = [pathlib.Path(f) for f in (routes.adapters if routes else [heldout.adapter] if heldout.adapter else [])
                if not (pathlib.Path(f) / "adapter_config.json").is_file()]
     if missing:
