@@ -125,7 +125,7 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
         assert [(e.step, round(e.value, 6)) for e in events.Scalars("eval/reward")] == \
             [(0, round(job["base_reward"], 6)), (steps, round(job["final_reward"], 6))], name
     routed = stages["routing"]["result"]["by_task"]
-    records = [json.loads(line) for line in (tmp_path / "heldout" / "trace" / "episodes.jsonl").open()]
+    records = _records(tmp_path / "heldout" / "trace")
     assert len(records) == heldout and all(r["adapter_idx"] == routed[r["task_id"]] for r in records)
     assert sum(summary["routing"].values()) == heldout and summary["oracle"] is None  # final.per_adapter is off
     report = (tmp_path / "report.md").read_text()
@@ -167,7 +167,7 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     for name in ("GRPO on the target", "one adapter, environments mixed", "GEPA"):  # the budget, as counted
         assert abs(arms[name]["rollouts"] - budget) <= 0.05 * budget, name
     first = json.loads((trace_dir / "stages.json").read_text())["analysis"]["result"]["selected"][0]
-    top_1 = [json.loads(line) for line in (tmp_path / "subsets" / "top_1" / "episodes.jsonl").open()]
+    top_1 = _records(tmp_path / "subsets" / "top_1")
     assert arms["TRACE, top 1 of 2 capabilities"]["rollouts"] == json.loads(
         (trace_dir / "adapters" / first / "summary.json").read_text())["rollouts"]
     assert len(top_1) == heldout and {e["adapter_idx"] for e in top_1} <= {-1, 0}  # the first adapter or none
@@ -180,7 +180,7 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     share = budget // len(trained)  # each capability's; GEPA may pass it by one iteration
     assert all(share <= run["metric_calls"] <= share + 2 * 2 + 2 and run["episodes_played"] <= run["metric_calls"]
                for run in gepa["capabilities"].values())
-    episodes = [json.loads(line) for line in (tmp_path / "gepa" / "heldout" / "episodes.jsonl").open()]
+    episodes = _records(tmp_path / "gepa" / "heldout")
     assert all(e["messages"][0]["content"].endswith(gepa["guidance"]) for e in episodes)
     assert all((trace_dir / "heldout" / n / "summary.json").is_file() for n in trained)  # each adapter alone
     report = (tmp_path / "report.md").read_text()

@@ -254,7 +254,7 @@ class RolloutEngine:
         """Starts sampling the next turn of every (episode, speaker) in `turns`, prefilled together.
         A row starting a conversation continues the stored prefix its first prompt shares with
         earlier first prompts of the same speaker and adapter (system prompts repeat)."""
-        rows, feeds, adapters, agents = [], [], [], []
+        rows, feeds, adapters, agents, streams = [], [], [], [], []
         for item, speaker, pending, _ in turns:
             agent = speaker is item.agent
             adapter = item.job.adapter_idx if agent else lora.NO_ADAPTER
@@ -266,11 +266,11 @@ class RolloutEngine:
             feeds.append(pending[held:])
             adapters.append(adapter)
             agents.append(agent)
+            streams.append(item.job.stream("agent" if agent else "user"))
             sampling[speaker.row] = item
         session.feed(rows, feeds, max_new_tokens=[budget for *_, budget in turns],
                      temperature=[self.config.temperature if a else self.config.user_temperature for a in agents],
-                     top_p=[self.config.top_p if a else 1.0 for a in agents], adapter_idx=adapters,
-                     stream=[item.job.stream("agent" if a else "user") for (item, *_), a in zip(turns, agents)])
+                     top_p=[self.config.top_p if a else 1.0 for a in agents], adapter_idx=adapters, stream=streams)
 
     def _take_model_turn(self, item: _Live, completion: Completion) -> None:
         """Records a sampled turn (its tokens on the loss mask, with their logprobs) and takes it."""

@@ -22,6 +22,7 @@ the rollouts each arm used and its wall time, and the scaling curve (a table in 
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import time
@@ -222,9 +223,11 @@ class Experiment:
                 "scaling": self._curves()}
 
     def _curves(self) -> dict[str, list[dict]]:
-        """The scaling stage's points as rows: held-out success with its 95% interval at each point's rollouts."""
-        return {arm: [{**_row(arm, _episodes(pathlib.Path(p["episodes_dir"])), p["rollouts"], 0.0),
-                       "fraction": p["fraction"]} for p in points]
+        """The scaling stage's points as rows: held-out success with its 95% interval at each point's rollouts
+        (points share folders, the base agent's in every curve: each is read once)."""
+        read = functools.cache(lambda folder: _episodes(pathlib.Path(folder)))
+        return {arm: [{**_row(arm, read(p["episodes_dir"]), p["rollouts"], 0.0), "fraction": p["fraction"]}
+                      for p in points]
                 for arm, points in self.stages.done["scaling"]["result"].items()}
 
 
