@@ -6,8 +6,8 @@
 The base agent (SmolLM2-135M-Instruct with its warm start merged) plays 140 train tickets for
 the analysis (20 per family) and the 200 held-out tickets of configs/embedded_retail.py, which
 `target.base_run` may name instead of playing them again. The programmatic analyst selects the
-capabilities; each selected one's built-in environment is calibrated with 16 seeds x 8 samples
-at temperature 1 against the paper's gates, then trained with GRPO (equal steps per capability,
+capabilities; their built-in environments are calibrated by coverage, with 16 seeds x 8 samples
+at temperature 1 against the paper's gates, until two pass, and those are trained with GRPO (equal steps per capability,
 the adapter on the top layers as in configs/grpo_target_embedded.py); the router picks one
 adapter per held-out ticket, and every adapter is also evaluated alone for the oracle.
 """
@@ -32,7 +32,6 @@ def get_config() -> ml_collections.ConfigDict:
         env=evaluation.env.to_dict(), rollout=evaluation.rollout.to_dict(), analysis_split="train", analysis_tasks=140,
         heldout_split="heldout", heldout_tasks=evaluation.num_tasks, base_run=""))
     config.analysis = analysis_defaults()
-    config.analysis.max_selected = 2  # CPU: two adapters (the paper trained four)
     config.llm = llm_defaults()  # used when analysis.analyst = "llm"
     config.calibration = calibration_defaults()
     config.calibration.update(seeds=16, samples=8)  # 128 rollouts per try (the paper: >= 100)
@@ -47,6 +46,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.routing = ml_collections.ConfigDict(dict(max_messages=10, batch_size=8, calibration="batch"))
     config.final = ml_collections.ConfigDict(dict(per_adapter=True))
     # "builtin": the programmatic analyst's capabilities all have generators; "auto"/"llm" write with config.llm
-    config.environments = ml_collections.ConfigDict(dict(source="builtin"))
+    # max_trained: CPU, two adapters (the paper trained four); a capability that fails calibration gives its
+    # place to the next selected one by coverage
+    config.environments = ml_collections.ConfigDict(dict(source="builtin", max_trained=2))
     config.env_writer = env_writer_defaults()
     return config

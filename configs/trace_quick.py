@@ -24,7 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.log_every_s = 20.0
     config.target.update(analysis_tasks=7, heldout_tasks=7)
     config.target.rollout.max_turns = 4
-    config.analysis.max_selected = 1
+    config.environments.max_trained = 1
     config.calibration.update(seeds=4, samples=4, min_mean=0.2, max_mean=0.6, min_std=0.2, min_informative=0.5,
                               cut_share=1.0)
     config.training.rollout.update(tasks_per_step=2, group_size=4, max_turns=3)

@@ -28,7 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
         heldout_tasks=40, base_run="",
         rollout=dict(batch_size=64, max_turns=30, max_tokens_per_turn=1024, max_errors=10, temperature=0.0,
                      top_p=1.0, user_temperature=0.0)))
-    config.analysis.max_selected = 4  # the paper trained four
+    config.environments.max_trained = 4  # the paper trained four
     config.calibration.update(seeds=20, samples=8)
     config.training.lora.update(rank=16, alpha=16.0, targets=("q_proj", "k_proj", "v_proj", "o_proj"), first_layer=0)
     config.training.rollout.update(tasks_per_step=4, group_size=16, batch_size=64, max_turns=30,

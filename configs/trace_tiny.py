@@ -20,7 +20,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.log_every_s = 0.0
     config.target.update(analysis_tasks=4, heldout_tasks=4)
     config.target.rollout.update(batch_size=8, max_turns=3, max_tokens_per_turn=48)
-    config.analysis.update(max_selected=1, runs=4, min_runs=1, delta=-1.0, coverage=0.0, interval_resamples=100)
+    config.environments.max_trained = 1
+    config.analysis.update(runs=4, min_runs=1, delta=-1.0, coverage=0.0, interval_resamples=100)
     config.calibration.update(seeds=2, samples=2, min_mean=0.0, max_mean=1.0, min_std=0.0, min_informative=0.0,
                               policy=False)
     config.training.rollout.update(tasks_per_step=1, group_size=2, batch_size=4, max_turns=2, max_tokens_per_turn=48)

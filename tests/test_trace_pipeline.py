@@ -25,12 +25,19 @@ from trace_jax.baselines.gepa import joined_guidance
 from trace_jax.envs.capability import example_written
 from trace_jax.evaluation import recorded_episodes, run_marker
 from trace_jax.rl.trainer import snapshot_step
-from trace_jax.trace.pipeline import STAGES, Pipeline, StageClock, heldout_evaluation, validate_config
+from trace_jax.trace.pipeline import (
+    STAGES,
+    Pipeline,
+    StageClock,
+    calibrate_in_order,
+    heldout_evaluation,
+    validate_config,
+)
 from trace_jax.trace.trace_report import oracle_routes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = trace_tiny.get_config()
-LLM_PATH = ["--config.analysis.analyst=llm", "--config.environments.source=auto", "--config.analysis.max_selected=2",
+LLM_PATH = ["--config.analysis.analyst=llm", "--config.environments.source=auto", "--config.environments.max_trained=2",
             "--config.llm.model=scripted", "--config.llm.max_retries=0", "--config.env_writer.seeds=10",
             "--config.env_writer.export_tasks=8"]
 _FENCED_EXAMPLE = f"```python\n{pathlib.Path(example_written.__file__).read_text()}```"
@@ -226,6 +233,20 @@ def test_a_resumed_stage_reports_the_time_of_every_process_that_worked_on_it(tmp
         time.sleep(0.1)
     assert resumed.before == saved and saved + 0.1 <= resumed.seconds() < saved + 1.0
     assert StageClock(path, "routing").before == 0.0  # the next stage starts from zero
+
+
+def test_a_capability_dropped_by_calibration_gives_its_place_to_the_next_by_coverage():
+    passes = {"a": True, "b": False, "c": False, "d": True, "e": True}
+    tried = []
+
+    def calibrate(name):
+        tried.append(name)
+        return {"calibrated": passes[name]}
+
+    results = calibrate_in_order(list(passes), 2, calibrate)
+    assert tried == ["a", "b", "c", "d"] and [n for n, r in results.items() if r["calibrated"]] == ["a", "d"]
+    assert list(calibrate_in_order(["b", "c"], 2, calibrate)) == ["b", "c"]  # fewer pass than wanted: all tried
+    assert list(calibrate_in_order(list(passes), 0, calibrate)) == list(passes)  # 0: every selected one
 
 
 @pytest.mark.parametrize("name", ["trace_embedded", "trace_quick", "trace_tiny", "trace_tau2_retail",

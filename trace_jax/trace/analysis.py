@@ -46,7 +46,6 @@ def analysis_defaults() -> ml_collections.ConfigDict:
         "min_runs": 8,  # K: runs a capability must pass in
         "delta": 0.2,  # least contrastive gap ER- - ER+
         "coverage": 0.1,  # least share of failures labelled LACKING
-        "max_selected": 4,  # selected capabilities carried on to synthesis, by coverage (0: all)
         "seed": 0,  # bootstrap resamples (programmatic runs and the intervals)
         "interval_resamples": 1000,
         # the LLM analyst's (the endpoint is the pipeline's `llm` block)
@@ -64,7 +63,6 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
             ("analysis.min_runs", lambda v: positive_int(v) and v <= runs, f"an int in [1, analysis.runs = {runs}]"),
             ("analysis.delta", lambda v: number(v) and -1 <= v <= 1, "a number in [-1, 1]"),
             ("analysis.coverage", lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-            ("analysis.max_selected", lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0: all)"),
             ("analysis.seed", lambda v: isinstance(v, int), "an int"),
             *((f"analysis.{key}", positive_int, "an int >= 1") for key in (
                 "interval_resamples", "discovery_tokens", "message_chars", "max_candidates", "label_batch"))]
@@ -145,8 +143,7 @@ def analyze(trajectories: Sequence[ScoredTrajectory], analyst: Analyst, config: 
         row.update(delta_interval=spans[row["name"]]["delta"], cov_interval=spans[row["name"]]["cov"],
                    **by_name[row["name"]].to_json())
         row["examples"] = _examples(labellings[0], trajectories, row["name"])
-    chosen = [row for row in rows if row["selected"]][: config.max_selected or None]
-    result = {"selected": [row["name"] for row in chosen], "candidates": rows,
+    result = {"selected": [row["name"] for row in rows if row["selected"]], "candidates": rows,
               "failed": sum(not t.success for t in trajectories), "passed": sum(t.success for t in trajectories),
               "runs": len(runs), "dropped_labellings": dropped, "settings": config.to_dict()}
     (folder / "analysis.md").write_text(report(result))
@@ -166,15 +163,14 @@ def report(result: dict) -> str:
              f"{result['runs']} labelling runs; kept when Delta >= {result['settings']['delta']} and "
              f"Cov >= {result['settings']['coverage']} in >= {result['settings']['min_runs']} runs.\n",
              "| capability | Cov (mean ± std) | Cov 95% CI | Delta (mean ± std) | Delta 95% CI | runs passed "
-             "| used |",
+             "| selected |",
              "|---|---|---|---|---|---|---|"]
     for row in result["candidates"]:
         lo, hi = row["cov_interval"]
         dlo, dhi = row["delta_interval"]
-        used = "yes" if row["name"] in result["selected"] else ("selected, not used" if row["selected"] else "no")
         lines.append(f"| {row['name']} | {row['mean_cov']:.3f} ± {row['std_cov']:.3f} | [{lo:.3f}, {hi:.3f}] | "
                      f"{row['mean_delta']:.3f} ± {row['std_delta']:.3f} | [{dlo:.3f}, {dhi:.3f}] | "
-                     f"{row['runs_passed']}/{row['runs_total']} | {used} |")
+                     f"{row['runs_passed']}/{row['runs_total']} | {'yes' if row['selected'] else 'no'} |")
     for reason in result["dropped_labellings"]:
         lines.append(f"\nDropped {reason}")
     for row in result["candidates"]:

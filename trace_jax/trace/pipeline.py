@@ -10,8 +10,9 @@ files). A stage's wall time sums every process that worked on it (`stage_clock.j
   heldout/base/       the base agent on the held-out split, in the same batch (or `target.base_run`, checked
                       to be that run)
   analysis/           stage 1 (`trace_jax.trace.analysis`)
-  environments/<c>/   stage 2: calibration of each selected capability's environment; written/ holds the
-                      LLM-written module, its attempts and exported tasks (`trace_jax.trace.env_writer`)
+  environments/<c>/   stage 2: calibration of the selected capabilities' environments, by coverage, until
+                      `environments.max_trained` pass; written/ holds the LLM-written module, its attempts
+                      and exported tasks (`trace_jax.trace.env_writer`)
   adapters/<c>/       stage 3: the GRPO job per calibrated capability; its PEFT adapter in adapter/
   routing.json        stage 4: each held-out task's adapter, the router's weights and the distribution
   heldout/trace/      the routed final evaluation, every task under its own adapter in one batch
@@ -72,7 +73,8 @@ def _checks() -> list[Check]:
             ("routing.batch_size", positive_int, "a positive int"),
             ("routing.calibration", lambda v: v in CALIBRATIONS, " or ".join(f'"{c}"' for c in CALIBRATIONS)),
             ("final.per_adapter", lambda v: isinstance(v, bool), "True (each adapter alone too: the oracle) or False"),
-            ("environments.source", lambda v: v in SOURCES, " or ".join(f'"{s}"' for s in SOURCES))]
+            ("environments.source", lambda v: v in SOURCES, " or ".join(f'"{s}"' for s in SOURCES)),
+            ("environments.max_trained", lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0: all selected)")]
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -205,6 +207,17 @@ def route_tasks(config: ml_collections.ConfigDict, target: Environment, tasks: l
     return router.route([target.episode(t).reset() for t in tasks])
 
 
+def calibrate_in_order(selected: list[str], max_trained: int, calibrate: Callable[[str], dict]) -> dict:
+    """Each capability's calibration, in selection (coverage) order, until `max_trained` passed (0: all): a
+    capability dropped by calibration gives its place to the next one."""
+    results = {}
+    for name in selected:
+        if max_trained and sum(r["calibrated"] for r in results.values()) == max_trained:
+            break
+        results[name] = calibrate(name)
+    return results
+
+
 class Pipeline:
     """One TRACE run in `workdir` (see the module docstring)."""
 
@@ -255,22 +268,22 @@ class Pipeline:
         return {"selected": result["selected"], "failed": result["failed"], "passed": result["passed"]}
 
     def _environments(self, selected: list[str]) -> dict:
-        """Calibrates each selected capability's environment, built-in or written by the LLM as
-        `environments.source` says (episodes cut as training cuts them); keeps those that pass the gates."""
+        """Calibrates the selected capabilities' environments, built-in or written by the LLM as
+        `environments.source` says (episodes cut as training cuts them), until `environments.max_trained` pass."""
         base = calibration_evaluation(self.config)
         source = self.config.environments.source
-        results = {}
-        for name in selected:
+
+        def calibrate(name: str) -> dict:
             folder = self.workdir / "environments" / name
             if source == "llm" or (source == "auto" and name not in CAPABILITIES):
-                results[name] = self._written(name, folder, base)
-            elif name in CAPABILITIES:
-                results[name] = {**calibrate_capability(name, CAPABILITIES[name].max_difficulty, base,
-                                                        self.config.calibration, folder), "folder": str(folder)}
-            else:
-                results[name] = {"calibrated": False, "difficulty": None, "tries": [], "reason":
-                                 "no built-in generator for this capability (environments.source = 'auto' writes one)"}
-        return results
+                return self._written(name, folder, base)
+            if name in CAPABILITIES:
+                return {**calibrate_capability(name, CAPABILITIES[name].max_difficulty, base,
+                                               self.config.calibration, folder), "folder": str(folder)}
+            return {"calibrated": False, "difficulty": None, "tries": [], "reason":
+                    "no built-in generator for this capability (environments.source = 'auto' writes one)"}
+
+        return calibrate_in_order(selected, self.config.environments.max_trained, calibrate)
 
     def _written(self, name: str, folder: pathlib.Path, base: ml_collections.ConfigDict) -> dict:
         """The LLM-written environment of capability `name` (from its analysis card and evidence), calibrated:
