@@ -19,6 +19,7 @@ import pathlib
 from absl import app, flags
 from ml_collections import config_flags
 
+from launch import multihost
 from trace_jax.envs.capability import CAPABILITIES
 from trace_jax.trace.calibration import calibrate_capability, calibration_table
 from trace_jax.trace.pipeline import calibration_evaluation, validate_config
@@ -32,6 +33,7 @@ flags.mark_flags_as_required(["config"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    multihost.initialize("calibrate", supported=False)
     unknown = [name for name in _CAPABILITIES.value if name not in CAPABILITIES]
     if unknown:
         raise app.UsageError(f"--capabilities: no built-in environment for {unknown}; there are {list(CAPABILITIES)}")

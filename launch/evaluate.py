@@ -15,6 +15,8 @@ import pathlib
 from absl import app, flags
 from ml_collections import config_flags
 
+from launch import multihost
+from trace_jax import distributed
 from trace_jax.evaluation import AGENTS, evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Evaluation config (configs/tau2_*.py, configs/embedded_retail.py).",
@@ -29,7 +31,10 @@ flags.mark_flags_as_required(["config"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    multihost.initialize("evaluate")
     summary = evaluate(_CONFIG.value, _WORKDIR.value, agent=_AGENT.value)
+    if not distributed.is_main():
+        return
     print(pathlib.Path(_WORKDIR.value, "table.md").read_text().rstrip(), flush=True)
     if _JSON.value:
         print(json.dumps(summary), flush=True)

@@ -40,6 +40,24 @@ def test_a_killed_evaluation_resumes_and_another_config_starts_afresh(tmp_path):
     assert evaluate(config, tmp_path, agent="noop")["success"] == 0.0  # another agent: not gold's episodes
 
 
+def test_the_episodes_a_killed_multiprocess_run_left_per_process_are_merged_and_not_played_again(tmp_path):
+    """A run of several processes records each process's episodes in its own file (merged at the end); after a
+    kill, the next run, with any number of processes, merges them first and plays only the rest."""
+    config = embedded_retail.get_config()
+    config.num_tasks, config.log_every_s = 6, 0.0
+    evaluate(config, tmp_path, agent="gold")
+    records = _records(tmp_path)
+    line = lambda record: json.dumps(record) + "\n"
+    (tmp_path / "episodes.jsonl").write_text(line(records[0]))  # an earlier evaluation's, merged
+    (tmp_path / "episodes.jsonl.process0").write_text(line(records[1]) + line(records[3]))
+    (tmp_path / "episodes.jsonl.process1").write_text(line(records[2]) + line(records[4])[:30])  # cut by the kill
+    resumed = evaluate(config, tmp_path, agent="gold")
+    again = _records(tmp_path)
+    assert again[:4] == [records[0], records[1], records[3], records[2]]  # kept as written, not played again
+    assert sorted(r["task_id"] for r in again) == sorted(r["task_id"] for r in records)
+    assert resumed["num_episodes"] == 6 and not list(tmp_path.glob("episodes.jsonl.process*"))
+
+
 def test_evaluations_played_together_write_what_each_alone_writes_and_resume(tmp_path):
     """Two splits in one batch (the pipeline's base evaluations): each workdir gets its own episodes and
     summary, equal to its evaluation alone; a kill in one resumes only its missing episodes."""

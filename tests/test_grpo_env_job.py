@@ -1,10 +1,12 @@
-"""The tiny embedded agent and the GRPO job on an environment, run as a user runs them (subprocesses on one
-CPU device). The agent `smollm2-135m-tiny-agent` (SmolLM2 cloning gold trajectories, configs/warmstart_tiny.py)
-is built by the SFT job on first use, once per config, then taken from the cache. The GRPO job on
-`configs/grpo_env_tiny.py` (the tiny agent, one tool_calling ticket played sixteen times a step for one
-agent turn, no held-out evaluation): the training reward rises, steps and rollouts are as configured, every
-step moves the adapter, every training episode is logged per step, the adapter snapshots are the checkpoints'
-adapters, and a SIGKILLed run resumes exactly (its last step's episodes and adapter).
+"""The tiny embedded agent and the GRPO job on an environment, run as a user runs them (subprocesses). The agent
+`smollm2-135m-tiny-agent` (SmolLM2 cloning gold trajectories, configs/warmstart_tiny.py) is built by the SFT job
+on first use, once per config, then taken from the cache. The GRPO job on `configs/grpo_env_tiny.py` (the tiny
+agent, one tool_calling ticket played sixteen times a step for one agent turn, no held-out evaluation), one
+process on two CPU devices: the training reward rises, steps and rollouts are as configured, every step moves the
+adapter, every training episode is logged per step, the adapter snapshots are the checkpoints' adapters. The same
+run's last steps as two processes of one device each (one JAX run over both, as on two hosts): one process is
+SIGKILLed after a checkpoint, both restart and resume, and the episodes, adapters, metrics and summary equal the
+single-process run's.
 (The GRPO job's held-out evaluation on an environment is tested in the TRACE pipeline's training stage,
 tests/test_trace_pipeline.py, on the tiny random model.)
 """
@@ -22,7 +24,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import grpo_env_tiny, warmstart_tiny
-from job_kills import kill_after_checkpoint
+from multiprocess import TWO_DEVICES, kill_one_after_checkpoint, run_processes
 from trace_jax import lora, warmstart
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.embedded import resolve_model_dir
@@ -77,7 +79,12 @@ def _command(workdir):
 
 
 def _adapter_at(workdir: pathlib.Path, step: int) -> dict:
-    return ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(step) / "arrays")["adapter_weights"]
+    """The adapter of the checkpoint of `step`, on this process's device (whatever devices saved it)."""
+    checkpointer, path = ocp.StandardCheckpointer(), workdir / "checkpoints" / str(step) / "arrays"
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
+                          checkpointer.metadata(path).item_metadata)
+    return checkpointer.restore(path, target)["adapter_weights"]
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -87,9 +94,11 @@ def _max_diff(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def env_run(tiny_agent, job_env, tmp_path_factory):
-    """(workdir, summary, log, the jobs' environment) of one uninterrupted run of configs/grpo_env_tiny.py."""
+    """(workdir, summary, log, the jobs' environment) of one uninterrupted run of configs/grpo_env_tiny.py, one
+    process on two CPU devices (the mesh of the two-process run below)."""
     cache, _ = tiny_agent
-    workdir, env = tmp_path_factory.mktemp("grpo_env"), {**job_env, "TRACE_JAX_CACHE": str(cache)}
+    workdir, env = tmp_path_factory.mktemp("grpo_env"), {**job_env, "TRACE_JAX_CACHE": str(cache),
+                                                         "XLA_FLAGS": TWO_DEVICES}
     out = subprocess.run(_command(workdir), cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return workdir, json.loads(out.stdout.strip().splitlines()[-1]), out.stderr, env
@@ -133,24 +142,36 @@ def test_tiny_environment_run_raises_the_reward(env_run, tiny_agent):
     assert not any(tag.startswith("eval/") for tag in events.Tags()["scalars"])
 
 
-def test_sigkilled_run_resumes_to_the_same_adapter_and_episodes(env_run, tmp_path):
-    """A run started from the uninterrupted run's checkpoint of step STEPS - 2 trains step STEPS - 1 and is
-    SIGKILLed as soon as it has saved it (in the next step's rollouts). Restarted on the same workdir, it
-    resumes from the killed process's checkpoint, plays the last step's episodes exactly as the uninterrupted
-    run did, and ends with its adapter and summary."""
+def _metrics(workdir: pathlib.Path, step: int) -> dict:
+    """The scalars metrics.jsonl logged for `step`, less timings and memory."""
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {k: v for line in lines if line["step"] == step for k, v in line.items()
+            if not k.startswith(("time/", "memory/"))}
+
+
+def test_two_processes_train_as_one_and_resume_when_one_is_killed(env_run, tmp_path):
+    """The run's last two steps as two processes of one device each, from the single-process run's checkpoint of
+    step STEPS - 2: the second process is SIGKILLed as soon as step STEPS - 1 is saved, then the first; both
+    restarted, they resume from that checkpoint. Each process plays half of a step's episodes and all compute
+    the same update, so both steps' episodes, the adapters, the last step's metrics and the summary are the
+    single-process run's; process 0 alone logs, prints and writes files other than checkpoints."""
     full_dir, full_summary, _, env = env_run
-    workdir, start = tmp_path / "resumed", STEPS - 2
+    env = {k: v for k, v in env.items() if k != "XLA_FLAGS"}  # one device a process
+    workdir, start = tmp_path / "two", STEPS - 2
     (workdir / "checkpoints").mkdir(parents=True)
     shutil.copytree(full_dir / "checkpoints" / str(start), workdir / "checkpoints" / str(start))
-    first_log = kill_after_checkpoint(_command(workdir), env, workdir, STEPS - 1, tmp_path / "first.log", 1800)
-    assert f"resumed from step {start}" in first_log and '"steps"' not in first_log  # killed before the end
-    out = subprocess.run(_command(workdir), cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert f"resumed from step {STEPS - 1}" in out.stderr
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    first = kill_one_after_checkpoint(_command(workdir), 2, env, workdir, STEPS - 1, tmp_path / "first")
+    assert f"resumed from step {start}" in first[0] and '"steps"' not in first[0]  # killed before the end
+    outputs = run_processes(_command(workdir), 2, env, tmp_path / "second")
+    assert f"resumed from step {STEPS - 1}" in outputs[0] and f"step {STEPS}/{STEPS}" in outputs[0]
+    assert "resumed" not in outputs[1] and '"steps"' not in outputs[1]  # warnings only, no summary line
+    summary = json.loads(outputs[0].strip().splitlines()[-1])
     assert {**summary, "seconds": 0} == {**full_summary, "seconds": 0}
-    episodes = lambda folder: (folder / "rollouts" / f"step_{STEPS}.jsonl").read_text()
-    assert episodes(workdir) == episodes(full_dir)
-    diff = _max_diff(_adapter_at(workdir, STEPS), _adapter_at(full_dir, STEPS))
-    print(f"\n[grpo env job] killed-and-resumed vs uninterrupted adapter at step {STEPS}: max |diff| {diff:.2e}")
-    assert diff <= 1e-6
+    assert json.loads((workdir / "summary.json").read_text()) == summary
+    episodes = lambda folder, step: (folder / "rollouts" / f"step_{step}.jsonl").read_text()
+    for step in (STEPS - 1, STEPS):
+        assert episodes(workdir, step) == episodes(full_dir, step), step
+        diff = _max_diff(_adapter_at(workdir, step), _adapter_at(full_dir, step))
+        print(f"\n[grpo env job] two processes vs one at step {step}: adapter max |diff| {diff:.2e}")
+        assert diff <= 1e-6
+    assert _metrics(workdir, STEPS) == _metrics(full_dir, STEPS)

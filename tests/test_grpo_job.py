@@ -2,8 +2,9 @@
 the tiny random chat model through the task-set path (sampling, scoring, held-out evaluation before and after,
 TensorBoard metrics, progress, the exported adapter, summary). The random model earns no reward on the
 tool-call task, so its groups carry no signal and its adapter is not updated: the learner, the per-step
-adapter changes and the exact SIGKILL resume are tested on an environment (tests/test_grpo_env_job.py), the
-same trainer and learner on multi-turn episodes.
+adapter changes and the exact resume are tested on an environment (tests/test_grpo_env_job.py), the same
+trainer and learner on multi-turn episodes. The run is one process on two CPU devices, and the same run as two
+processes of one device each (one JAX run over both) logs the same metrics and summary.
 """
 
 import json
@@ -16,6 +17,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import grpo_tiny
+from multiprocess import TWO_DEVICES, run_processes
 from trace_jax.rl.trainer import validate_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -27,16 +29,32 @@ def _command(workdir, *overrides):
     return [sys.executable, "-m", "launch.grpo", "--config=configs/grpo_tiny.py", f"--workdir={workdir}", *overrides]
 
 
-def test_tiny_config_samples_scores_evaluates_and_logs_metrics(tiny_chat_model, job_env, tmp_path):
-    out = subprocess.run(_command(tmp_path, f"--config.model={tiny_chat_model}", "--config.lora.first_layer=0"),
-                         cwd=REPO, env=job_env, capture_output=True, text=True, timeout=1800)
+def _tiny_model_command(workdir, model):
+    return _command(workdir, f"--config.model={model}", "--config.lora.first_layer=0")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_chat_model, job_env, tmp_path_factory):
+    """(workdir, summary, log) of the tiny config on the tiny random model, one process on two CPU devices."""
+    workdir = tmp_path_factory.mktemp("grpo_tiny")
+    out = subprocess.run(_tiny_model_command(workdir, tiny_chat_model), cwd=REPO,
+                         env={**job_env, "XLA_FLAGS": TWO_DEVICES}, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    return workdir, json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def _metrics(workdir) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "memory/"))}
+            for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tiny_config_samples_scores_evaluates_and_logs_metrics(tiny_run):
+    workdir, summary, log = tiny_run
     print(f"\n[grpo job] tiny config on the tiny random model: {summary}")
     assert set(summary) == {"base_reward", "final_reward", "steps", "rollouts", "seconds"} and summary["steps"] == STEPS
     per_step = CONFIG.rollout.tasks_per_step * CONFIG.rollout.group_size
-    assert summary["rollouts"] == STEPS * per_step and (tmp_path / "adapter" / "adapter_config.json").is_file()
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    assert summary["rollouts"] == STEPS * per_step and (workdir / "adapter" / "adapter_config.json").is_file()
+    events = EventAccumulator(str(workdir / "tensorboard"))
     events.Reload()
     rollout_reward = [e.value for e in events.Scalars("rollout/reward")]
     print(f"[grpo job] rollout reward per step: {np.round(rollout_reward, 3).tolist()}")
@@ -45,8 +63,20 @@ def test_tiny_config_samples_scores_evaluates_and_logs_metrics(tiny_chat_model, 
     assert all(e.value == per_step for e in events.Scalars("rollout/rows"))
     held_out = [(e.step, round(e.value, 6)) for e in events.Scalars("eval/reward")]
     assert held_out == [(0, round(summary["base_reward"], 6)), (STEPS, round(summary["final_reward"], 6))]
-    assert f"step {STEPS}/{STEPS} (100%)" in out.stderr and "ETA" in out.stderr
-    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    assert f"step {STEPS}/{STEPS} (100%)" in log and "ETA" in log
+    assert json.loads((workdir / "summary.json").read_text()) == summary
+
+
+def test_two_processes_run_the_task_set_as_one(tiny_run, tiny_chat_model, job_env, tmp_path):
+    """Each process samples every other row of a step and of an evaluation; all see all rows, so the held-out
+    rewards, the step metrics and the summary are the single-process run's; process 0 alone writes them."""
+    workdir, summary, _ = tiny_run
+    two_dir = tmp_path / "run"
+    outputs = run_processes(_tiny_model_command(two_dir, tiny_chat_model), 2, job_env, tmp_path / "logs")
+    two = json.loads(outputs[0].strip().splitlines()[-1])
+    assert {**two, "seconds": 0} == {**summary, "seconds": 0} and '"steps"' not in outputs[1]
+    assert _metrics(two_dir) == _metrics(workdir)
+    assert (two_dir / "adapter" / "adapter_config.json").is_file()
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -98,3 +128,14 @@ def test_environment_config_names_its_missing_keys():
     config.env = dict(name="embedded_retail", seed=0, families=(), split="train")
     with pytest.raises(ValueError, match="config.eval.split is missing"):
         validate_config(config)
+
+
+def test_the_tau2_config_for_accelerators_validates_once_given_a_model():
+    from configs import grpo_target_tau2_retail
+
+    config = grpo_target_tau2_retail.get_config()
+    with pytest.raises(ValueError, match="config.model = '' is invalid"):
+        validate_config(config)
+    config.model = "/path/to/hf_checkpoint"
+    validate_config(config)
+    assert (config.env.name, config.env.split, config.eval.split, config.dtype) == ("tau2", "train", "test", "bfloat16")

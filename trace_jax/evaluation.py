@@ -23,11 +23,12 @@ import jax
 import ml_collections
 from absl import logging
 
-from trace_jax import lora
+from trace_jax import distributed, lora
 from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Trajectory, rollout_profile
 from trace_jax.agent.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS, make_environment
+from trace_jax.files import write_jsonl_atomic
 from trace_jax.metrics import Progress
 from trace_jax.models.embedded import resolve_model_dir
 from trace_jax.models.model import DTYPES, load_model, weights_fingerprint
@@ -112,11 +113,16 @@ def play(engine: RolloutEngine, jobs: list[Job], *, key: jax.Array, episodes_pat
 def play_together(engine: RolloutEngine, runs: list[tuple[list[Job], pathlib.Path]], *, key: jax.Array,
                   log_every_s: float = 10.0) -> list[list[dict]]:
     """`play` for several runs' jobs in one batch, each run's records in its own episodes file (a batch lasts
-    as long as its slowest episode, so runs played one after the other each wait for theirs)."""
+    as long as its slowest episode, so runs played one after the other each wait for theirs).
+
+    In a run of several processes each plays its share of the episodes (`distributed.share`) and records them in
+    its own file beside the run's (`<episodes>.process<k>`); at the end every process has every record and
+    process 0 merges them into the run's file. A killed run's per-process files are merged first, by any
+    number of processes, so it resumes as a single-process run does."""
     paths = [path for _, path in runs]
     if len(set(paths)) != len(paths):
         raise ValueError(f"two runs write the same episodes file: {paths}")
-    records = [recorded_episodes(path) for path in paths]
+    records = [_merged_episodes(path) for path in paths]
     run_of, todo = {}, []
     for run, ((jobs, _), done) in enumerate(zip(runs, records)):
         played = {_job_id(r["task_id"], r["trial"], r["adapter_idx"]) for r in done}
@@ -128,13 +134,18 @@ def play_together(engine: RolloutEngine, runs: list[tuple[list[Job], pathlib.Pat
     if resumed:
         logging.info("resuming: %d of %d episodes already in %s", total - len(todo), total,
                      ", ".join(map(str, paths)))
-    progress = Progress(total, start=total - len(todo), every_s=log_every_s, name="episode")
+    alone = jax.process_count() == 1
+    mine, resumed_counts = distributed.share(todo), [len(done) for done in records]
+    progress = Progress(total - len(todo) + len(mine), start=total - len(todo), every_s=log_every_s,
+                        name="episode")  # this process's episodes
     offset = max((r.get("elapsed_s", 0.0) for done in records for r in done), default=0.0)
     start = time.monotonic()
     with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(open(path, "w")) for path in paths]
-        for log, done in zip(logs, records):
-            log.writelines(json.dumps(r) + "\n" for r in done)
+        logs = [stack.enter_context(open(path if alone else _process_file(path, jax.process_index()), "w"))
+                for path in paths]
+        if alone:
+            for log, done in zip(logs, records):
+                log.writelines(json.dumps(r) + "\n" for r in done)
 
         def on_done(trajectory: Trajectory) -> None:
             run = run_of[id(trajectory.job)]
@@ -145,7 +156,12 @@ def play_together(engine: RolloutEngine, runs: list[tuple[list[Job], pathlib.Pat
             ended = [r for done in records for r in done]
             progress.update(len(ended), f"success {sum(r['success'] for r in ended)}/{len(ended)}")
 
-        engine.run(todo, key=key, on_done=on_done)
+        engine.run(mine, key=key, on_done=on_done)
+    if not alone:
+        played = distributed.allgather_objects([done[n:] for done, n in zip(records, resumed_counts)])
+        records = [done[:n] + [r for process in played for r in process[run]]
+                   for run, (done, n) in enumerate(zip(records, resumed_counts))]
+        _write_merged(paths, records)
     if engine.stats["decode_steps"]:  # the model played: where its time went
         logging.info("rollouts in %.0f s: %s", engine.stats["run_s"], rollout_profile(engine.stats))
     return records
@@ -153,6 +169,39 @@ def play_together(engine: RolloutEngine, runs: list[tuple[list[Job], pathlib.Pat
 
 def _job_id(task_id: str, trial: int, adapter_idx: int) -> tuple:
     return task_id, trial, adapter_idx
+
+
+def _process_file(episodes_path: pathlib.Path, process: int | str) -> pathlib.Path:
+    """Where process `process` of a multi-process run records the episodes it plays."""
+    return episodes_path.with_name(f"{episodes_path.name}.process{process}")
+
+
+def _merged_episodes(episodes_path: pathlib.Path) -> list[dict]:
+    """The episodes recorded for `episodes_path`: its own and any a killed multi-process run left in per-process
+    files, which are then merged into it (by process 0, once every process has read them)."""
+    records = recorded_episodes(episodes_path)
+    parts = sorted(episodes_path.parent.glob(_process_file(episodes_path, "*").name))
+    seen = {_job_id(r["task_id"], r["trial"], r["adapter_idx"]) for r in records}
+    for part in parts:
+        for record in recorded_episodes(part):
+            if (job := _job_id(record["task_id"], record["trial"], record["adapter_idx"])) not in seen:
+                seen.add(job)
+                records.append(record)
+    distributed.barrier("episodes read")  # before any process starts its own file: all found the same files
+    if parts:
+        _write_merged([episodes_path], [records])
+    return records
+
+
+def _write_merged(paths: list[pathlib.Path], records: list[list[dict]]) -> None:
+    """Process 0 writes each run's records to its episodes file and removes the per-process files; every process
+    waits for it."""
+    if distributed.is_main():
+        for path, done in zip(paths, records):
+            write_jsonl_atomic(path, done)
+            for part in path.parent.glob(_process_file(path, "*").name):
+                part.unlink()
+    distributed.barrier("episodes merged")
 
 
 def recorded_episodes(episodes_path: pathlib.Path) -> list[dict]:
@@ -220,10 +269,14 @@ def _keep_episodes_of_same_run(workdir: pathlib.Path, run: dict) -> None:
     same `run_marker`, kept in run.json); a workdir reused for another run starts afresh."""
     marker, episodes = workdir / "run.json", workdir / "episodes.jsonl"
     text = json.dumps(run, sort_keys=True, default=str)
-    if episodes.exists() and (not marker.exists() or marker.read_text() != text):
-        logging.info("%s holds episodes of another config or agent: starting afresh", workdir)
-        episodes.unlink()
-    marker.write_text(text)
+    if distributed.is_main():
+        stale = [p for p in (episodes, *workdir.glob(_process_file(episodes, "*").name)) if p.exists()]
+        if stale and (not marker.exists() or marker.read_text() != text):
+            logging.info("%s holds episodes of another config or agent: starting afresh", workdir)
+            for path in stale:
+                path.unlink()
+        marker.write_text(text)
+    distributed.barrier("episodes of this run kept")
 
 
 def summarize_run(records: list[dict], trials: int) -> tuple[dict, str]:
@@ -280,9 +333,10 @@ def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.
     summaries = []
     for workdir, records in zip(workdirs, played):
         summary, table = summarize_run(records, config.trials)
-        (workdir / "table.md").write_text(table + "\n")
         summary = {**summary, "agent": agent, "seconds": round(time.monotonic() - start, 1),
                    "play_seconds": max((r["elapsed_s"] for r in records), default=0.0)}
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if distributed.is_main():
+            (workdir / "table.md").write_text(table + "\n")
+            (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
         summaries.append(summary)
     return summaries

@@ -17,12 +17,18 @@ from collections.abc import Mapping
 from absl import logging
 from tensorboardX import SummaryWriter
 
+from trace_jax import distributed
+
 
 class MetricsWriter:
     """Scalars per step into `<workdir>/tensorboard` and `<workdir>/metrics.jsonl` (appended, so a
-    resumed run continues the same files)."""
+    resumed run continues the same files). In a run of several processes only process 0 writes (the others
+    compute the same scalars)."""
 
     def __init__(self, workdir: str | pathlib.Path):
+        self._writes = distributed.is_main()
+        if not self._writes:
+            return
         workdir = pathlib.Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         # A unique suffix: event files are named by the second they were opened in, and a
@@ -31,6 +37,8 @@ class MetricsWriter:
         self._jsonl = open(workdir / "metrics.jsonl", "a", encoding="utf-8")
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        if not self._writes:
+            return
         values = {name: float(value) for name, value in scalars.items()}
         for name, value in values.items():
             self._tensorboard.add_scalar(name, value, step)
@@ -39,6 +47,8 @@ class MetricsWriter:
         self._tensorboard.flush()
 
     def close(self) -> None:
+        if not self._writes:
+            return
         self._tensorboard.close()
         self._jsonl.close()
 

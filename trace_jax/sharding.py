@@ -76,10 +76,10 @@ class ShardingPlan:
         return self.sharding(spec, shape)
 
     def shard_params(self, tree):
-        """Places any pytree of arrays (params, adapters) on the mesh by the rules."""
-        return jax.tree_util.tree_map_with_path(
-            lambda path, x: jax.device_put(x, self.param_sharding(_path_str(path), x.shape)), tree
-        )
+        """Places any pytree of arrays (params, adapters) on the mesh by the rules (on a mesh of several processes,
+        each holding the same values: each places its devices' shards)."""
+        return jax.tree_util.tree_map_with_path(lambda path, x: _place(x, self.param_sharding(_path_str(path), x.shape)),
+                                                tree)
 
     def activation_sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
         return self.sharding(self.activation_rules[name], shape)
@@ -92,6 +92,14 @@ class ShardingPlan:
     def batch_multiple(self) -> int:
         """Batch sizes must be a multiple of this for rows to spread over the mesh."""
         return int(np.prod([self.mesh.shape[a] for a in BATCH]))
+
+
+def _place(x, sharding: NamedSharding) -> jax.Array:
+    """`x` on `sharding`; where the mesh spans processes, built from this process's copy of the value."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _path_str(path) -> str:

@@ -29,6 +29,7 @@ import pathlib
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -50,9 +51,10 @@ class TrainState:
 
 
 def _arrays(state: TrainState) -> dict:
-    """The array part of a state, as one pytree (the typed key as its raw uint32 data)."""
+    """The array part of a state, as one pytree (the typed key as its raw uint32 data, on the host: every process
+    of a multi-process run holds the same key, and orbax writes a host array once)."""
     return {"adapter_weights": state.adapter_weights, "scale": state.scale, "opt_state": state.opt_state,
-            "rng_data": jax.random.key_data(state.rng)}
+            "rng_data": np.asarray(jax.random.key_data(state.rng))}
 
 
 def _abstract(tree: Any) -> Any:

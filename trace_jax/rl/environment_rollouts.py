@@ -27,7 +27,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from trace_jax import lora
+from trace_jax import distributed, lora
 from trace_jax.agent.chat_codec import ChatCodec
 from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Trajectory
 from trace_jax.envs import make_environment
@@ -130,7 +130,7 @@ class EnvironmentRollouts:
     def _seed_base_eval(self, episodes_path: pathlib.Path) -> None:
         """Starts the base agent's held-out episodes from `eval.base_run`'s (those of this job's tasks);
         `play` then plays only what it lacks."""
-        if episodes_path.exists():
+        if episodes_path.exists() or not distributed.is_main():
             return
         wanted = {task.task_id for task in self.heldout}
         records = [r for r in recorded_episodes(self.base_run / "episodes.jsonl") if r["task_id"] in wanted]
@@ -147,7 +147,8 @@ class EnvironmentRollouts:
         tasks = self.train_tasks[first_task : first_task + rollout_cfg.tasks_per_step]
         jobs = [Job(task, trial, adapter_idx, hint=trial < self.hinted_per_group) for task in tasks
                 for trial in range(rollout_cfg.group_size)]
-        trajectories = self._engine(sampler, self.train_rollout).run(jobs, key=key)
+        engine = self._engine(sampler, self.train_rollout)
+        trajectories = distributed.run_shared(lambda share: engine.run(share, key=key), jobs)
         prompts = {task.task_id: self.first_prompts(task) for task in tasks} if self.hinted_per_group else {}
         sequences = [unhinted_sequence(t, *prompts[t.job.task.task_id]) if t.job.hint else trajectory_sequence(t)
                      for t in trajectories]
@@ -173,10 +174,12 @@ class EnvironmentRollouts:
         episodes_path = folder / f"step_{step}.jsonl"
         if self.base_run and adapter_idx == lora.NO_ADAPTER:
             self._seed_base_eval(episodes_path)
+            distributed.barrier("base episodes seeded")
         records = play(self._engine(sampler, self.eval_rollout), jobs, key=jax.random.key(0),
                        episodes_path=episodes_path, log_every_s=self.config.log_every_s)
         summary, table = summarize_run(records, trials=1)
-        (folder / f"step_{step}.md").write_text(table + "\n")
+        if distributed.is_main():
+            (folder / f"step_{step}.md").write_text(table + "\n")
         metrics = {"eval/reward": summary["mean_reward"], "eval/success": summary["success"],
                    "eval/success_ci_low": summary["ci_low"], "eval/success_ci_high": summary["ci_high"]}
         for row in summary["families"]:

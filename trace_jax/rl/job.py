@@ -12,7 +12,7 @@ import ml_collections
 import optax
 from absl import logging
 
-from trace_jax import lora
+from trace_jax import distributed, lora
 from trace_jax.config_checks import Check, number, positive_int
 from trace_jax.models.model import DTYPES, Model, load_model
 from trace_jax.rl.checkpoint import Checkpointer, TrainState
@@ -58,6 +58,8 @@ class TrainingRun:
     optimizer: optax.GradientTransformation
     state: TrainState
     checkpointer: Checkpointer
+    sampler_params: dict  # the sampler's copy: `params` unless other processes share the mesh (distributed.py)
+    sampler_plan: ShardingPlan | None
 
     @property
     def row_multiple(self) -> int:
@@ -68,6 +70,10 @@ class TrainingRun:
         """The trained adapter as a stack of one (`weights`: the current ones, default the state's)."""
         return lora.Adapters(self.state.adapter_weights if weights is None else weights, self.state.scale)
 
+    def sampler_adapters(self, weights=None) -> lora.Adapters:
+        """`adapters(weights)` as this process's sampler holds them."""
+        return distributed.local_copy(self.adapters(weights))
+
 
 def start_run(config: ml_collections.ConfigDict, workdir: pathlib.Path, cursor: dict) -> TrainingRun:
     """Loads the model onto the mesh and makes a fresh adapter state (`cursor`: the data position of
@@ -76,23 +82,31 @@ def start_run(config: ml_collections.ConfigDict, workdir: pathlib.Path, cursor: 
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     plan = ShardingPlan(mesh) if mesh.size > 1 else None
     params = plan.shard_params(model.params) if plan else model.params
+    local = distributed.local_mesh(mesh)
+    sampler_plan = plan if local is mesh else (ShardingPlan(local) if local.size > 1 else None)
+    sampler_params = params if local is mesh else (sampler_plan.shard_params(model.params) if sampler_plan
+                                                   else model.params)
     init_key, run_key = jax.random.split(jax.random.key(config.seed))
     spec = lora.LoraSpec(rank=config.lora.rank, alpha=config.lora.alpha, targets=tuple(config.lora.targets),
                          first_layer=config.lora.first_layer)
     adapters = lora.init_adapters(init_key, model.cfg, spec, 1, params["embed"].dtype)
-    weights = plan.shard_params(adapters.weights) if plan else adapters.weights
     optimizer = make_optimizer(config.optimizer.lr, config.optimizer.weight_decay, config.optimizer.clip_norm)
-    state = TrainState(step=0, adapter_weights=weights, scale=adapters.scale, opt_state=optimizer.init(weights),
+    fresh = (adapters.weights, adapters.scale, optimizer.init(adapters.weights))
+    weights, scale, opt_state = plan.shard_params(fresh) if plan else fresh  # on the mesh of every process
+    state = TrainState(step=0, adapter_weights=weights, scale=scale, opt_state=opt_state,
                        rng=run_key, cursor=cursor)
     checkpointer = Checkpointer(workdir / "checkpoints", keep=config.train.keep_checkpoints,
                                 save_every=config.train.checkpoint_every)
     if checkpointer.latest_step() is not None:
         state = checkpointer.restore(state)
         logging.info("resumed from step %d in %s", state.step, workdir)
-    return TrainingRun(model, params, plan, optimizer, state, checkpointer)
+    return TrainingRun(model, params, plan, optimizer, state, checkpointer, sampler_params, sampler_plan)
 
 
 def export_adapter(run: TrainingRun, out: pathlib.Path, weights=None) -> pathlib.Path:
-    """Writes the adapter (`weights`, default the state's) in PEFT's format to `out` (files overwritten)."""
-    lora.save_peft(run.adapters(weights), out, index=ADAPTER, base_model=str(run.model.path))
+    """Writes the adapter (`weights`, default the state's) in PEFT's format to `out` (files overwritten; process 0
+    writes)."""
+    adapters = run.sampler_adapters(weights)
+    if distributed.is_main():
+        lora.save_peft(adapters, out, index=ADAPTER, base_model=str(run.model.path))
     return out

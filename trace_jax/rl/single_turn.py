@@ -2,8 +2,9 @@
 
 Used both to collect GRPO groups (several samples per task) and to evaluate an adapter
 (one greedy sample per task); `TaskSetRollouts` is the GRPO job's source for a task set.
-Prompts are generated in chunks of `batch_size` rows to bound the KV cache; each chunk
-draws with its own key folded from `key`.
+Prompts are generated in chunks of `batch_size` rows to bound the KV cache; sample i draws from
+random stream i, and in a run of several processes each samples its share of the rows
+(`trace_jax.distributed`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from types import ModuleType
 import jax
 import numpy as np
 
+from trace_jax import distributed
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, StepRollouts
 from trace_jax.sampling import Completion, Sampler
@@ -52,13 +54,18 @@ def rollout(sampler: Sampler, tokenizer: ChatTokenizer, task_set: ModuleType, ta
     prompts = [prompt for prompt in rendered for _ in range(group_size)]
     owners = [task for task in tasks for _ in range(group_size)]
     batch_size = batch_size or len(prompts)
-    completions: list[Completion] = []
-    for start in range(0, len(prompts), batch_size):
-        rows = range(start, min(start + batch_size, len(prompts)))
-        outs, _ = sampler.generate([prompts[i] for i in rows], key=key, stream=list(rows),
-                                   max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                   adapter_idx=adapter_idx, stop_token_ids=sorted(tokenizer.eos_token_ids))
-        completions.extend(outs)
+
+    def generate(rows: list[int]) -> list[Completion]:
+        completions = []
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            outs, _ = sampler.generate([prompts[i] for i in chunk], key=key, stream=chunk,
+                                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                       adapter_idx=adapter_idx, stop_token_ids=sorted(tokenizer.eos_token_ids))
+            completions.extend(outs)
+        return completions
+
+    completions = distributed.run_shared(generate, list(range(len(prompts))))  # each process its share of rows
     scored = [task_set.reward(task, completion.text) for task, completion in zip(owners, completions)]
     return ScoredRollouts(prompts, completions, np.array([s for s, _ in scored], np.float64),
                           np.repeat(np.arange(len(tasks)), group_size), [d for _, d in scored])

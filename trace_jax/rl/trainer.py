@@ -27,6 +27,10 @@ workdir: checkpoints/, tensorboard/, metrics.jsonl, base_eval.json, summary.json
 environments, eval/ and rollouts/step_<k>.jsonl: every training episode of step k, messages and
 reward components, as the evaluation job records them), adapter/ (PEFT) at the end, and snapshots/step_<k>/
 (PEFT) at each of `train.snapshot_fractions` of the run's steps (a scaling curve's points along one run).
+
+Run as several processes (`launch.multihost`), each plays its share of a step's episodes and of an evaluation
+on its own devices, all gather them and apply the same update on the mesh of every process's devices, orbax
+saves and restores the checkpoints together, and process 0 alone writes the other files (`trace_jax.distributed`).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from trace_jax import lora
+from trace_jax import distributed, lora
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS
 from trace_jax.files import write_json_atomic, write_jsonl_atomic
@@ -175,7 +179,8 @@ def _base_eval(workdir: pathlib.Path, evaluate: Callable[[int, int], dict[str, f
     if path.is_file():
         return json.loads(path.read_text())
     metrics = evaluate(lora.NO_ADAPTER, 0)
-    write_json_atomic(path, metrics)
+    if distributed.is_main():
+        write_json_atomic(path, metrics)
     return metrics
 
 
@@ -213,7 +218,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
               else TaskSetRollouts(config, tokenizer, num_train_tasks))
     state = run.state
     elapsed = lambda: state.cursor.get("elapsed_s", 0.0) + time.monotonic() - start_time
-    sampler = Sampler(run.model.cfg, run.params, adapters=run.adapters(), plan=run.plan,
+    sampler = Sampler(run.model.cfg, run.sampler_params, adapters=run.sampler_adapters(), plan=run.sampler_plan,
                       detokenize=tokenizer.decode, min_shared_prefix=config.rollout.min_shared_prefix)
     evaluate = lambda adapter_idx, step: source.evaluate(sampler, adapter_idx, step)
     writer = MetricsWriter(workdir)
@@ -251,7 +256,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
                 batch, hint_stats = rescore(run.params, weights, state.scale, batch, [s.hinted for s in kept])
                 metrics.update({f"learner/{k}": v for k, v in hint_stats.items()})
             weights, opt_state, learner_metrics = train_step(run.params, weights, opt_state, state.scale, batch)
-            sampler.set_adapters(run.adapters(weights))
+            sampler.set_adapters(run.sampler_adapters(weights))
             metrics.update({f"learner/{k}": float(v) for k, v in learner_metrics.items()})
             metrics["learner/tokens"] = float(padded_tokens(batch))
             metrics["learner/micro_batches"] = float(len(batch["micro_batches"]))
@@ -265,7 +270,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
                            rng=state.rng, cursor={"next_task": cursor + config.rollout.tasks_per_step,
                                                   "elapsed_s": round(elapsed(), 1)})
         start_time = time.monotonic()  # the cursor now holds the time so far
-        if rollouts.records:  # what the agent did, for reading a run after the fact
+        if rollouts.records and distributed.is_main():  # what the agent did, for reading a run after the fact
             write_jsonl_atomic(workdir / "rollouts" / f"step_{step + 1}.jsonl", rollouts.records)
         if step + 1 in snapshots:  # before the checkpoint: a step redone after a kill exports the same again
             export_adapter(run, workdir / "snapshots" / f"step_{step + 1}", weights)
@@ -284,5 +289,6 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     summary = {**(source.summary(base, latest_eval) if base is not None else {}), "steps": int(state.step),
                "rollouts": int(state.step) * config.rollout.tasks_per_step * config.rollout.group_size,
                "seconds": round(elapsed(), 1)}  # over every process of the run, less work lost to a kill
-    (workdir / "summary.json").write_text(json.dumps(summary))
+    if distributed.is_main():
+        (workdir / "summary.json").write_text(json.dumps(summary))
     return summary

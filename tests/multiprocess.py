@@ -1,0 +1,61 @@
+"""Running a launch job as several local processes of one JAX run (gloo collectives on the CPU), as a multi-host
+user runs it on several machines."""
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TWO_DEVICES = "--xla_force_host_platform_device_count=2"  # XLA_FLAGS of a single process whose mesh matches two
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(command: list[str], processes: int, env: dict[str, str], logs: pathlib.Path) -> list[subprocess.Popen]:
+    """`command` as process i of `processes` (one CPU device each), its output in `logs`/process_<i>.log."""
+    logs.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    return [subprocess.Popen([*command, f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}",
+                              f"--process_id={i}"], cwd=REPO, env=env, stdout=open(logs / f"process_{i}.log", "w"),
+                             stderr=subprocess.STDOUT) for i in range(processes)]
+
+
+def _outputs(logs: pathlib.Path, processes: int) -> list[str]:
+    return [(logs / f"process_{i}.log").read_text() for i in range(processes)]
+
+
+def run_processes(command: list[str], processes: int, env: dict[str, str], logs: pathlib.Path,
+                  timeout_s: float = 1800) -> list[str]:
+    """Runs the job as `processes` processes to the end; returns each one's output. Fails unless all succeed."""
+    children = _start(command, processes, env, logs)
+    codes = [child.wait(timeout=timeout_s) for child in children]
+    outputs = _outputs(logs, processes)
+    assert codes == [0] * processes, "\n".join(f"process {i} ({code}): {out[-3000:]}" for i, (code, out)
+                                               in enumerate(zip(codes, outputs)))
+    return outputs
+
+
+def kill_one_after_checkpoint(command: list[str], processes: int, env: dict[str, str], workdir: pathlib.Path,
+                              step: int, logs: pathlib.Path, timeout_s: float = 1800) -> list[str]:
+    """Runs the job as `processes` processes, SIGKILLs the last one as soon as the checkpoint of `step` is complete
+    in `workdir`, then the others (left alone they stop within JAX's heartbeat timeout, 100 s, as a cluster
+    launcher would then restart them all); returns their outputs."""
+    children, done = _start(command, processes, env, logs), workdir / "checkpoints" / str(step)
+    deadline = time.monotonic() + timeout_s
+    while all(child.poll() is None for child in children) and time.monotonic() < deadline and not done.is_dir():
+        time.sleep(0.05)
+    running = [child.poll() is None for child in children]
+    for child in children[::-1]:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    outputs = _outputs(logs, processes)
+    assert done.is_dir() and all(running), "\n".join(out[-3000:] for out in outputs)
+    return outputs
