@@ -37,7 +37,8 @@ AGENT = "smollm2-135m-tiny-agent"
 CONFIG = grpo_env_tiny.get_config()
 STEPS = CONFIG.train.steps
 # The rollout reward's rise from the first step (the untrained agent's episodes) to the mean of the last two:
-# +0.275, +0.278, +0.413 for seeds 0, 1, 2 (docs/agentic_rl.md, "Random streams per episode").
+# +0.275, +0.278, +0.413 for seeds 0, 1, 2, on one CPU device and on two alike (docs/agentic_rl.md, "Random
+# streams per episode").
 MIN_RISE = 0.1
 
 
