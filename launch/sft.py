@@ -17,6 +17,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from launch import multihost
+from trace_jax import distributed
 from trace_jax.metrics import not_orbax_info
 from trace_jax.rl.sft import train
 
@@ -29,9 +30,11 @@ flags.mark_flags_as_required(["config"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    multihost.initialize("sft", supported=False)
+    multihost.initialize("sft")
     absl_logging.get_absl_handler().addFilter(not_orbax_info)
-    print(json.dumps(train(_CONFIG.value, _WORKDIR.value)), flush=True)
+    summary = train(_CONFIG.value, _WORKDIR.value)
+    if distributed.is_main():
+        print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":

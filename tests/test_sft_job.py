@@ -1,7 +1,8 @@
 """The SFT job (`configs/warmstart_tiny.py`: a few gold trajectories of the tool_calling capability
-environment) on the tiny random model with SmolLM2's tokenizer, run as a user runs it (subprocesses on
-one CPU device): a SIGKILLed run resumes to the weights of an uninterrupted one, the loss falls, and the
-PEFT adapter and the merged HF folder agree. (The SFT build of the tiny SmolLM2 agent, and its cache, are
+environment) on the tiny random model with SmolLM2's tokenizer, run as a user runs it (subprocesses): a run of
+two processes of one CPU device each, one of them SIGKILLed and both restarted, ends with the weights of an
+uninterrupted single process on two devices (the same mesh), the loss falls, and the PEFT adapter and the
+merged HF folder agree. (The SFT build of the tiny SmolLM2 agent, and its cache, are
 tested where the agent is used: tests/test_grpo_env_job.py.)
 """
 
@@ -16,7 +17,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from configs import warmstart_tiny
-from job_kills import kill_after_checkpoint
+from multiprocess import TWO_DEVICES, kill_one_after_checkpoint, run_processes
 from trace_jax import lora
 from trace_jax.models import decoder
 from trace_jax.models.model import load_model
@@ -26,31 +27,31 @@ CONFIG = warmstart_tiny.get_config()
 FIRST_LAYER = 1  # of the tiny chat model's two: layer 0 stays untrained
 
 
-def _run(args, env):
-    out = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
-    return out.stdout.strip().splitlines()[-1]
-
-
 def _command(workdir, model):
-    return ["-m", "launch.sft", "--config=configs/warmstart_tiny.py", f"--workdir={workdir}", f"--config.model={model}",
-            f"--config.lora.first_layer={FIRST_LAYER}"]
+    return [sys.executable, "-m", "launch.sft", "--config=configs/warmstart_tiny.py", f"--workdir={workdir}",
+            f"--config.model={model}", f"--config.lora.first_layer={FIRST_LAYER}"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, job_env, tiny_chat_model):
-    """The workdirs of two runs on the tiny chat model: one SIGKILLed as soon as it has saved step 2 (in step 3,
-    each step taking seconds) and run again to the end, one uninterrupted."""
+    """The workdirs of two runs on the tiny chat model: two processes, one SIGKILLed as soon as step 2 is saved
+    (in step 3, each step taking seconds), then the other, both run again to the end; one uninterrupted process
+    on two devices."""
     resumed, uninterrupted = tmp_path_factory.mktemp("sft_resumed"), tmp_path_factory.mktemp("sft_uninterrupted")
-    killed = kill_after_checkpoint([sys.executable, *_command(resumed, tiny_chat_model)], job_env, resumed, 2,
-                                   resumed.parent / "sft_killed.log", 1200)
-    assert "resumed from" not in killed and '"steps"' not in killed  # a fresh run, killed before its end
-    for workdir in (resumed, uninterrupted):
-        assert json.loads(_run(_command(workdir, tiny_chat_model), job_env))["steps"] == CONFIG.train.steps
+    killed = kill_one_after_checkpoint(_command(resumed, tiny_chat_model), 2, job_env, resumed, 2,
+                                       resumed.parent / "killed", 1200)
+    assert "resumed from" not in killed[0] and '"steps"' not in killed[0]  # a fresh run, killed before its end
+    outputs = run_processes(_command(resumed, tiny_chat_model), 2, job_env, resumed.parent / "restarted", 1200)
+    assert "resumed from step 2" in outputs[0] and '"steps"' not in outputs[1]  # process 0 alone logs and prints
+    out = subprocess.run(_command(uninterrupted, tiny_chat_model), cwd=REPO, env={**job_env, "XLA_FLAGS": TWO_DEVICES},
+                         capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    for last_line in (outputs[0], out.stdout):
+        assert json.loads(last_line.strip().splitlines()[-1])["steps"] == CONFIG.train.steps
     return resumed, uninterrupted
 
 
-def test_a_killed_run_resumes_to_the_same_weights_and_lowers_the_loss(runs):
+def test_two_processes_killed_and_restarted_end_with_the_weights_of_one_and_lower_the_loss(runs):
     resumed, uninterrupted = runs
     losses = [json.loads(line)["learner/loss"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == CONFIG.train.steps and losses[-1] < losses[0]

@@ -124,6 +124,11 @@ def local_mesh(mesh: Mesh) -> Mesh:
     return make_mesh(data=-1, fsdp=1, tensor=tensor, devices=devices)
 
 
+def host_array(x: jax.Array) -> np.ndarray:
+    """The whole of `x` on the host, gathered from every process where the run's mesh spreads it over them."""
+    return np.asarray(x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True))
+
+
 def local_copy(tree: Any) -> Any:
     """A tree of arrays replicated over all processes' devices, as this process's copy on one of its devices (the
     sampler's adapter); a single process's tree as it is."""

@@ -10,7 +10,9 @@ and applies one update of the masked token cross-entropy (mean over the agent's 
 Same workdir layout and guarantees as the GRPO job: checkpoints/ (exact resume after any
 kill: a step's data is a pure function of the seed and the step), tensorboard/,
 metrics.jsonl, progress with ETA, summary.json; the adapter is written in PEFT's format to
-adapter/ and, with `export.merged`, merged into the base as an HF folder in merged/.
+adapter/ and, with `export.merged`, merged into the base as an HF folder in merged/. Run as
+several processes (`launch.multihost`) every process plays the gold episodes and packs the same
+steps; the learner runs on the mesh of all their devices and process 0 writes the files.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from trace_jax import lora
+from trace_jax import distributed, lora
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine, Trajectory
 from trace_jax.agent.scripted import GoldAgent, ScriptedUser
 from trace_jax.config_checks import Check, check_config, positive_int
@@ -92,7 +94,7 @@ class FrozenStreams:
         self.prefix_hidden = batch.get(PREFIX_HIDDEN)
         self.rows: dict[int, np.ndarray] = {}
         for mb in batch["micro_batches"]:
-            hidden = np.asarray(mb["frozen_hidden"])
+            hidden = distributed.host_array(mb["frozen_hidden"])
             for row, i in enumerate(mb["sequence"]):
                 if i >= 0:  # a row runs tokens[prefix_length:last_learned + 1]; its streams, all but the last
                     self.rows[int(i)] = hidden[row, : sequences[i].last_learned() - self.prefix_length]
@@ -166,11 +168,12 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     writer.close()
     run.state = state
     export_adapter(run, workdir / "adapter")
-    if config.export.merged:
-        merged = lora.merge(run.model.params, jax.device_get(run.adapters()), ADAPTER)
+    if config.export.merged and distributed.is_main():
+        merged = lora.merge(run.model.params, jax.device_get(run.sampler_adapters()), ADAPTER)
         save_hf_checkpoint(merged, run.model.path, workdir / "merged", run.model.cfg)
     summary = {"steps": int(state.step), "trajectories": len(kept), "gold_played": len(played),
                "final_loss": metrics.get("learner/loss", logged_scalars(workdir, state.step).get("learner/loss")),
                "seconds": round(time.monotonic() - start_time, 1)}
-    (workdir / "summary.json").write_text(json.dumps(summary))
+    if distributed.is_main():
+        (workdir / "summary.json").write_text(json.dumps(summary))
     return summary
