@@ -20,6 +20,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from launch import multihost
+from trace_jax import distributed
 from trace_jax.envs.capability import CAPABILITIES
 from trace_jax.trace.calibration import calibrate_capability, calibration_table
 from trace_jax.trace.pipeline import calibration_evaluation, validate_config
@@ -33,7 +34,7 @@ flags.mark_flags_as_required(["config"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    multihost.initialize("calibrate", supported=False)
+    multihost.initialize("calibrate")
     unknown = [name for name in _CAPABILITIES.value if name not in CAPABILITIES]
     if unknown:
         raise app.UsageError(f"--capabilities: no built-in environment for {unknown}; there are {list(CAPABILITIES)}")
@@ -42,6 +43,8 @@ def main(argv: list[str]) -> None:
     base = calibration_evaluation(config)
     results = [calibrate_capability(name, CAPABILITIES[name].max_difficulty, base, config.calibration, workdir / name)
                for name in _CAPABILITIES.value]
+    if not distributed.is_main():
+        return
     table = calibration_table(results)
     (workdir / "calibration.md").write_text(table + "\n")
     print(table, flush=True)

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import ml_collections
 import numpy as np
 
+from trace_jax import distributed
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.evaluation import evaluate, recorded_episodes
 from trace_jax.files import write_json_atomic
@@ -173,7 +174,8 @@ def calibrate_capability(capability: str, max_difficulty: int, base_eval: ml_col
         return rewards_by_group(recorded_episodes(workdir / "episodes.jsonl"), config.seeds, config.samples)
 
     result = {"capability": capability, **calibrate(measure, config, max_difficulty)}
-    write_json_atomic(result_path, result)
+    if distributed.is_main():  # every process of a multi-process run computed the same
+        write_json_atomic(result_path, result)
     return result
 
 
