@@ -7,8 +7,9 @@ with small budgets.
 The base agent plays 7 train tickets for the analysis and 7 held-out tickets (one per family) in one
 batch, each cut at 4 agent turns (every one of these 14 tickets' gold solutions takes 3 or 4; the
 agent's return_delivered episodes, failures either way, ran to the 6-turn limit alone in the batch);
-one capability is selected, calibrated on 4 seeds x 4 samples with the authors' looser gates
-(mean reward in [0.2, 0.6], half the groups informative), trained for 2 GRPO steps of 2 tickets
+one capability is trained: the selected ones are calibrated in coverage order on 4 seeds x 4 samples
+with the authors' looser gates (mean reward in [0.2, 0.6], half the groups informative) until one
+passes (each try about 5 minutes here: a run whose first capability fails takes longer), then trained for 2 GRPO steps of 2 tickets
 x 4 (episodes cut at 3 agent turns, which keep their calls' reward level: `calibration.cut_share = 1`,
 as most are cut; no held-out evaluation of the adapter alone) and routed. The numbers are a smoke
 run's, not a measurement: see configs/trace_embedded.py for that.
