@@ -161,8 +161,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
                         "time/step_s": time.monotonic() - t0})
         state = TrainState(step=step + 1, adapter_weights=weights, scale=state.scale, opt_state=opt_state,
                            rng=state.rng, cursor={})
+        writer.write(step + 1, metrics)  # before the checkpoint, as the GRPO job does
         run.checkpointer.save(state, force=step + 1 == config.train.steps)
-        writer.write(step + 1, metrics)
         progress.update(step + 1, f"loss {metrics['learner/loss']:.4f}")
     run.checkpointer.close()
     writer.close()

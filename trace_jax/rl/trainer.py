@@ -274,8 +274,10 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
             write_jsonl_atomic(workdir / "rollouts" / f"step_{step + 1}.jsonl", rollouts.records)
         if step + 1 in snapshots:  # before the checkpoint: a step redone after a kill exports the same again
             export_adapter(run, workdir / "snapshots" / f"step_{step + 1}", weights)
+        # The step's metrics before its checkpoint, so a kill never loses them (one between the two makes the
+        # resumed run log the step again, the same), and before the evaluation, which a kill may interrupt.
+        writer.write(step + 1, metrics)
         run.checkpointer.save(state, force=step + 1 == steps)
-        writer.write(step + 1, metrics)  # before the evaluation, which a kill may interrupt
         held_out = ""
         if _eval_due(step + 1, config):
             latest_eval = evaluate(ADAPTER, step + 1)
