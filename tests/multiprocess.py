@@ -8,8 +8,15 @@ import socket
 import subprocess
 import time
 
+from trace_jax.metrics import logged_scalars
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TWO_DEVICES = "--xla_force_host_platform_device_count=2"  # XLA_FLAGS of a single process whose mesh matches two
+
+
+def step_metrics(workdir: pathlib.Path, step: int) -> dict[str, float]:
+    """What a job logged for `step`, less timings and memory (which differ between runs of the same work)."""
+    return {k: v for k, v in logged_scalars(workdir, step).items() if not k.startswith(("time/", "memory/"))}
 
 
 def free_port() -> int:

@@ -24,7 +24,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import grpo_env_tiny, warmstart_tiny
-from multiprocess import TWO_DEVICES, kill_one_after_checkpoint, run_processes
+from multiprocess import TWO_DEVICES, kill_one_after_checkpoint, run_processes, step_metrics
 from trace_jax import lora, warmstart
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.embedded import resolve_model_dir
@@ -143,13 +143,6 @@ def test_tiny_environment_run_raises_the_reward(env_run, tiny_agent):
     assert not any(tag.startswith("eval/") for tag in events.Tags()["scalars"])
 
 
-def _metrics(workdir: pathlib.Path, step: int) -> dict:
-    """The scalars metrics.jsonl logged for `step`, less timings and memory."""
-    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {k: v for line in lines if line["step"] == step for k, v in line.items()
-            if not k.startswith(("time/", "memory/"))}
-
-
 def test_two_processes_train_as_one_and_resume_when_one_is_killed(env_run, tmp_path):
     """The run's last two steps as two processes of one device each, from the single-process run's checkpoint of
     step STEPS - 2: the second process is SIGKILLed as soon as step STEPS - 1 is saved, then the first; both
@@ -175,4 +168,4 @@ def test_two_processes_train_as_one_and_resume_when_one_is_killed(env_run, tmp_p
         diff = _max_diff(_adapter_at(workdir, step), _adapter_at(full_dir, step))
         print(f"\n[grpo env job] two processes vs one at step {step}: adapter max |diff| {diff:.2e}")
         assert diff <= 1e-6
-    assert _metrics(workdir, STEPS) == _metrics(full_dir, STEPS)
+    assert step_metrics(workdir, STEPS) == step_metrics(full_dir, STEPS)

@@ -17,7 +17,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import grpo_tiny
-from multiprocess import TWO_DEVICES, run_processes
+from multiprocess import TWO_DEVICES, run_processes, step_metrics
 from trace_jax.rl.trainer import validate_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -41,11 +41,6 @@ def tiny_run(tiny_chat_model, job_env, tmp_path_factory):
                          env={**job_env, "XLA_FLAGS": TWO_DEVICES}, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return workdir, json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
-
-
-def _metrics(workdir) -> list[dict]:
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "memory/"))}
-            for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_tiny_config_samples_scores_evaluates_and_logs_metrics(tiny_run):
@@ -75,7 +70,9 @@ def test_two_processes_run_the_task_set_as_one(tiny_run, tiny_chat_model, job_en
     outputs = run_processes(_tiny_model_command(two_dir, tiny_chat_model), 2, job_env, tmp_path / "logs")
     two = json.loads(outputs[0].strip().splitlines()[-1])
     assert {**two, "seconds": 0} == {**summary, "seconds": 0} and '"steps"' not in outputs[1]
-    assert _metrics(two_dir) == _metrics(workdir)
+    assert [step_metrics(two_dir, s) for s in range(STEPS + 1)] == [step_metrics(workdir, s) for s in range(STEPS + 1)]
+    assert len((two_dir / "metrics.jsonl").read_text().splitlines()) == len(
+        (workdir / "metrics.jsonl").read_text().splitlines())
     assert (two_dir / "adapter" / "adapter_config.json").is_file()
 
 

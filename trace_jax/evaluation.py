@@ -125,7 +125,7 @@ def play_together(engine: RolloutEngine, runs: list[tuple[list[Job], pathlib.Pat
     records = [_merged_episodes(path) for path in paths]
     run_of, todo = {}, []
     for run, ((jobs, _), done) in enumerate(zip(runs, records)):
-        played = {_job_id(r["task_id"], r["trial"], r["adapter_idx"]) for r in done}
+        played = {_record_id(r) for r in done}
         for job in jobs:
             if _job_id(job.task.task_id, job.trial, job.adapter_idx) not in played:
                 run_of[id(job)] = run
@@ -171,6 +171,11 @@ def _job_id(task_id: str, trial: int, adapter_idx: int) -> tuple:
     return task_id, trial, adapter_idx
 
 
+def _record_id(record: dict) -> tuple:
+    """The `_job_id` of the episode a record holds."""
+    return _job_id(record["task_id"], record["trial"], record["adapter_idx"])
+
+
 def _process_file(episodes_path: pathlib.Path, process: int | str) -> pathlib.Path:
     """Where process `process` of a multi-process run records the episodes it plays."""
     return episodes_path.with_name(f"{episodes_path.name}.process{process}")
@@ -181,11 +186,11 @@ def _merged_episodes(episodes_path: pathlib.Path) -> list[dict]:
     files, which are then merged into it (by process 0, once every process has read them)."""
     records = recorded_episodes(episodes_path)
     parts = sorted(episodes_path.parent.glob(_process_file(episodes_path, "*").name))
-    seen = {_job_id(r["task_id"], r["trial"], r["adapter_idx"]) for r in records}
+    seen = {_record_id(r) for r in records}
     for part in parts:
         for record in recorded_episodes(part):
-            if (job := _job_id(record["task_id"], record["trial"], record["adapter_idx"])) not in seen:
-                seen.add(job)
+            if _record_id(record) not in seen:
+                seen.add(_record_id(record))
                 records.append(record)
     distributed.barrier("episodes read")  # before any process starts its own file: all found the same files
     if parts:
