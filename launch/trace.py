@@ -18,6 +18,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from launch import multihost
+from trace_jax import distributed
 from trace_jax.metrics import not_orbax_info
 from trace_jax.trace.pipeline import Pipeline
 
@@ -29,9 +30,11 @@ flags.mark_flags_as_required(["config"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    multihost.initialize("trace", supported=False)
+    multihost.initialize("trace")
     absl_logging.get_absl_handler().addFilter(not_orbax_info)
     summary = Pipeline(_CONFIG.value, _WORKDIR.value).run()
+    if not distributed.is_main():
+        return
     report = pathlib.Path(_WORKDIR.value, "report.md").read_text()
     print(report[report.index("## Held-out success per family"):].split("\n![")[0].rstrip(), flush=True)
     print(json.dumps(summary), flush=True)

@@ -125,3 +125,23 @@ def test_grpo_reads_the_base_agents_episodes_from_an_evaluation_run(tmp_path, sm
         changed[section][name] = value
         with pytest.raises(ValueError, match=message):
             EnvironmentRollouts(changed, smollm2.tokenizer, 4, tmp_path)
+
+
+def test_a_sampler_sharded_over_devices_plays_the_episodes_of_one_device(tmp_path, tiny_chat_model):
+    """`config.tensor = 2`: the model's weights split over two of this process's (8 fake) devices and the rows
+    over the rest, for a model one device cannot hold; the episodes are those of one device, and the marker (what
+    a resumed run or a base run is checked against) is the same."""
+    config = embedded_retail.get_config()
+    config.update(model=str(tiny_chat_model), num_tasks=2, log_every_s=0.0)
+    config.rollout.update(max_turns=2, max_tokens_per_turn=16)
+    evaluate(config, tmp_path / "one")
+    sharded = embedded_retail.get_config()
+    sharded.update(config.to_dict())
+    sharded.tensor = 2
+    evaluate(sharded, tmp_path / "two")
+    played = lambda run: [{k: v for k, v in r.items() if k != "elapsed_s"} for r in _records(tmp_path / run)]
+    assert played("one") == played("two") and len(played("one")) == 2
+    assert run_marker(sharded, "model") == run_marker(config, "model")
+    sharded.tensor = 3
+    with pytest.raises(ValueError, match="config.tensor = 3 is invalid; it must be a positive int that divides"):
+        evaluate(sharded, tmp_path / "three")

