@@ -19,6 +19,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from launch import multihost
+from trace_jax import distributed
 from trace_jax.baselines.experiment import Experiment
 from trace_jax.metrics import not_orbax_info
 
@@ -31,9 +32,11 @@ flags.mark_flags_as_required(["config"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    multihost.initialize("experiment", supported=False)
+    multihost.initialize()
     absl_logging.get_absl_handler().addFilter(not_orbax_info)
     summary = Experiment(_CONFIG.value, _WORKDIR.value).run()
+    if not distributed.is_main():
+        return
     print(pathlib.Path(_WORKDIR.value, "report.md").read_text().rstrip(), flush=True)
     print(json.dumps(summary), flush=True)
 

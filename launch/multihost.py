@@ -20,12 +20,10 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in 
                                    "$JAX_PROCESS_ID).")
 
 
-def initialize(job: str, supported: bool = True) -> None:
+def initialize() -> None:
     """Starts `jax.distributed` from the flags or the environment when this process is one of many; processes
-    other than 0 then log warnings only. A job that cannot run as several processes yet says so."""
+    other than 0 then log warnings only."""
     if not distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value):
         return
-    if not supported:
-        raise SystemExit(f"launch.{job} does not run as several processes yet; run it as one process")
     if not distributed.is_main():
         absl_logging.set_verbosity(absl_logging.WARNING)

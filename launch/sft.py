@@ -30,7 +30,7 @@ flags.mark_flags_as_required(["config"])
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    multihost.initialize("sft")
+    multihost.initialize()
     absl_logging.get_absl_handler().addFilter(not_orbax_info)
     summary = train(_CONFIG.value, _WORKDIR.value)
     if distributed.is_main():

@@ -358,4 +358,5 @@ def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.
             (workdir / "table.md").write_text(table + "\n")
             (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
         summaries.append(summary)
+    distributed.barrier("evaluation written")  # what comes next may read the summaries
     return summaries

@@ -30,6 +30,7 @@ import time
 import ml_collections
 from absl import logging
 
+from trace_jax import distributed
 from trace_jax.agent.rollout import RolloutConfig
 from trace_jax.baselines.gepa import gepa_arm, validate_gepa_config
 from trace_jax.baselines.scaling import plot_scaling, scaling_points, scaling_table
@@ -108,10 +109,11 @@ class Experiment:
             fractions, heldout_evaluation(self.config.trace), self.workdir, trace,
             {arm: self.stages.done[arm]["result"] for arm in ("grpo_target", "gepa") if arm in self.stages.done}))
         results = self._results(trace, budget)
-        write_json_atomic(self.workdir / "results.json", results)
-        (self.workdir / "report.md").write_text(report(results))
-        if results["scaling"]:
-            plot_scaling(results["scaling"], self.workdir / "plots" / "scaling.png")
+        if distributed.is_main():
+            write_json_atomic(self.workdir / "results.json", results)
+            (self.workdir / "report.md").write_text(report(results))
+            if results["scaling"]:
+                plot_scaling(results["scaling"], self.workdir / "plots" / "scaling.png")
         return {"success": {row["arm"]: row["success"] for row in results["arms"]}, "budget": results["budget"],
                 "seconds": round(sum(s["seconds"] for s in self.stages.done.values()), 1),
                 "this_run_seconds": round(time.monotonic() - start, 1)}

@@ -25,6 +25,7 @@ import jax
 import ml_collections
 from absl import logging
 
+from trace_jax import distributed
 from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import make_environment
@@ -237,11 +238,29 @@ def gepa_arm(capabilities: dict[str, tuple[dict, str]], heldout: ml_collections.
     """GEPA as one arm of the comparison: per capability (name -> (its environment's config, the text GEPA starts
     from, e.g. its description)), GEPA with an equal share of `budget` metric calls, the base model of `heldout`
     playing `rollout`'s episodes; then the texts joined into the system prompt of `heldout` (an evaluation job's
-    config) and evaluated. Every part resumes from `workdir`; returns (and writes to result.json) the texts, the
-    budget spent, the held-out summary and this call's wall time."""
+    config) and evaluated. In a run of several processes GEPA's loop runs once, on process 0, and every process
+    plays its share of the evaluation. Every part resumes from `workdir`; returns (and writes to result.json) the
+    texts, the budget spent, the held-out summary and this call's wall time."""
     validate_gepa_config(cfg)
     workdir = pathlib.Path(workdir)
     start = time.monotonic()
+    runs = distributed.on_main(lambda: _optimize_each(capabilities, heldout, rollout, cfg, llm, budget, workdir))
+    texts = {name: run["best_text"] for name, run in runs.items()}
+    evaluation = guided_evaluation(heldout, texts)
+    summary = evaluate(evaluation, workdir / "heldout")
+    result = {"texts": texts, "guidance": evaluation.env.guidance, "budget": budget,
+              "metric_calls": sum(run["metric_calls"] for run in runs.values()),
+              "episodes_played": sum(run["episodes_played"] for run in runs.values()),
+              "capabilities": runs, "heldout": summary, "seconds": round(time.monotonic() - start, 1)}
+    if distributed.is_main():
+        write_json_atomic(workdir / "result.json", result)
+    return result
+
+
+def _optimize_each(capabilities: dict[str, tuple[dict, str]], heldout: ml_collections.ConfigDict,
+                   rollout: RolloutConfig, cfg: ml_collections.ConfigDict, llm: ml_collections.ConfigDict | None,
+                   budget: int, workdir: pathlib.Path) -> dict[str, dict]:
+    """`optimize_guidance` on each capability's environment with an equal share of `budget`; name -> its result."""
     model = load_model(heldout.model, heldout.dtype)
     sampler = Sampler(model.cfg, model.params, detokenize=model.tokenizer.decode)
     if cfg.reflection == "llm":
@@ -255,15 +274,6 @@ def gepa_arm(capabilities: dict[str, tuple[dict, str]], heldout: ml_collections.
 
     share = ml_collections.ConfigDict(cfg.to_dict())
     share.max_metric_calls = max(budget // len(capabilities), 1)
-    runs = {name: optimize_guidance(make_environment(ml_collections.ConfigDict(env)), seed_text, make_engine,
+    return {name: optimize_guidance(make_environment(ml_collections.ConfigDict(env)), seed_text, make_engine,
                                     reflection_lm, share, workdir / name, seed=heldout.seed)
             for name, (env, seed_text) in capabilities.items()}
-    texts = {name: run["best_text"] for name, run in runs.items()}
-    evaluation = guided_evaluation(heldout, texts)
-    summary = evaluate(evaluation, workdir / "heldout")
-    result = {"texts": texts, "guidance": evaluation.env.guidance, "budget": budget,
-              "metric_calls": sum(run["metric_calls"] for run in runs.values()),
-              "episodes_played": sum(run["episodes_played"] for run in runs.values()),
-              "capabilities": runs, "heldout": summary, "seconds": round(time.monotonic() - start, 1)}
-    write_json_atomic(workdir / "result.json", result)
-    return result

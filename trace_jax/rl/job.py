@@ -109,4 +109,5 @@ def export_adapter(run: TrainingRun, out: pathlib.Path, weights=None) -> pathlib
     adapters = run.sampler_adapters(weights)
     if distributed.is_main():
         lora.save_peft(adapters, out, index=ADAPTER, base_model=str(run.model.path))
+    distributed.barrier("adapter exported")  # every process may load it next (an evaluation of it)
     return out

@@ -176,4 +176,5 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
                "seconds": round(time.monotonic() - start_time, 1)}
     if distributed.is_main():
         (workdir / "summary.json").write_text(json.dumps(summary))
+    distributed.barrier("summary written")
     return summary

@@ -293,4 +293,5 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
                "seconds": round(elapsed(), 1)}  # over every process of the run, less work lost to a kill
     if distributed.is_main():
         (workdir / "summary.json").write_text(json.dumps(summary))
+    distributed.barrier("summary written")
     return summary
