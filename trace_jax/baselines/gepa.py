@@ -254,6 +254,7 @@ def gepa_arm(capabilities: dict[str, tuple[dict, str]], heldout: ml_collections.
               "capabilities": runs, "heldout": summary, "seconds": round(time.monotonic() - start, 1)}
     if distributed.is_main():
         write_json_atomic(workdir / "result.json", result)
+    distributed.barrier("gepa result written")  # the scaling curve reads it
     return result
 
 
