@@ -153,8 +153,7 @@ class Experiment:
             training.train.snapshot_fractions = ()
         training.eval.num_tasks = 0  # held out below, as every arm is
         summary = grpo.train(training, folder)
-        heldout = heldout_evaluation(trace)
-        heldout.adapter = str(folder / "adapter")
+        heldout = heldout_evaluation(trace, str(folder / "adapter"))
         return {"rollouts": summary["rollouts"], "steps": summary["steps"], "adapter": heldout.adapter,
                 "heldout": evaluate(heldout, folder / "heldout")["success"], "episodes_dir": str(folder / "heldout")}
 

@@ -105,19 +105,21 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         validate_llm_config(config.llm)
 
 
-def _evaluation_config(config: ml_collections.ConfigDict, split: str, num_tasks: int) -> ml_collections.ConfigDict:
-    """An evaluation job's config for the base agent on the target (greedy, the target's limits), its sampler
-    sharded as training's (`training.mesh.tensor`)."""
+def _evaluation_config(config: ml_collections.ConfigDict, split: str, num_tasks: int,
+                       adapter: str = "") -> ml_collections.ConfigDict:
+    """An evaluation job's config for the base agent (with `adapter`) on the target (greedy, the target's limits),
+    its sampler sharded as training's (`training.mesh.tensor`)."""
     sharded = {"tensor": config.training.mesh.tensor} if config.training.mesh.tensor > 1 else {}
     return ml_collections.ConfigDict(dict(
-        model=config.model, dtype=config.dtype, adapter="", seed=config.seed, env=config.target.env.to_dict(),
+        model=config.model, dtype=config.dtype, adapter=adapter, seed=config.seed, env=config.target.env.to_dict(),
         split=split, num_tasks=num_tasks, trials=1, rollout=config.target.rollout.to_dict(),
         log_every_s=config.log_every_s, **sharded))
 
 
-def heldout_evaluation(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """The evaluation job's config of the base agent on the target's held-out tasks."""
-    return _evaluation_config(config, config.target.heldout_split, config.target.heldout_tasks)
+def heldout_evaluation(config: ml_collections.ConfigDict, adapter: str = "") -> ml_collections.ConfigDict:
+    """The evaluation job's config of the base agent (with `adapter`, a PEFT folder) on the target's held-out
+    tasks."""
+    return _evaluation_config(config, config.target.heldout_split, config.target.heldout_tasks, adapter)
 
 
 def training_config(config: ml_collections.ConfigDict, capability: str, difficulty: int,
@@ -208,9 +210,7 @@ def evaluate_alone(config: ml_collections.ConfigDict, workdir: pathlib.Path, ada
     and the best single adapter's input); name -> success."""
     success = {}
     for name, folder in adapters.items():
-        alone = heldout_evaluation(config)
-        alone.adapter = folder
-        success[name] = evaluate(alone, workdir / "heldout" / name)["success"]
+        success[name] = evaluate(heldout_evaluation(config, folder), workdir / "heldout" / name)["success"]
     return success
 
 
