@@ -98,7 +98,7 @@ def run_shared(run: Callable[[list[T]], list], items: Sequence[T]) -> list:
 
 def on_main(run: Callable[[], T]) -> T:
     """`run()` on process 0 alone (work that writes files or asks an LLM once for the run), its (picklable)
-    result given to every process."""
+    result given to every process; every process returns once it is done, so the others may read its files next."""
     if jax.process_count() == 1:
         return run()
     return allgather_objects(run() if is_main() else None)[0]

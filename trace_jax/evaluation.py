@@ -203,8 +203,8 @@ def _merged_episodes(episodes_path: pathlib.Path) -> list[dict]:
     seen = {_record_id(r) for r in records}
     for part in parts:
         for record in recorded_episodes(part):
-            if _record_id(record) not in seen:
-                seen.add(_record_id(record))
+            if (job := _record_id(record)) not in seen:
+                seen.add(job)
                 records.append(record)
     distributed.barrier("episodes read")  # before any process starts its own file: all found the same files
     if parts:
@@ -215,12 +215,13 @@ def _merged_episodes(episodes_path: pathlib.Path) -> list[dict]:
 def _write_merged(paths: list[pathlib.Path], records: list[list[dict]]) -> None:
     """Process 0 writes each run's records to its episodes file and removes the per-process files; every process
     waits for it."""
-    if distributed.is_main():
+    def write() -> None:
         for path, done in zip(paths, records):
             write_jsonl_atomic(path, done)
             for part in path.parent.glob(_process_file(path, "*").name):
                 part.unlink()
-    distributed.barrier("episodes merged")
+
+    distributed.on_main(write)
 
 
 def recorded_episodes(episodes_path: pathlib.Path) -> list[dict]:
@@ -288,14 +289,15 @@ def _keep_episodes_of_same_run(workdir: pathlib.Path, run: dict) -> None:
     same `run_marker`, kept in run.json); a workdir reused for another run starts afresh."""
     marker, episodes = workdir / "run.json", workdir / "episodes.jsonl"
     text = json.dumps(run, sort_keys=True, default=str)
-    if distributed.is_main():
+    def keep() -> None:
         stale = [p for p in (episodes, *workdir.glob(_process_file(episodes, "*").name)) if p.exists()]
         if stale and (not marker.exists() or marker.read_text() != text):
             logging.info("%s holds episodes of another config or agent: starting afresh", workdir)
             for path in stale:
                 path.unlink()
         marker.write_text(text)
-    distributed.barrier("episodes of this run kept")
+
+    distributed.on_main(keep)
 
 
 def summarize_run(records: list[dict], trials: int) -> tuple[dict, str]:
@@ -349,14 +351,17 @@ def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.
                                       for task in tasks], workdir / "episodes.jsonl")
                                     for (run, tasks), workdir in zip(groups, workdirs)],
                            key=jax.random.key(config.seed), log_every_s=config.log_every_s)
-    summaries = []
-    for workdir, records in zip(workdirs, played):
+    summaries, tables = [], []
+    for records in played:
         summary, table = summarize_run(records, config.trials)
-        summary = {**summary, "agent": agent, "seconds": round(time.monotonic() - start, 1),
-                   "play_seconds": max((r["elapsed_s"] for r in records), default=0.0)}
-        if distributed.is_main():
+        summaries.append({**summary, "agent": agent, "seconds": round(time.monotonic() - start, 1),
+                          "play_seconds": max((r["elapsed_s"] for r in records), default=0.0)})
+        tables.append(table)
+
+    def write() -> None:
+        for workdir, summary, table in zip(workdirs, summaries, tables):
             (workdir / "table.md").write_text(table + "\n")
             (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
-        summaries.append(summary)
-    distributed.barrier("evaluation written")  # what comes next may read the summaries
+
+    distributed.on_main(write)  # what comes next may read the summaries
     return summaries

@@ -252,9 +252,7 @@ def gepa_arm(capabilities: dict[str, tuple[dict, str]], heldout: ml_collections.
               "metric_calls": sum(run["metric_calls"] for run in runs.values()),
               "episodes_played": sum(run["episodes_played"] for run in runs.values()),
               "capabilities": runs, "heldout": summary, "seconds": round(time.monotonic() - start, 1)}
-    if distributed.is_main():
-        write_json_atomic(workdir / "result.json", result)
-    distributed.barrier("gepa result written")  # the scaling curve reads it
+    distributed.on_main(lambda: write_json_atomic(workdir / "result.json", result))  # the scaling curve reads it
     return result
 
 

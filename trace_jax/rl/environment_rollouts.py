@@ -130,7 +130,7 @@ class EnvironmentRollouts:
     def _seed_base_eval(self, episodes_path: pathlib.Path) -> None:
         """Starts the base agent's held-out episodes from `eval.base_run`'s (those of this job's tasks);
         `play` then plays only what it lacks."""
-        if episodes_path.exists() or not distributed.is_main():
+        if episodes_path.exists():
             return
         wanted = {task.task_id for task in self.heldout}
         records = [r for r in recorded_episodes(self.base_run / "episodes.jsonl") if r["task_id"] in wanted]
@@ -173,8 +173,7 @@ class EnvironmentRollouts:
         jobs = [Job(task, 0, adapter_idx) for task in self.heldout]
         episodes_path = folder / f"step_{step}.jsonl"
         if self.base_run and adapter_idx == lora.NO_ADAPTER:
-            self._seed_base_eval(episodes_path)
-            distributed.barrier("base episodes seeded")
+            distributed.on_main(lambda: self._seed_base_eval(episodes_path))
         records = play(self._engine(sampler, self.eval_rollout), jobs, key=jax.random.key(0),
                        episodes_path=episodes_path, log_every_s=self.config.log_every_s)
         summary, table = summarize_run(records, trials=1)

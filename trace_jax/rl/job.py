@@ -107,7 +107,6 @@ def export_adapter(run: TrainingRun, out: pathlib.Path, weights=None) -> pathlib
     """Writes the adapter (`weights`, default the state's) in PEFT's format to `out` (files overwritten; process 0
     writes)."""
     adapters = run.sampler_adapters(weights)
-    if distributed.is_main():
-        lora.save_peft(adapters, out, index=ADAPTER, base_model=str(run.model.path))
-    distributed.barrier("adapter exported")  # every process may load it next (an evaluation of it)
+    # every process may load it next (an evaluation of it)
+    distributed.on_main(lambda: lora.save_peft(adapters, out, index=ADAPTER, base_model=str(run.model.path)))
     return out

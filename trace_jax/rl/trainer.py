@@ -291,7 +291,5 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     summary = {**(source.summary(base, latest_eval) if base is not None else {}), "steps": int(state.step),
                "rollouts": int(state.step) * config.rollout.tasks_per_step * config.rollout.group_size,
                "seconds": round(elapsed(), 1)}  # over every process of the run, less work lost to a kill
-    if distributed.is_main():
-        (workdir / "summary.json").write_text(json.dumps(summary))
-    distributed.barrier("summary written")
+    distributed.on_main(lambda: (workdir / "summary.json").write_text(json.dumps(summary)))
     return summary

@@ -174,8 +174,7 @@ def calibrate_capability(capability: str, max_difficulty: int, base_eval: ml_col
         return rewards_by_group(recorded_episodes(workdir / "episodes.jsonl"), config.seeds, config.samples)
 
     result = {"capability": capability, **calibrate(measure, config, max_difficulty)}
-    if distributed.is_main():  # every process of a multi-process run computed the same
-        write_json_atomic(result_path, result)
+    distributed.on_main(lambda: write_json_atomic(result_path, result))  # every process computed the same
     return result
 
 
