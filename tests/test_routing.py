@@ -40,7 +40,7 @@ def test_labels_must_be_single_distinct_tokens(model):
 
 def test_decisions_equal_an_independent_transformers_computation(model, conversations):
     router = Router(model, OPTIONS, batch_size=4)  # 5 conversations: a full and a partial batch
-    indices, weights = router.route(conversations)
+    indices, weights, offsets = router.route(conversations)
     logits = router.logits(conversations)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model.path)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
@@ -55,10 +55,13 @@ def test_decisions_equal_an_independent_transformers_computation(model, conversa
         assert np.abs(logits[row] - reference).max() <= 1e-3, row
         assert indices[row] == int(reference.argmax()) - 1
     assert np.allclose(weights.sum(axis=1), 1.0) and (weights.argmax(axis=1) - 1 == np.array(indices)).all()
-    assert set(indices) <= {NO_ADAPTER, 0, 1, 2}
+    assert set(indices) <= {NO_ADAPTER, 0, 1, 2} and not offsets.any()  # no calibration
     # Batch calibration decides on the same (checked) logits less each label's mean over the five tickets.
-    calibrated, _ = Router(model, OPTIONS, batch_size=4, calibration="batch").route(conversations)
+    batch = Router(model, OPTIONS, batch_size=4, calibration="batch")
+    calibrated, _, offsets = batch.route(conversations)
     assert calibrated == [int(i) - 1 for i in (logits - logits.mean(axis=0)).argmax(axis=1)]
+    # One conversation at a time with the batch's offsets (a server's routing) decides as the batch did.
+    assert [batch.route([c], offsets)[0][0] for c in conversations] == calibrated
 
 
 def test_batch_calibration_removes_a_bias_shared_by_every_task():

@@ -181,7 +181,7 @@ class Experiment:
         runs = {}
         for k in range(1, len(names)):
             options = [RouteOption(n, trace["descriptions"][n], trace["examples"][n]) for n in names[:k]]
-            indices, _ = route_tasks(config, target, tasks, options)
+            indices, _, _ = route_tasks(config, target, tasks, options)
             routes = Routes(tuple(trace["adapters"][n] for n in names[:k]),
                             {t.task_id: i for t, i in zip(tasks, indices)})
             folder = self.workdir / "subsets" / f"top_{k}"

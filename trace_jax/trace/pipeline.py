@@ -16,7 +16,8 @@ the report run on process 0 (docs/multihost.md). Layout:
                       `environments.max_trained` pass; written/ holds the LLM-written module, its attempts
                       and exported tasks (`trace_jax.trace.env_writer`)
   adapters/<c>/       stage 3: the GRPO job per calibrated capability; its PEFT adapter in adapter/
-  routing.json        stage 4: each held-out task's adapter, the router's weights and the distribution
+  stages.json         also stage 4's routing: each held-out task's adapter, the router's weights, settings
+                      and calibration offsets
   heldout/trace/      the routed final evaluation, every task under its own adapter in one batch
   heldout/<c>/        each adapter alone on every held-out task (for the oracle routing)
   report.md, plots/, summary.json
@@ -215,9 +216,10 @@ def evaluate_alone(config: ml_collections.ConfigDict, workdir: pathlib.Path, ada
 
 
 def route_tasks(config: ml_collections.ConfigDict, target: Environment, tasks: list[TaskSpec],
-                options: list[RouteOption]) -> tuple[list[int], np.ndarray]:
+                options: list[RouteOption]) -> tuple[list[int], np.ndarray, np.ndarray]:
     """Stage 4's router (the base model, `config.routing`'s settings) over `options`: each task's adapter index
-    (NO_ADAPTER: the base model) and the label weights, from the task's opening messages."""
+    (NO_ADAPTER: the base model), the label weights and the calibration's offsets, from the task's opening
+    messages."""
     router = Router(load_model(config.model, config.dtype), options, max_messages=config.routing.max_messages,
                     batch_size=config.routing.batch_size, calibration=config.routing.calibration)
     return router.route([target.episode(t).reset() for t in tasks])
@@ -355,11 +357,15 @@ class Pipeline:
             return {"by_task": {t.task_id: NO_ADAPTER for t in tasks}, "labels": ["general_service"], "weights": {}}
         cards = self._cards()
         options = [RouteOption(name, cards[name]["description"], self._example(name)) for name in adapters]
-        indices, weights = route_tasks(self.config, self.target, tasks, options)
+        indices, weights, offsets = route_tasks(self.config, self.target, tasks, options)
         return {"by_task": {t.task_id: i for t, i in zip(tasks, indices)},
                 "labels": ["general_service", *adapters],
                 "weights": {t.task_id: [round(float(w), 4) for w in row] for t, row in zip(tasks, weights)},
-                "examples": {o.name: o.example for o in options}}
+                "examples": {o.name: o.example for o in options},
+                # what a server needs to route one conversation as this stage did (trace_jax/serve/models.py)
+                "router": {"max_messages": self.config.routing.max_messages,
+                           "calibration": self.config.routing.calibration,
+                           "offsets": [float(o) for o in offsets]}}
 
     def _cards(self) -> dict[str, dict]:
         """The analysis's candidate capabilities by name (description, what lacking looks like, evidence)."""

@@ -74,12 +74,19 @@ def router_messages(options: Sequence[RouteOption], conversation: Sequence[Messa
             {"role": "user", "content": "Conversation:\n" + "\n".join(lines) + "\n\n" + QUESTION}]
 
 
-def calibrate(logits: np.ndarray, method: str) -> np.ndarray:
-    """[N, labels] logits as the decision reads them: unchanged ("none"), or each label's logit less its
-    mean over the N tasks ("batch")."""
+def calibration_offsets(logits: np.ndarray, method: str) -> np.ndarray:
+    """[labels]: what the decision subtracts from each label's logit of [N, labels] `logits`: nothing ("none"),
+    or its mean over the N tasks ("batch")."""
     if method not in CALIBRATIONS:
         raise ValueError(f"router calibration {method!r}; choose one of {', '.join(CALIBRATIONS)}")
-    return logits - logits.mean(axis=0, keepdims=True) if method == "batch" and len(logits) else logits
+    if method == "batch" and len(logits):
+        return logits.mean(axis=0)
+    return np.zeros(logits.shape[1:], logits.dtype)
+
+
+def calibrate(logits: np.ndarray, method: str) -> np.ndarray:
+    """[N, labels] logits as the decision reads them (`calibration_offsets` subtracted)."""
+    return logits - calibration_offsets(logits, method)
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
@@ -124,10 +131,15 @@ class Router:
                                                self.model.cfg))[:len(batch)])
         return np.concatenate(out) if out else np.zeros((0, len(self.labels)), np.float32)
 
-    def route(self, conversations: Sequence[Sequence[Message]]) -> tuple[list[int], np.ndarray]:
+    def route(self, conversations: Sequence[Sequence[Message]],
+              offsets: np.ndarray | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
         """Per conversation, the adapter index that serves it (NO_ADAPTER or a capability's position in
-        `options`), and the softmax weights over the labels (after calibration, routed together)."""
-        logits = calibrate(self.logits(conversations), self.calibration)
+        `options`) and the softmax weights over the labels; and the offsets subtracted from the label logits:
+        `offsets` where given (a server routes one conversation at a time with those its run stored), else the
+        calibration's over these conversations, routed together."""
+        logits = self.logits(conversations)
+        offsets = calibration_offsets(logits, self.calibration) if offsets is None else np.asarray(offsets)
+        logits = logits - offsets
         weights = np.exp(logits - logits.max(axis=1, keepdims=True))
         weights /= weights.sum(axis=1, keepdims=True)
-        return [NO_ADAPTER if i == 0 else int(i) - 1 for i in logits.argmax(axis=1)], weights
+        return [NO_ADAPTER if i == 0 else int(i) - 1 for i in logits.argmax(axis=1)], weights, offsets
