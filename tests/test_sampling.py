@@ -108,6 +108,18 @@ def test_a_row_started_from_a_stored_prefix_equals_a_full_prefill(model):
     assert int(emptied.lengths[1]) == 0 and int(emptied.prefix_len[1]) == 0
 
 
+def test_row_prefills_are_grouped_to_compute_the_fewest_rows(model):
+    """Rows fed together are prefilled in calls whose padded widths (1, 4, 16, ...) sum to no more than one call's
+    (a call counting as half a row), largest first."""
+    cfg, params, _ = model
+    sampler = Sampler(cfg, params)
+    for n in range(1, 65):
+        groups = sampler._row_groups(n, 64)
+        assert sum(groups) == n and groups == sorted(groups, reverse=True)
+        assert sum(sampler._rows_width(k, 64) + 0.5 for k in groups) <= sampler._rows_width(n, 64) + 0.5
+    assert sampler._row_groups(6, 64) == [4, 1, 1] and sampler._row_groups(16, 64) == [16]
+
+
 def test_a_session_feeds_rows_while_others_sample(model):
     """Rows fed at different times (one joins mid-way through another's turn, one is fed its next
     turn as soon as its first ends) each sample what they would alone: the greedy tokens of a
@@ -138,7 +150,9 @@ def test_a_session_feeds_rows_while_others_sample(model):
         alone, _ = sampler.generate([prompt], key=jax.random.key(0), max_new_tokens=len(out.token_ids))
         assert out.token_ids == alone[0].token_ids and out.finish_reason == FINISH_LENGTH
         assert np.abs(_full_logprobs(params, cfg, prompt, out.token_ids) - np.array(out.logprobs)).max() <= 1e-4
-    assert session.stats["prefill_calls"] == 1 + 3 + 1  # row 1's 37 tokens took three calls
+    # rows 2 and 1 fed together are prefilled apart (two calls of one row compute fewer rows than one of four:
+    # `Sampler._row_groups`), row 1's 37 tokens in three calls
+    assert session.stats["prefill_calls"] == 1 + 1 + 3 + 1
     with pytest.raises(ValueError, match="distinct rows"):
         session.feed([5], [[1]])
     # Releasing the longest row (43 tokens) shrinks the cache to what the others hold; they go on exactly.
@@ -345,20 +359,26 @@ def _two_adapters(cfg):
 
 
 def _recorded_sampler(cfg, params, min_shared_prefix, **options):
-    """A sampler over two adapters whose prefill calls (of prefix slots and of rows) append each
-    call's per-row num_new to `.prefills`."""
+    """A sampler over two adapters whose prefill calls append ("prefix" or "rows", each row's num_new) to
+    `.prefills`: of prefix slots, and of rows."""
     sampler = Sampler(cfg, params, adapters=_two_adapters(cfg), decode_chunk=4, min_cache=32,
                       min_shared_prefix=min_shared_prefix, **options)
     sampler.prefills = []
 
-    def recording(prefill):
+    def recording(prefill, kind):
         def call(*args):
-            sampler.prefills.append(np.asarray(args[-2]).tolist())  # (..., num_new, adapter_idx)
+            sampler.prefills.append((kind, np.asarray(args[-2]).tolist()))  # (..., num_new, adapter_idx)
             return prefill(*args)
         return call
 
-    sampler._prefill, sampler._prefill_rows = recording(sampler._prefill), recording(sampler._prefill_rows)
+    sampler._prefill = recording(sampler._prefill, "prefix")
+    sampler._prefill_rows = recording(sampler._prefill_rows, "rows")
     return sampler
+
+
+def _prefilled(sampler, kind: str = "rows") -> list[int]:
+    """The tokens each row got in `kind` prefill calls (however the calls grouped the rows), sorted."""
+    return sorted(n for k, calls in sampler.prefills if k == kind for n in calls if n)
 
 
 def _assert_same_outputs(shared, plain):
@@ -382,13 +402,13 @@ def test_shared_prefix_prefill_equals_per_row_prefill(model, case):
     assert np.array_equal(np.asarray(shared_cache.sequence_lengths), np.asarray(plain_cache.sequence_lengths))
     # The prefix is prefilled once per adapter, then only the suffixes; without sharing, whole prompts.
     # Either way a row that opens like an earlier one (same adapter and tokens) is copied, not prefilled.
-    assert sharing.prefills[0][:groups] == [shared_len] * groups and not any(sharing.prefills[0][groups:])
+    assert sharing.prefills[0][0] == "prefix" and _prefilled(sharing, "prefix") == [shared_len] * groups
     first: dict[tuple, int] = {}
     prefilled = [first.setdefault((a, tuple(p)), i) == i
                  for i, (p, a) in enumerate(zip(prompts, np.broadcast_to(adapter_idx, len(prompts)).tolist()))]
-    assert sharing.prefills[1][: len(prompts)] == [(len(p) - shared_len) * f for p, f in zip(prompts, prefilled)]
-    assert plain.prefills == [[len(p) * f for p, f in zip(prompts, prefilled)]
-                              + [0] * (plain_cache.batch - len(prompts))]
+    assert _prefilled(sharing) == sorted(n for p, f in zip(prompts, prefilled) if (n := (len(p) - shared_len) * f))
+    assert _prefilled(plain, "prefix") == [] and _prefilled(plain) == sorted(len(p) for p, f in zip(prompts, prefilled)
+                                                                             if f)
 
     turn2, rows = [[70, 71], [72]], [3, 0]
     kwargs = dict(key=jax.random.key(1), max_new_tokens=6, rows=rows,
@@ -406,7 +426,7 @@ def test_shared_prefix_sampling_draws_the_same_tokens(model):
     sharing = _recorded_sampler(cfg, params, 4)
     shared, _ = sharing.generate(prompts, **kwargs)
     plain, _ = _recorded_sampler(cfg, params, None).generate(prompts, **kwargs)
-    assert len(sharing.prefills) == 2
+    assert [kind for kind, _ in sharing.prefills].count("prefix") == 1
     _assert_same_outputs(shared, plain)
     other, _ = sharing.generate(prompts, **{**kwargs, "key": jax.random.key(4)})
     assert [o.token_ids for o in other] != [o.token_ids for o in shared]  # the key decides, not the sharing
@@ -418,7 +438,7 @@ def test_shared_prefix_shorter_than_the_threshold_is_prefilled_per_row(model):
     sampler = _recorded_sampler(cfg, params, len(PREFIX) + 1)
     sampler.generate(prompts, key=jax.random.key(0), max_new_tokens=2)
     sampler.generate(prompts[:1], key=jax.random.key(0), max_new_tokens=2)  # one prompt: nothing to share
-    assert [calls[: len(prompts)] for calls in sampler.prefills] == [[len(p) for p in prompts], [len(prompts[0])]]
+    assert _prefilled(sampler, "prefix") == [] and _prefilled(sampler) == sorted([*map(len, prompts), len(prompts[0])])
 
 
 def test_shared_prefix_on_a_mesh_equals_per_row_prefill(model):
@@ -429,5 +449,5 @@ def test_shared_prefix_on_a_mesh_equals_per_row_prefill(model):
     sharing = _recorded_sampler(cfg, params, 4, plan=plan)
     shared, cache = sharing.generate(prompts, **kwargs)
     plain, _ = _recorded_sampler(cfg, params, None).generate(prompts, **kwargs)
-    assert len(sharing.prefills) == 2 and cache.batch % plan.batch_multiple == 0
+    assert [kind for kind, _ in sharing.prefills].count("prefix") == 1 and cache.batch % plan.batch_multiple == 0
     _assert_same_outputs(shared, plain)

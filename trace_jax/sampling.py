@@ -285,6 +285,7 @@ class Sampler:
         self.min_cache = min_cache
         self.detokenize = detokenize
         self.min_shared_prefix = min_shared_prefix
+        self._groups: dict[tuple[int, int], list[int]] = {}  # (rows, batch) -> `_row_groups`
         self.params = plan.shard_params(params) if plan else params
         self.adapters = None if adapters is None else (plan.shard_params(adapters) if plan else adapters)
         constrain = plan.constrain if plan else decoder.no_constraint
@@ -329,6 +330,18 @@ class Sampler:
         """How many rows a row prefill computes for `rows` fed rows of a `batch`-row cache: a power of
         four (1, 4, 16, ...) or the batch, whichever is less (few widths: few compiled programs)."""
         return min(self._batch_size(1 << (2 * -(-(max(rows, 1) - 1).bit_length() // 2))), batch)
+
+    def _row_groups(self, rows: int, batch: int) -> list[int]:
+        """How many of `rows` fed rows each row-prefill call takes, largest first: the split computing the fewest
+        rows (`_rows_width` pads each call's), a call counting as half a row. Six rows are three calls of 4, 1
+        and 1 rows rather than one of 16 (a server's requests arrive a few at a time)."""
+        if (rows, batch) not in self._groups:
+            best = [(0.0, [])]  # best[m]: (cost, group sizes) for m rows
+            for m in range(1, rows + 1):
+                best.append(min(((best[m - k][0] + self._rows_width(k, batch) + 0.5, [k, *best[m - k][1]])
+                                 for k in range(m, 0, -1)), key=lambda option: option[0]))
+            self._groups[rows, batch] = sorted(best[rows][1], reverse=True)
+        return self._groups[rows, batch]
 
     def new_cache(self, batch: int, capacity: int | None = None) -> decoder.KVCache:
         """An empty cache for `batch` rows (rounded up to a bucket)."""
@@ -476,6 +489,7 @@ class Session:
         self._finish: dict[int, str] = {}
         self._done: dict[int, Completion] = {}  # finished rows not yet returned by `step`
         self._text_end: dict[int, int] = {}  # where a stop string cut a row's text
+        self._row_stops: dict[int, tuple[str, ...]] = {}  # rows fed with stop strings of their own
         self._prefixes: dict[tuple, tuple[list[int], int]] = {}  # (adapter, group) -> (tokens, slot)
         # Where the time goes (for benchmarks): prefill calls, rows and tokens (and the stored prefixes'); decode
         # calls, steps and tokens.
@@ -512,15 +526,21 @@ class Session:
         return shared
 
     def feed(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], *, max_new_tokens=256, temperature=0.0,
-             top_p=1.0, top_k=0, adapter_idx=lora_lib.NO_ADAPTER, stream=None) -> None:
+             top_p=1.0, top_k=0, adapter_idx=lora_lib.NO_ADAPTER, stream=None,
+             stop_strings: Sequence[Sequence[str]] | None = None) -> None:
         """Appends prompts[i] to row rows[i] (not sampling now) and starts it sampling up to
         max_new_tokens[i] tokens. Settings are scalars or one value per prompt; every prompt
         needs a token (a continuing row appends at least the next turn's). `stream`: the random
-        stream each row draws from (`row_keys`; default the row's index), e.g. one per episode."""
+        stream each row draws from (`row_keys`; default the row's index), e.g. one per episode.
+        `stop_strings`: each prompt's own stop strings for this turn (default the session's)."""
         n, batch, sampler = len(prompts), self.cache.batch, self.sampler
         rows = np.asarray(rows, np.int64).reshape(-1)
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        if stop_strings is not None and (len(stop_strings) != n or isinstance(stop_strings, str)):
+            raise ValueError(f"stop_strings must hold one sequence of strings per prompt ({n})")
+        if stop_strings is not None and any(stop_strings) and sampler.detokenize is None:
+            raise ValueError("stop_strings need a Sampler built with detokenize=")
         if len(rows) != n or len(set(rows.tolist())) != n or rows.max(initial=0) >= batch or rows.min(initial=0) < 0:
             raise ValueError(f"rows {rows.tolist()} must be {n} distinct rows of the cache's {batch}")
         if self._running[rows].any() or any(int(r) in self._done for r in rows):
@@ -537,9 +557,13 @@ class Session:
         parts = [list(p) if ok else [] for p, ok in zip(prompts, fits)]
         copies = self._copies(rows, parts, settings["adapter_idx"], lengths)
         for offset in range(0, max(map(len, parts)), sampler.prefill_chunk):
-            members = [i for i, p in enumerate(parts) if len(p) > offset and i not in copies]
-            self._prefill_chunk(rows[members], [parts[i][offset: offset + sampler.prefill_chunk] for i in members],
-                                settings["adapter_idx"][members])
+            # longest first, so that each call's rows have pieces of like lengths (each call pads to its longest)
+            members = sorted((i for i, p in enumerate(parts) if len(p) > offset and i not in copies),
+                             key=lambda i: -len(parts[i]))
+            for size in sampler._row_groups(len(members), batch):
+                group, members = members[:size], members[size:]
+                self._prefill_chunk(rows[group], [parts[i][offset: offset + sampler.prefill_chunk] for i in group],
+                                    settings["adapter_idx"][group])
         if copies:
             self._copy_rows(rows[list(copies.values())], rows[list(copies)])
         for name, values in settings.items():
@@ -547,7 +571,10 @@ class Session:
         self._remaining[rows] = max_new
         self._running[rows] = fits & (max_new > 0)
         self._start_len[rows] = lengths[rows] + np.where(fits, new_len, 0)
-        for r, ok in zip(rows.tolist(), fits):
+        for i, (r, ok) in enumerate(zip(rows.tolist(), fits)):
+            self._row_stops.pop(r, None)
+            if stop_strings is not None:
+                self._row_stops[r] = tuple(stop_strings[i])
             self._ids[r], self._logp[r] = [], []
             self._finish[r] = FINISH_LENGTH if ok else FINISH_CONTEXT
             if not self._running[r]:
@@ -602,6 +629,36 @@ class Session:
         for r in rows:
             self.cache = self.sampler.start_row(self.cache, r)
         self._fit(self._needed(), shrink=True)
+
+    def cancel(self, rows: Sequence[int]) -> None:
+        """Stops `rows` wherever they are (sampling, or finished and not yet returned by `step`), drops what
+        they sampled in this turn and empties them (a server's client that went away)."""
+        rows = [int(r) for r in rows]
+        for r in rows:
+            self._running[r] = False
+            self._done.pop(r, None)
+            for state in (self._ids, self._logp, self._finish, self._text_end, self._row_stops):
+                state.pop(r, None)
+        self.release(rows)
+
+    def partial(self, row: int) -> tuple[list[int], list[float]]:
+        """The tokens (and logprobs) `row` has sampled so far in its running turn (streaming)."""
+        return list(self._ids.get(row, ())), list(self._logp.get(row, ()))
+
+    def keep(self, row: int, length: int) -> bool:
+        """Cuts finished `row` to its first `length` positions, so that a next prompt sharing them feeds only the
+        rest (a server's conversation reusing its cache); False, and the row unchanged, where `length` falls inside
+        the prefix slot the row continues."""
+        prefix = int(np.asarray(self.cache.prefix_len)[row])
+        own = int(np.asarray(self.cache.lengths)[row])
+        if self._running[row] or row in self._done:
+            raise ValueError(f"row {row}'s turn has not been returned by step()")
+        if length > prefix + own:
+            raise ValueError(f"row {row} holds {prefix + own} positions: cannot keep {length}")
+        if length < prefix:
+            return False
+        self.cache = self.cache.replace(lengths=self.cache.lengths.at[row].set(length - prefix))
+        return True
 
     def _needed(self) -> np.ndarray:
         """Per row: the own positions it holds, and for a sampling row those of its next decode chunk."""
@@ -659,14 +716,14 @@ class Session:
                 self._remaining[r] -= count[r]
                 if code[r]:
                     self._finish[r] = _FINISH_NAMES[int(code[r])]
-                if (self.stop_strings and self._cut_at_stop_string(r)) or code[r]:
+                if (self._row_stops.get(r, self.stop_strings) and self._cut_at_stop_string(r)) or code[r]:
                     self._complete(r)
         done, self._done = self._done, {}
         return done
 
     def _cut_at_stop_string(self, r: int) -> bool:
         """Ends row r's turn at a stop string in its output, if there is one (the cache forgets what follows)."""
-        cut = self.sampler._find_stop_string(self._ids[r], self.stop_strings)
+        cut = self.sampler._find_stop_string(self._ids[r], self._row_stops.get(r, self.stop_strings))
         if cut is None:
             return False
         keep, self._text_end[r] = cut
@@ -677,6 +734,7 @@ class Session:
 
     def _complete(self, r: int) -> None:
         self._running[r] = False
+        self._row_stops.pop(r, None)
         text = None
         if self.sampler.detokenize is not None:
             text = self.sampler.detokenize(self._ids[r])[: self._text_end.pop(r, None)]
