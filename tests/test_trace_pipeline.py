@@ -6,7 +6,8 @@ after training, the routed final evaluation runs each task under the adapter the
 the report and its plots exist, the JSON line carries the summary, and a rerun finds every stage done
 and repeats nothing. The comparison job (`launch.experiment`, configs/experiment_tiny.py) then runs every
 baseline on that same run, so the pipeline runs once for both; the TRACE-stages and evaluation notebooks read it
-back; and the pipeline as two processes is compared with it."""
+back; `launch.serve` routes conversations with its router; and the pipeline as two processes is compared with
+it."""
 
 import importlib
 import json
@@ -17,15 +18,18 @@ import time
 
 import jax
 import ml_collections
+import openai
 import pytest
 from notebooks import printed, run_notebook
 from scripted_llm_server import ScriptedLLMServer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import trace_tiny
+from launch.bench_serve import start_server
 from multiprocess import run_processes
 from trace_jax.baselines.experiment import validate_config as validate_experiment_config
 from trace_jax.baselines.gepa import joined_guidance
+from trace_jax.envs import make_environment
 from trace_jax.envs.capability import CAPABILITIES, example_written
 from trace_jax.evaluation import recorded_episodes, run_marker
 from trace_jax.rl.trainer import snapshot_step
@@ -249,6 +253,31 @@ def test_the_stages_and_evaluation_notebooks_read_the_pipelines_run(tiny_run, ti
     heldout = CONFIG.target.heldout_tasks
     assert any(f"| all | {heldout} | {heldout} |" in data.get("text/markdown", "") for data in shown)
     assert any("image/png" in data for data in shown) and "Counter({" in printed(evaluation)
+
+
+def test_the_server_routes_each_conversation_as_the_routing_stage_did(tiny_run, job_env):
+    """`launch.serve --trace_run`: the run's model and adapters, and as model "trace" its router, which gives a
+    conversation opening as a held-out ticket that ticket's adapter (the run's stored calibration offsets), and
+    keeps it for the conversation's later requests."""
+    workdir = tiny_run[0]
+    routing = json.loads((workdir / "stages.json").read_text())["routing"]["result"]
+    process, url = start_server([f"--trace_run={workdir}", "--batch=2"], env=job_env)
+    try:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+        assert [m.id for m in client.models.list()][1:] == [*routing["labels"][1:], "trace"]
+        target = make_environment(CONFIG.target.env)
+        for task in target.tasks(CONFIG.target.heldout_split, CONFIG.target.heldout_tasks):
+            messages = target.episode(task).reset()
+            reply = client.chat.completions.create(model="trace", messages=messages, max_tokens=2, temperature=0)
+            chosen = routing["labels"][routing["by_task"][task.task_id] + 1]
+            assert reply.model_extra["route"]["adapter"] == chosen, task.task_id
+            later = [*messages, {"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "Thanks. Anything else?"}]
+            again = client.chat.completions.create(model="trace", messages=later, max_tokens=2, temperature=0)
+            assert again.model_extra["route"] == reply.model_extra["route"], task.task_id
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
 
 
 def _played(folder: pathlib.Path) -> list[dict]:
