@@ -205,6 +205,12 @@ def test_a_bad_request_gets_a_4xx_and_the_server_goes_on(server, client, body, s
     assert _chat(client, max_tokens=2).choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("prompt", ["", [49152 * 2]])
+def test_an_empty_prompt_or_an_unknown_token_gets_a_400(server, prompt):
+    reply = httpx.post(f"{server}/completions", json={"model": "tiny", "prompt": prompt}, timeout=60)
+    assert reply.status_code == 400 and "at least one token" in reply.json()["error"]["message"], reply.text
+
+
 def test_a_client_that_leaves_frees_its_rows(server, client):
     base = server.removesuffix("/v1")
     before = httpx.get(f"{base}/stats").json()

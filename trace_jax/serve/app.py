@@ -75,12 +75,14 @@ class Server:
 
     async def _answer(self, request: Request, prompts: list[list[int]], settings: Sampling, adapter: int, *,
                       chat: bool, model: str, tools: list[dict] | None, route: Route | None) -> Response:
-        limit = self.engine.sampler.max_context
+        limit, vocab = self.engine.sampler.max_context, self.tokenizer.vocab_size
+        param = "messages" if chat else "prompt"
         for prompt in prompts:
+            if not prompt or not all(0 <= t < vocab for t in prompt):
+                raise ApiError(f"a prompt must be at least one token, each an id in [0, {vocab})", param=param)
             if len(prompt) >= limit:
                 raise ApiError(f"the prompt has {len(prompt)} tokens; this model's context holds {limit} (prompt "
-                               "and completion)", param="messages" if chat else "prompt",
-                               code="context_length_exceeded")
+                               "and completion)", param=param, code="context_length_exceeded")
         run = _Run(self, prompts, settings, adapter)
         head = protocol.envelope(protocol.completion_id(chat), model, chat, chunk=settings.stream)
         headers = {"x-trace-adapter": route.name} if route else {}
