@@ -194,6 +194,8 @@ def test_a_conversation_continues_its_row(client, model, adapters):
     ({"model": "tiny", "messages": ASK, "n": BATCH + 1}, 400, "n must be"),
     ({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages\\[0\\]"),
     ({"model": "tiny", "messages": ASK, "top_logprobs": 3}, 400, "top_logprobs is not supported"),
+    ({"model": "tiny", "messages": ASK, "stop": 5}, 400, "stop must be"),
+    ({"model": "tiny", "messages": ASK, "response_format": "json"}, 400, "response_format"),
 ])
 def test_a_bad_request_gets_a_4xx_and_the_server_goes_on(server, client, body, status, message):
     content = body if isinstance(body, str) else json.dumps(body)

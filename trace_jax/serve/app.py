@@ -239,9 +239,15 @@ async def _http_error(request: Request, error: HTTPException) -> Response:
                                  kind=kind).body(), status_code=error.status_code)
 
 
+async def _server_error(request: Request, error: Exception) -> Response:
+    return JSONResponse(ApiError(f"the server failed on this request: {type(error).__name__}: {error}", status=500,
+                                 kind="server_error").body(), status_code=500)
+
+
 def build_app(server: Server) -> Starlette:
     """The ASGI app of `server`'s routes."""
     routes = [Path("/v1/models", server.models, methods=["GET"]), Path("/stats", server.stats, methods=["GET"]),
               Path("/v1/chat/completions", server.chat, methods=["POST"]),
               Path("/v1/completions", server.completions, methods=["POST"])]
-    return Starlette(routes=routes, exception_handlers={ApiError: _api_error, HTTPException: _http_error})
+    return Starlette(routes=routes, exception_handlers={ApiError: _api_error, HTTPException: _http_error,
+                                                        Exception: _server_error})

@@ -80,15 +80,21 @@ def _flag(body: dict, name: str) -> bool:
     return bool(value)
 
 
+def _stops(stop: Any) -> tuple[str, ...]:
+    """A request's stop strings: none, a string, or a list of at most MAX_STOPS non-empty ones."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
+    if (stop is not None and not stops and not isinstance(stop, list)) or len(stops) > MAX_STOPS \
+            or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them; got {stop!r}",
+                       param="stop")
+    return stops
+
+
 def sampling(body: dict, *, default_max_tokens: int, max_n: int, chat: bool) -> Sampling:
     """The generation settings of a chat (`chat`) or text completion request."""
     limit = 1 << 31
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
-        raise ApiError(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them; got {stop!r}",
-                       param="stop")
+    stops = _stops(body.get("stop"))
     if chat:
         logprobs = _flag(body, "logprobs")
         if body.get("top_logprobs"):
@@ -100,7 +106,7 @@ def sampling(body: dict, *, default_max_tokens: int, max_n: int, chat: bool) -> 
                            ("logit_bias", (None, {}))):
         if body.get(name_) not in allowed:
             raise ApiError(f"{name_} is not supported by this server", param=name_)
-    if chat and (body.get("response_format") or {"type": "text"}).get("type") != "text":
+    if chat and body.get("response_format") not in (None, {"type": "text"}):
         raise ApiError("response_format: only text is supported by this server", param="response_format")
     options = body.get("stream_options") or {}
     return Sampling(
