@@ -4,9 +4,10 @@
       --config.model=/path/to/hf_checkpoint --config.llm.model=... [--config.llm.base_url=...]
 
 As configs/trace_tau2_retail.py on τ²'s airline domain, with the LLM analyst (the programmatic
-one's labellers read retail's tools). The built-in capability environments and the authoring API
-of LLM-written ones are over retail's data model, so every airline capability is reported and
-dropped at synthesis until the authoring API covers airline; the analysis stage is complete.
+one's labellers read retail's tools) and LLM-written capability environments (the built-in
+generators are retail's): the writer is shown the authoring API's airline part and an airline
+example module (trace_jax/envs/capability/example_airline.py), and its modules build synthetic
+customers and reservations on τ²'s flight schedule.
 """
 
 import ml_collections
@@ -19,5 +20,5 @@ def get_config() -> ml_collections.ConfigDict:
     config.target.env.domain = "airline"
     config.target.update(analysis_tasks=30, heldout_tasks=20)  # τ²'s airline train / test split sizes
     config.analysis.analyst = "llm"
-    config.environments.source = "builtin"  # see above: no airline environments yet
+    config.environments.source = "llm"
     return config

@@ -20,7 +20,7 @@ from scripted_llm_server import ScriptedLLMServer
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
 from trace_jax.agent.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.envs import make_environment
-from trace_jax.envs.capability import CapabilityEnvironment, authoring, example_written
+from trace_jax.envs.capability import CapabilityEnvironment, authoring, example_airline, example_retail
 from trace_jax.envs.capability.authoring import AuthoringError, capability_from_module, check_scenario
 from trace_jax.envs.capability.sandbox import Checks, Limits, ValidationReport, validate_module
 from trace_jax.envs.tau2_bridge import domain_state
@@ -29,7 +29,7 @@ from trace_jax.trace.analyst import CapabilityCard
 from trace_jax.trace.calibration import environment_config
 from trace_jax.trace.env_writer import NO_CODE, env_writer_defaults, extract_code, write_environment
 
-EXAMPLE = pathlib.Path(example_written.__file__).read_text()
+EXAMPLE = pathlib.Path(example_retail.__file__).read_text()
 CARD = CapabilityCard("order_facts", "Reads the order asked about and states the facts asked for.",
                       "Answers without reading the order, or leaves out the fact.")
 EVIDENCE = ["traj 3: replied 'your order is on its way' without calling get_order_details"]
@@ -73,7 +73,8 @@ def test_the_writer_asks_again_with_each_failure_until_a_module_passes_then_resu
     assert (synthesis.accepted, synthesis.attempts, synthesis.requests, len(sent)) == (True, 3, 3, 3)
     assert [len(r["messages"]) for r in sent] == [2, 4, 6]  # one conversation, each failure answered in it
     system, first = sent[0]["messages"][0]["content"], sent[0]["messages"][1]["content"]
-    assert authoring.__doc__ in system and EXAMPLE.strip() in first and "NAME = 'order_facts'" in first
+    assert authoring.guide("retail") in system and "online retail store" in system and EXAMPLE.strip() in first
+    assert "NAME = 'order_facts'\nDOMAIN = 'retail'" in first and "get_reservation_details" not in first
     assert "return_delivered_order_items [write]: Return some items" in first and EVIDENCE[0] in first
     assert "    reason (string): The reason for cancellation, which should be either 'no longer needed'" in first
     assert NO_CODE in sent[1]["messages"][-1]["content"]
@@ -85,7 +86,7 @@ def test_the_writer_asks_again_with_each_failure_until_a_module_passes_then_resu
     assert json.loads((folder / "validation.json").read_text())["gold_success"] == [1.0, 1.0]
     assert (folder / "attempt_2.py").read_text() == RAISES and (folder / "attempt_3.json").exists()
 
-    live = capability_from_module(example_written)
+    live = capability_from_module(example_retail)
     for difficulty in (0, 1):
         env = synthesis.environment(difficulty, policy=False)
         tasks = env.tasks("train") + env.tasks("heldout")
@@ -109,6 +110,40 @@ def test_the_writer_asks_again_with_each_failure_until_a_module_passes_then_resu
         assert again == synthesis and not server.requests
 
 
+def test_an_airline_environment_is_written_against_the_airline_api_and_played_with_tau2_airline_tools(tmp_path):
+    """The writer is shown the airline guide, tools and example; a module of the wrong domain is sent back; the
+    accepted one's tasks are synthetic customers and reservations on τ²'s flight schedule, played through τ²'s
+    airline tools under its policy."""
+    airline = pathlib.Path(example_airline.__file__).read_text()
+    wrong_domain = airline.replace('DOMAIN = "airline"', 'DOMAIN = "retail"')
+    card = CapabilityCard("reservation_facts", "Reads the reservation asked about and states the facts asked for.",
+                          "Answers without reading the reservation.")
+    with ScriptedLLMServer([_fenced(wrong_domain), _fenced(airline)]) as server:
+        synthesis = write_environment(card, [], _client(server, None), tmp_path, _config(), domain="airline")
+        sent = server.requests
+    system, first = sent[0]["messages"][0]["content"], sent[0]["messages"][1]["content"]
+    assert authoring.guide("airline") in system and "agents of an airline" in system and "RETAIL DOMAIN" not in system
+    assert "DOMAIN = 'airline'" in first and airline.strip() in first
+    assert "get_flight_status [read]: Get the status of a flight." in first and "find_user_id_by_email" not in first
+    assert "DOMAIN = 'retail', but this environment is for τ²'s airline domain" in sent[1]["messages"][-1]["content"]
+    assert (synthesis.accepted, synthesis.attempts, synthesis.reports[-1].gold_success) == (True, 2, (1.0, 1.0))
+    target = domain_state("airline").db
+    for difficulty in (0, 1):
+        env = synthesis.environment(difficulty)
+        assert {t["function"]["name"] for t in env.tools} == set(example_airline.TOOLS[difficulty])
+        assert env.system_prompt.startswith("You are a customer service agent of an airline")
+        assert "# Airline Agent Policy" in env.system_prompt
+        tasks = env.tasks("heldout")
+        for task in tasks:
+            db = env.scenario(task).db
+            assert not set(db.users) & set(target.users) and not set(db.reservations) & set(target.reservations)
+            assert all(any(f.date > "2024-05-15" for f in db.reservations[r].flights)
+                       for u in db.users.values() for r in u.reservations[:1])  # each customer's first flies later
+        assert {t.outcome.reward for t in _play(env, GoldAgent(), tasks)} == {1.0}, difficulty
+        assert {t.outcome.reward for t in _play(env, NoopAgent(), tasks)} == {0.0}, difficulty
+    assert {env.scenario(t).variant for t in tasks} == {"flight_status", "cabin", "paid"}
+
+
 def test_a_module_that_never_passes_is_given_up_after_max_attempts_and_the_rerun_asks_nothing(tmp_path):
     script = [_fenced(LOOPS), _fenced(NO_TOOLS), _fenced(NOT_OFFERED)]
     # two seeds: validating the module that breaks the API on every seed then takes ~0.3 CPU s, well inside the
@@ -121,8 +156,8 @@ def test_a_module_that_never_passes_is_given_up_after_max_attempts_and_the_rerun
     assert not synthesis.accepted and synthesis.attempts == 3 and synthesis.environment() is None
     loops, no_tools, not_offered = (r.failure_report() for r in synthesis.reports)
     assert "CPU-time limit of 2 s" in loops
-    assert "breaks the authoring API: the module must define NAME, DESCRIPTION, TOOLS, generate; it does not " \
-           "define TOOLS" in no_tools
+    assert "breaks the authoring API: the module must define NAME, DOMAIN, DESCRIPTION, TOOLS, generate; it " \
+           "does not define TOOLS" in no_tools
     assert "gold_calls use ['get_order_details'], which TOOLS[0] does not offer" in not_offered
     assert not (folder / "module.py").exists() and not (folder / "scenarios.json").exists()
     start = time.monotonic()
@@ -149,8 +184,8 @@ def test_the_sandbox_reports_a_module_that_sleeps_allocates_or_does_not_parse(so
 
 def _module(**changes):
     module = types.ModuleType("written")
-    for name in ("NAME", "DESCRIPTION", "TOOLS", "generate"):
-        setattr(module, name, changes.get(name, getattr(example_written, name)))
+    for name in ("NAME", "DOMAIN", "DESCRIPTION", "TOOLS", "generate"):
+        setattr(module, name, changes.get(name, getattr(example_retail, name)))
     return module
 
 
@@ -160,20 +195,28 @@ def _module(**changes):
     ({"NAME": "Order Facts"}, "NAME must be a snake_case string"),
     ({"NAME": "other_thing"}, "NAME = 'other_thing', but this environment is for the capability 'order_facts'"),
     ({"generate": lambda rng: None}, r"generate must be a function generate\(rng, difficulty, catalogue\)"),
+    ({"DOMAIN": "telecom"}, "DOMAIN must be one of 'retail', 'airline'; got 'telecom'"),
+    ({"DOMAIN": ["retail"]}, "DOMAIN must be one of 'retail', 'airline'; got \\['retail'\\]"),
+    ({"DOMAIN": "airline"}, "DOMAIN = 'airline', but this environment is for τ²'s retail domain"),
 ])
 def test_the_authoring_api_names_what_a_module_gets_wrong(changes, message):
-    assert capability_from_module(_module(), "order_facts").tools == example_written.TOOLS
+    assert capability_from_module(_module(), "order_facts", "retail").tools == example_retail.TOOLS
     with pytest.raises(AuthoringError, match=message):
-        capability_from_module(_module(**changes), "order_facts")
+        capability_from_module(_module(**changes), "order_facts", "retail")
 
 
 def test_scenario_checks_and_code_extraction():
-    scenario = example_written.generate(random.Random(0), 0, domain_state("retail").db.products)
-    check_scenario(scenario, 0, example_written.TOOLS[0])
+    scenario = example_retail.generate(random.Random(0), 0, domain_state("retail").db.products)
+    check_scenario(scenario, 0, example_retail.TOOLS[0], "retail")
     with pytest.raises(AuthoringError, match="hold commas"):
-        check_scenario(type(scenario)(**{**vars(scenario), "facts": ("1,200",)}), 0, example_written.TOOLS[0])
+        check_scenario(type(scenario)(**{**vars(scenario), "facts": ("1,200",)}), 0, example_retail.TOOLS[0], "retail")
     with pytest.raises(AuthoringError, match="generate returned dict, not a Scenario"):
-        check_scenario({}, 0, example_written.TOOLS[0])
+        check_scenario({}, 0, example_retail.TOOLS[0], "retail")
+    with pytest.raises(AuthoringError, match="Scenario.db must be a FlightDB"):  # a retail world for airline
+        check_scenario(scenario, 0, example_airline.TOOLS[0], "airline")
+    with pytest.raises(AuthoringError, match=r"TOOLS\[0\] names tools τ²'s airline domain does not have: "
+                                             r"\['find_user_id_by_email', 'get_order_details'\]"):
+        capability_from_module(_module(DOMAIN="airline"), "order_facts")
     assert extract_code("no code here") is None
     assert extract_code("```python\nx = 1\n```\nand\n```python\nNAME = 'a'\ny = 2\n```") == "NAME = 'a'\ny = 2\n"
 

@@ -30,7 +30,7 @@ from multiprocess import run_processes
 from trace_jax.baselines.experiment import validate_config as validate_experiment_config
 from trace_jax.baselines.gepa import joined_guidance
 from trace_jax.envs import make_environment
-from trace_jax.envs.capability import CAPABILITIES, example_written
+from trace_jax.envs.capability import CAPABILITIES, example_retail
 from trace_jax.evaluation import recorded_episodes, run_marker
 from trace_jax.rl.trainer import snapshot_step
 from trace_jax.trace.calibration import calibrate_capability
@@ -41,6 +41,7 @@ from trace_jax.trace.pipeline import (
     calibrate_in_order,
     calibration_evaluation,
     heldout_evaluation,
+    target_domain,
     validate_config,
 )
 from trace_jax.trace.trace_report import oracle_routes
@@ -50,7 +51,7 @@ CONFIG = trace_tiny.get_config()
 LLM_OVERRIDES = {"analysis.analyst": "llm", "environments.source": "auto", "environments.max_trained": 2,
                  "llm.model": "scripted", "llm.max_retries": 0, "env_writer.seeds": 10, "env_writer.export_tasks": 8}
 LLM_PATH = [f"--config.{key}={value}" for key, value in LLM_OVERRIDES.items()]
-_FENCED_EXAMPLE = f"```python\n{pathlib.Path(example_written.__file__).read_text()}```"
+_FENCED_EXAMPLE = f"```python\n{pathlib.Path(example_retail.__file__).read_text()}```"
 
 
 def _run(workdir, env, *overrides):
@@ -342,6 +343,7 @@ def test_a_capability_dropped_by_calibration_gives_its_place_to_the_next_by_cove
                                   "trace_tau2_retail_pod", "trace_tau2_airline"])
 def test_every_pipeline_config_validates_or_names_the_key_a_user_must_set(name):
     config = importlib.import_module(f"configs.{name}").get_config()
+    assert target_domain(config.target.env) == ("airline" if name.endswith("airline") else "retail")
     if name.startswith("trace_tau2"):
         with pytest.raises(ValueError, match=r"config.model = '' is invalid"):
             validate_config(config)

@@ -57,9 +57,9 @@ class RetailTask:
     entities: frozenset[str]
 
 
-def system_prompt(policy: str) -> str:
-    """The solo agent instruction followed by the retail policy."""
-    return f"{SOLO_INSTRUCTION}\n\n<policy>\n{policy}\n</policy>"
+def system_prompt(policy: str, instruction: str = SOLO_INSTRUCTION) -> str:
+    """A solo agent instruction (the retail one by default) followed by the domain's policy."""
+    return f"{instruction}\n\n<policy>\n{policy}\n</policy>"
 
 
 def _tau2_task(task_id: str, family: str, draft: Draft) -> Task:

@@ -1,14 +1,13 @@
 """TRACE stage 2 by synthesis: an LLM writes a capability's environment as a module of the authoring API.
 
-The writer shows the LLM the authoring API (`trace_jax.envs.capability.authoring`'s docstring), a complete
-example module that passes validation, τ²'s retail tools and the capability (its description, what
-lacking it looks like, evidence from the analysis), and asks for one module in a ```python block. The
-module is validated in the sandbox (`trace_jax.envs.capability.sandbox`); a reply without code, or a
-module that fails, is answered in the same conversation with the failure report and asked again, up to
-`max_attempts` attempts. A `judge` may then reject a module that passed (the pipeline calibrates it
-against the base agent, and a module it cannot calibrate is asked for again with the calibration's
-verdict, as the paper regenerates an environment that is too easy or too hard). Files, in the
-capability's folder:
+The writer shows the LLM the authoring API for the target's τ² domain (`authoring.guide`: retail or airline),
+a complete example module of that domain that passes validation, τ²'s tools of the domain and the capability
+(its description, what lacking it looks like, evidence from the analysis), and asks for one module in a
+```python block. The module is validated in the sandbox (`trace_jax.envs.capability.sandbox`); a reply without
+code, or a module that fails, is answered in the same conversation with the failure report and asked again, up
+to `max_attempts` attempts. A `judge` may then reject a module that passed (the pipeline calibrates it against
+the base agent, and a module it cannot calibrate is asked for again with the calibration's verdict, as the
+paper regenerates an environment that is too easy or too hard). Files, in the capability's folder:
 
   attempt_<i>.py, attempt_<i>.json   each attempt's module (when the reply held one) and report
   module.py, validation.json         the accepted module and its report
@@ -32,27 +31,28 @@ from absl import logging
 
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs.capability import authoring
+from trace_jax.envs.capability.domains import world_domain
 from trace_jax.envs.capability.sandbox import Checks, ExportedEnvironment, Limits, ValidationReport, validate_module
 from trace_jax.files import write_json_atomic
 from trace_jax.llm.client import ChatClient
 from trace_jax.trace.analyst import CapabilityCard
 
-EXAMPLE = pathlib.Path(authoring.__file__).with_name("example_written.py")
 _CODE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 SYSTEM = ("You are an expert Python engineer who writes training environments for LLM customer-service agents of "
-          "an online retail store (τ²-bench retail). You write one complete Python module against the authoring "
-          "API below and reply with the whole module in one ```python code block.\n\n" + authoring.__doc__)
+          "{business}. You write one complete Python module against the authoring API below and reply with the "
+          "whole module in one ```python code block.\n\n{guide}")
 
 REQUEST = """Write the capability environment for this capability of the agent:
 
 NAME = {name!r}
+DOMAIN = {domain!r}
 description: {description}
 what an agent lacking it does: {lacking}
 evidence from the agent's failed tasks:
 {evidence}
 
-τ²'s retail tools (TOOLS names a subset of them):
+τ²'s {domain} tools (TOOLS names a subset of them):
 {tools}
 
 An example module for another capability, which passes validation:
@@ -140,16 +140,24 @@ def extract_code(reply: str) -> str | None:
     return max(blocks, key=len) if blocks else None
 
 
-def prompt(card: CapabilityCard, evidence: Sequence[str]) -> list[dict]:
-    """The first request for `card`'s module: the API as the system message, the capability, tools and example."""
+def example(domain: str) -> pathlib.Path:
+    """The example module of `domain` the writer is shown (it passes validation)."""
+    return pathlib.Path(authoring.__file__).with_name(f"example_{domain}.py")
+
+
+def prompt(card: CapabilityCard, evidence: Sequence[str], domain: str) -> list[dict]:
+    """The first request for `card`'s module in τ²'s `domain`: the API as the system message, the capability,
+    the domain's tools and its example."""
     lines = "\n".join(f"- {line}" for line in evidence) or "- (none)"
-    request = REQUEST.format(name=card.name, description=card.description, lacking=card.lacking, evidence=lines,
-                             tools=authoring.tool_listing(), example=EXAMPLE.read_text().strip())
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": request}]
+    request = REQUEST.format(name=card.name, domain=domain, description=card.description, lacking=card.lacking,
+                             evidence=lines, tools=authoring.tool_listing(domain),
+                             example=example(domain).read_text().strip())
+    system = SYSTEM.format(business=world_domain(domain).business, guide=authoring.guide(domain))
+    return [{"role": "system", "content": system}, {"role": "user", "content": request}]
 
 
-def _attempt(source: str | None, folder: pathlib.Path, i: int, name: str, config: ml_collections.ConfigDict,
-             checks: Checks) -> ValidationReport:
+def _attempt(source: str | None, folder: pathlib.Path, i: int, name: str, domain: str,
+             config: ml_collections.ConfigDict, checks: Checks) -> ValidationReport:
     """Attempt `i`'s report: read back when this very module was validated before, else from the sandbox."""
     report_path, source_path = folder / f"attempt_{i}.json", folder / f"attempt_{i}.py"
     if report_path.exists() and (source is None or (source_path.exists() and source_path.read_text() == source)):
@@ -159,18 +167,18 @@ def _attempt(source: str | None, folder: pathlib.Path, i: int, name: str, config
     else:
         source_path.write_text(source)
         limits = Limits(timeout_s=config.timeout_s, cpu_s=config.cpu_s, memory_mb=config.memory_mb)
-        report = validate_module(source, name=name, checks=checks, limits=limits, export=folder / "scenarios.json",
-                                 export_tasks=config.export_tasks)
+        report = validate_module(source, name=name, domain=domain, checks=checks, limits=limits,
+                                 export=folder / "scenarios.json", export_tasks=config.export_tasks)
     write_json_atomic(report_path, report.to_json())
     return report
 
 
 def write_environment(card: CapabilityCard, evidence: Sequence[str], client: ChatClient,
                       folder: str | pathlib.Path, config: ml_collections.ConfigDict,
-                      judge: Judge | None = None) -> Synthesis:
-    """Asks `client` for `card`'s environment module until one passes validation (and `judge`, when given)
-    or `config.max_attempts` attempts have failed (`config`: the `env_writer` block); writes everything under
-    `folder` (see the module docstring) and resumes from it."""
+                      judge: Judge | None = None, domain: str = "retail") -> Synthesis:
+    """Asks `client` for `card`'s environment module in τ²'s `domain` until one passes validation (and
+    `judge`, when given) or `config.max_attempts` attempts have failed (`config`: the `env_writer` block);
+    writes everything under `folder` (see the module docstring) and resumes from it."""
     validate_env_writer_config(config)
     folder = pathlib.Path(folder)
     summary_path = folder / "synthesis.json"
@@ -183,12 +191,12 @@ def write_environment(card: CapabilityCard, evidence: Sequence[str], client: Cha
     checks = Checks(seeds=config.seeds, min_gold_success=config.min_gold_success,
                     max_empty_reward=config.max_empty_reward)
     stats_before = dict(client.stats)
-    messages = prompt(card, evidence[:config.max_evidence])
+    messages = prompt(card, evidence[:config.max_evidence], domain)
     reports: list[ValidationReport] = []
     for i in range(1, config.max_attempts + 1):
         reply = client.complete(messages)
         source = extract_code(reply)
-        report = _attempt(source, folder, i, card.name, config, checks)
+        report = _attempt(source, folder, i, card.name, domain, config, checks)
         if report.passed and judge is not None:
             verdict = judge(i, report, folder / "scenarios.json")
             if verdict:

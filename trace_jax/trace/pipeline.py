@@ -41,6 +41,7 @@ from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import make_environment
 from trace_jax.envs.base import Environment, Gold, TaskSpec
 from trace_jax.envs.capability import CAPABILITIES
+from trace_jax.envs.capability.domains import DOMAINS
 from trace_jax.envs.capability.sandbox import ValidationReport
 from trace_jax.evaluation import Routes, check_base_run, evaluate, evaluate_together, recorded_episodes
 from trace_jax.evaluation import validate_config as validate_evaluation_config
@@ -139,6 +140,11 @@ def grpo_config(config: ml_collections.ConfigDict, env: dict, hints: bool) -> ml
     if not hints:
         training.rollout.hint_share = 0.0
     return training
+
+
+def target_domain(env: ml_collections.ConfigDict) -> str:
+    """The τ² domain of the target environment `env`, which its capability environments are built in."""
+    return env.domain if env.name == "tau2" else "retail"  # the embedded environment is retail's
 
 
 def calibration_evaluation(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -302,21 +308,27 @@ class Pipeline:
         `environments.source` says (episodes cut as training cuts them), until `environments.max_trained` pass."""
         base = calibration_evaluation(self.config)
         source = self.config.environments.source
+        domain = target_domain(self.config.target.env)
 
         def calibrate(name: str) -> dict:
             folder = self.workdir / "environments" / name
-            if source == "llm" or (source == "auto" and name not in CAPABILITIES):
-                return self._written(name, folder, base)
-            if name in CAPABILITIES:
+            if domain not in DOMAINS:
+                return {"calibrated": False, "difficulty": None, "tries": [], "reason": "capability environments "
+                        f"are built in τ²'s {' or '.join(DOMAINS)} domain, not {domain}"}
+            builtin = domain == "retail" and name in CAPABILITIES  # the built-in generators are retail's
+            if source == "llm" or (source == "auto" and not builtin):
+                return self._written(name, folder, base, domain)
+            if builtin:
                 return {**calibrate_capability(name, CAPABILITIES[name].max_difficulty, base,
                                                self.config.calibration, folder), "folder": str(folder)}
             return {"calibrated": False, "difficulty": None, "tries": [], "reason":
-                    "no built-in generator for this capability (environments.source = 'auto' writes one)"}
+                    f"no built-in {domain} generator for this capability (environments.source = 'auto' writes one)"}
 
         return calibrate_in_order(selected, self.config.environments.max_trained, calibrate)
 
-    def _written(self, name: str, folder: pathlib.Path, base: ml_collections.ConfigDict) -> dict:
-        """The LLM-written environment of capability `name` (from its analysis card and evidence), calibrated:
+    def _written(self, name: str, folder: pathlib.Path, base: ml_collections.ConfigDict, domain: str) -> dict:
+        """The LLM-written environment of capability `name` in τ²'s `domain` (from its analysis card and
+        evidence), calibrated:
         a module that passes validation but not calibration is asked for again with the calibration's verdict."""
         validate_llm_config(self.config.llm)
         card = self._cards()[name]
@@ -334,7 +346,7 @@ class Pipeline:
             return None if result["calibrated"] else calibration_feedback(result, self.config.calibration)
 
         synthesis = write_environment(CapabilityCard(name, card["description"], card["lacking"]), evidence, client,
-                                      written, self.config.env_writer, judge=judge)
+                                      written, self.config.env_writer, judge=judge, domain=domain)
         if not synthesis.accepted:
             return {"calibrated": False, "difficulty": None, "tries": [], "reason": "no LLM-written module passed "
                     f"validation and calibration in {synthesis.attempts} attempts"}

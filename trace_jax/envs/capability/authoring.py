@@ -1,63 +1,40 @@
 """The authoring API of LLM-written capability environments (TRACE stage 2): what a module defines and may use.
 
-A capability environment trains one capability of a customer-service agent of an online
-retail store (τ²-bench retail). Each task is a written customer ticket on a small
-synthetic world; the agent reads it (with some tool calls already made for it), makes tool
-calls, then writes one final message to the customer, which ends the episode.
+A capability environment trains one capability of a customer-service agent in a τ²-bench domain
+(retail: an online store; airline). Each task is a written customer ticket on a small synthetic world;
+the agent reads it (with some tool calls already made for it), makes tool calls, then writes one final
+message to the customer, which ends the episode.
 
-THE MODULE defines exactly these four names:
+THE MODULE defines exactly these five names:
 
     NAME: str          snake_case, the capability's name (the one you are asked for)
+    DOMAIN: str        the τ² domain of its tasks, "retail" or "airline" (the one you are asked for)
     DESCRIPTION: str   one or two sentences: what the capability is
     TOOLS: tuple[tuple[str, ...], ...]
-                       the τ² retail tools offered to the agent at each difficulty 0, 1, ... (1 to 5
+                       the domain's τ² tools offered to the agent at each difficulty 0, 1, ... (1 to 5
                        difficulties); each a tuple of tool names; every gold call of a task of difficulty d
                        must be one of TOOLS[d]. Offer the look-up tools the agent needs to read what it
                        acts on, plus the write tools the capability is about.
-    def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product]) -> Scenario
-                       one task: a world, a ticket, the calls already made and the gold solution
+    def generate(rng: random.Random, difficulty: int, catalogue: dict) -> Scenario
+                       one task: a world, a ticket, the calls already made and the gold solution;
+                       `catalogue` is the domain's (below)
 
-Import only the standard library (`random`, `math`, `itertools`, ...) and this API:
-`from trace_jax.envs.capability.authoring import Scenario, build_world, call, ...`.
+Import only the standard library (`random`, `math`, `itertools`, ...) and the domain's API module:
+`from trace_jax.envs.capability.<DOMAIN>_api import Scenario, build_world, call, ...` (its names below).
 
 `generate` MUST:
   * draw every random value from `rng` (never `random.random()`, time, uuids or the order of a set): a
     task is a pure function of the rng's seed; choose from sorted lists (`rng.choice(sorted(...))`);
   * never raise, for any seed and any difficulty in range(len(TOOLS)): pick only among objects that
-    exist (filter first, and build a world with enough orders of the statuses you need);
+    exist (filter first, and build a world with enough of the objects you need);
   * be quick (milliseconds) and small; no files, network, threads or subprocesses.
 It is run for 100 seeds at every difficulty in a separate process with time and memory limits.
 
-DATA BUILDER. `build_world(rng, catalogue, num_customers=4, orders_per_customer=(2, 4), max_items=4,
-first_statuses=("pending", "delivered"))` returns a new `RetailDB` of invented customers: each has
-between orders_per_customer[0] and [1] orders of 1 to `max_items` catalogue products; a customer's first
-orders have the statuses of `first_statuses` in turn (so every customer has a pending and a delivered
-order by default), later ones a status drawn from STATUSES = ("pending", "processed", "delivered",
-"cancelled"). You may change the world after building it (statuses, a variant's `available`, a gift
-card's balance), keeping it consistent. `address(rng)` draws a new `UserAddress`; `address_text(a)`
-writes an address as a ticket would; `amount_text(x)` writes a dollar amount ("608.9") as a fact.
-REASONS maps each cancellation reason of `cancel_pending_order` ("no longer needed", "ordered by
-mistake") to ways a customer says it; CONFIRM holds sentences confirming an action.
-
-THE RETAIL DATA MODEL (pydantic models of τ²; read them as attributes):
-  RetailDB: products: dict[product_id, Product], users: dict[user_id, User], orders: dict[order_id, Order]
-  User: user_id, name (first_name, last_name), address (UserAddress), email,
-        payment_methods: dict[id, CreditCard(source="credit_card", id, brand, last_four) |
-        Paypal(source="paypal", id) | GiftCard(source="gift_card", id, balance)], orders: list[order_id]
-  UserAddress: address1, address2, city, country, state, zip
-  Order: order_id ("#W1234567"), user_id, address, items: list[OrderItem], status ("pending",
-        "processed", "delivered", "cancelled", ...), fulfillments: list[(tracking_id: list[str],
-        item_ids)], payment_history: list[(transaction_type "payment" | "refund", amount,
-        payment_method_id)], cancel_reason
-  OrderItem: name, product_id, item_id, price, options: dict[str, str]
-  Product: name, product_id, variants: dict[item_id, Variant(item_id, options, available, price)]
-The `catalogue` argument is τ²'s product catalogue (product_id -> Product): read it, never change it.
-
 THE SCENARIO `generate` returns (`call(name, **arguments)` builds a Call, {"name": ..., "arguments": {...}}):
   Scenario(variant: str,                the task's family, for per-family tables ("cancel", "refuse", ...)
-           db: RetailDB,                the world the tools act on
+           db: the domain's DB,         the world the tools act on (build_world's)
            ticket: str,                 the customer's whole request, with everything the agent needs to
-                                        find (e-mail or name and zip, order ids or what identifies them) and
+                                        find (the ids the domain's tools take, or what identifies them) and
                                         their explicit confirmation of any action they ask for
            prefilled: tuple[Call, ...], calls made before the agent's first turn (shown with their real
                                         results), e.g. the customer's look-up, so the agent's work is the
@@ -69,7 +46,7 @@ Write calls the ticket does not call for must not be in gold_calls: a task where
 request has only the look-ups as gold and a fact saying why (for example the order's status).
 
 THE REWARD is computed by the environment's code from the scenario, never by the module (do not define
-one): the agent's calls run through τ²'s real retail tools on a copy of `db`, then
+one): the agent's calls run through τ²'s real tools of the domain on a copy of `db`, then
   0.2  at least one well-formed call to an offered tool;
   0.5  every gold tool called by name;
   0.8  every gold call made with exactly the gold arguments, no other write attempted, and the final
@@ -81,76 +58,72 @@ turn, then a message stating the facts) scores 1.0 on at least 95% of the seeds,
 nothing scores at most 0.1 on average, and no seed raises. Make the tasks need the capability: an agent
 lacking it should fail them, and difficulty should add what makes the capability harder.
 """
-
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import re
 import types
 from collections.abc import Callable
 
-from tau2.domains.retail.data_model import (
-    CreditCard,
-    GiftCard,
-    Order,
-    OrderItem,
-    Paypal,
-    Product,
-    RetailDB,
-    User,
-    UserAddress,
-    Variant,
-)
-from tau2.domains.retail.tools import RetailTools
-
-from trace_jax.envs.base import Call, call
+from trace_jax.envs.capability.domains import DOMAINS, world_domain
 from trace_jax.envs.capability.environment import Capability, Scenario
-from trace_jax.envs.capability.tool_calling import CONFIRM, REASONS
-from trace_jax.envs.capability.world import STATUSES, address, build_world
-from trace_jax.envs.embedded_retail_families import address_text, amount_text
 
 MAX_DIFFICULTIES = 5
-REQUIRED = ("NAME", "DESCRIPTION", "TOOLS", "generate")
+REQUIRED = ("NAME", "DOMAIN", "DESCRIPTION", "TOOLS", "generate")
 _NAME = re.compile(r"^[a-z][a-z0-9_]{1,48}$")
-
-__all__ = ["CONFIRM", "REASONS", "STATUSES", "Call", "CreditCard", "GiftCard", "Order", "OrderItem", "Paypal",
-           "Product", "RetailDB", "Scenario", "User", "UserAddress", "Variant", "address", "address_text",
-           "amount_text", "build_world", "call"]
 
 
 class AuthoringError(ValueError):
     """A written module, or a scenario it generated, that breaks the authoring API."""
 
 
-@functools.cache
-def retail_tools() -> dict[str, dict]:
-    """τ²'s retail tools by name: their OpenAI schemas, read from τ²'s toolkit class (no DB is loaded)."""
-    return {name: tool.openai_schema for name, tool in RetailTools(None).get_tools().items()}
+def guide(domain: str) -> str:
+    """The whole API a writer reads for `domain`: this module's docstring, then the domain API module's."""
+    return __doc__ + "\n" + importlib.import_module(f"trace_jax.envs.capability.{domain}_api").__doc__
 
 
 @functools.cache
-def tool_kinds() -> dict[str, str]:
-    """Each τ² retail tool's kind: "read", "write" (it changes the DB) or "generic"."""
-    toolkit = RetailTools(None)
+def domain_tools(domain: str) -> dict[str, dict]:
+    """τ²'s tools of `domain` by name: their OpenAI schemas, read from τ²'s toolkit class (no DB is loaded)."""
+    return {name: tool.openai_schema for name, tool in world_domain(domain).toolkit(None).get_tools().items()}
+
+
+@functools.cache
+def tool_kinds(domain: str) -> dict[str, str]:
+    """Each τ² tool's kind in `domain`: "read", "write" (it changes the DB) or "generic"."""
+    toolkit = world_domain(domain).toolkit(None)
     return {name: toolkit.tool_type(name).value for name in toolkit.tools}
 
 
-def tool_listing() -> str:
-    """τ²'s retail tools as the writer's prompt lists them: name, kind and description, then each argument."""
+def _kind(spec: dict, defs: dict) -> str:
+    """An argument's JSON type as the listing writes it: "string", "array of string", "array of object
+    {flight_number, date}" (an object τ² defines by reference, with its fields)."""
+    options = spec.get("anyOf", [spec])
+    named = [o for o in options if "$ref" in o]
+    if named:
+        return "object {" + ", ".join(defs.get(named[0]["$ref"].rsplit("/", 1)[-1], {}).get("properties", {})) + "}"
+    kind = options[0].get("type", "any")
+    return f"{kind} of {_kind(spec['items'], defs)}" if "items" in spec else kind
+
+
+def tool_listing(domain: str) -> str:
+    """τ²'s tools of `domain` as the writer's prompt lists them: name, kind and description, then each argument."""
     blocks = []
-    for name, schema in sorted(retail_tools().items()):
+    for name, schema in sorted(domain_tools(domain).items()):
         function = schema["function"]
-        lines = [f"{name} [{tool_kinds()[name]}]: " + " ".join(function["description"].split())]
+        lines = [f"{name} [{tool_kinds(domain)[name]}]: " + " ".join(function["description"].split())]
+        defs = function["parameters"].get("$defs", {})
         for argument, spec in function["parameters"].get("properties", {}).items():
-            kind = spec.get("type", "any") + (f" of {spec['items']['type']}" if "items" in spec else "")
+            kind = _kind(spec, defs)
             lines.append(f"    {argument} ({kind}): " + " ".join(spec.get("description", "").split()))
         blocks.append("\n".join(lines))
     return "\n".join(blocks)
 
 
-def _tools(value: object) -> tuple[tuple[str, ...], ...]:
-    known = retail_tools()
+def _tools(value: object, domain: str) -> tuple[tuple[str, ...], ...]:
+    known = domain_tools(domain)
     if not isinstance(value, (tuple, list)) or not 1 <= len(value) <= MAX_DIFFICULTIES:
         raise AuthoringError(f"TOOLS must be a tuple of 1 to {MAX_DIFFICULTIES} tuples of tool names (one per "
                              f"difficulty); got {value!r:.200}")
@@ -159,16 +132,18 @@ def _tools(value: object) -> tuple[tuple[str, ...], ...]:
             raise AuthoringError(f"TOOLS[{difficulty}] must be a non-empty tuple of tool names; got {names!r:.200}")
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise AuthoringError(f"TOOLS[{difficulty}] names tools τ²'s retail domain does not have: {unknown}; "
+            raise AuthoringError(f"TOOLS[{difficulty}] names tools τ²'s {domain} domain does not have: {unknown}; "
                                  f"valid names: {', '.join(sorted(known))}")
         if len(set(names)) != len(names):
             raise AuthoringError(f"TOOLS[{difficulty}] repeats a tool: {list(names)}")
     return tuple(tuple(names) for names in value)
 
 
-def capability_from_module(module: types.ModuleType, name: str | None = None) -> Capability:
-    """The module's `Capability`, after checking that it defines NAME, DESCRIPTION, TOOLS and generate with the
-    right types (and, given `name`, that NAME is it); AuthoringError says what is missing or wrong."""
+def capability_from_module(module: types.ModuleType, name: str | None = None,
+                           domain: str | None = None) -> Capability:
+    """The module's `Capability`, after checking that it defines NAME, DOMAIN, DESCRIPTION, TOOLS and generate
+    with the right types (and, given `name` or `domain`, that NAME or DOMAIN is it); AuthoringError says what is
+    missing or wrong."""
     missing = [n for n in REQUIRED if not hasattr(module, n)]
     if missing:
         raise AuthoringError(f"the module must define {', '.join(REQUIRED)}; it does not define {', '.join(missing)}")
@@ -176,13 +151,17 @@ def capability_from_module(module: types.ModuleType, name: str | None = None) ->
         raise AuthoringError(f"NAME must be a snake_case string of 2 to 49 characters; got {module.NAME!r:.100}")
     if name is not None and module.NAME != name:
         raise AuthoringError(f"NAME = {module.NAME!r}, but this environment is for the capability {name!r}")
+    if not isinstance(module.DOMAIN, str) or module.DOMAIN not in DOMAINS:
+        raise AuthoringError(f"DOMAIN must be one of {', '.join(map(repr, DOMAINS))}; got {module.DOMAIN!r:.100}")
+    if domain is not None and module.DOMAIN != domain:
+        raise AuthoringError(f"DOMAIN = {module.DOMAIN!r}, but this environment is for τ²'s {domain} domain")
     if not isinstance(module.DESCRIPTION, str) or not module.DESCRIPTION.strip():
         raise AuthoringError(f"DESCRIPTION must be a non-empty string; got {module.DESCRIPTION!r:.100}")
     generate = module.generate
     if not callable(generate) or not _takes_three(generate):
         raise AuthoringError("generate must be a function generate(rng, difficulty, catalogue) -> Scenario")
     return Capability(name=module.NAME, description=module.DESCRIPTION.strip(), generate=generate,
-                      tools=_tools(module.TOOLS))
+                      tools=_tools(module.TOOLS, module.DOMAIN), domain=module.DOMAIN)
 
 
 def _takes_three(function: Callable) -> bool:
@@ -193,29 +172,31 @@ def _takes_three(function: Callable) -> bool:
     return True
 
 
-def _check_calls(calls: object, field: str) -> None:
+def _check_calls(calls: object, field: str, domain: str) -> None:
     if not isinstance(calls, (tuple, list)):
         raise AuthoringError(f"Scenario.{field} must be a tuple of calls; got {type(calls).__name__}")
     for c in calls:
         if not (isinstance(c, dict) and set(c) == {"name", "arguments"} and isinstance(c["name"], str)
                 and isinstance(c["arguments"], dict)):
             raise AuthoringError(f"Scenario.{field} holds {c!r:.200}, not a call(name, **arguments)")
-        if c["name"] not in retail_tools():
-            raise AuthoringError(f"Scenario.{field} calls {c['name']!r}, which is not a τ² retail tool")
+        if c["name"] not in domain_tools(domain):
+            raise AuthoringError(f"Scenario.{field} calls {c['name']!r}, which is not a τ² {domain} tool")
 
 
-def check_scenario(scenario: object, difficulty: int, tools: tuple[str, ...]) -> None:
-    """Raises AuthoringError naming the first field of a generated scenario that breaks the API (types, gold
-    calls of tools not offered at `difficulty`, facts that can never be matched)."""
+def check_scenario(scenario: object, difficulty: int, tools: tuple[str, ...], domain: str) -> None:
+    """Raises AuthoringError naming the first field of a generated scenario of `domain` that breaks the API
+    (types, gold calls of tools not offered at `difficulty`, facts that can never be matched)."""
     if not isinstance(scenario, Scenario):
         raise AuthoringError(f"generate returned {type(scenario).__name__}, not a Scenario")
     for field in ("variant", "ticket"):
         if not isinstance(getattr(scenario, field), str) or not getattr(scenario, field).strip():
             raise AuthoringError(f"Scenario.{field} must be a non-empty string; got {getattr(scenario, field)!r:.100}")
-    if not isinstance(scenario.db, RetailDB):
-        raise AuthoringError(f"Scenario.db must be a RetailDB (build_world's); got {type(scenario.db).__name__}")
-    _check_calls(scenario.prefilled, "prefilled")
-    _check_calls(scenario.gold_calls, "gold_calls")
+    db_type = world_domain(domain).db_type
+    if not isinstance(scenario.db, db_type):
+        raise AuthoringError(f"Scenario.db must be a {db_type.__name__} (build_world's); got "
+                             f"{type(scenario.db).__name__}")
+    _check_calls(scenario.prefilled, "prefilled", domain)
+    _check_calls(scenario.gold_calls, "gold_calls", domain)
     not_offered = sorted({c["name"] for c in scenario.gold_calls} - set(tools))
     if not_offered:
         raise AuthoringError(f"gold_calls use {not_offered}, which TOOLS[{difficulty}] does not offer: {list(tools)}")

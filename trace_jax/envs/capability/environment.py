@@ -1,5 +1,6 @@
-"""Capability environments (TRACE stage 2): seeded retail tasks that each exercise one capability,
-on synthetic worlds, with τ²'s retail tools and policy and a multi-level reward computed by code.
+"""Capability environments (TRACE stage 2): seeded tasks of a τ² domain (retail, airline: `domains`) that
+each exercise one capability, on synthetic worlds, with τ²'s tools and policy of the domain and a
+multi-level reward computed by code.
 
 A generator turns (random draw, difficulty) into a `Scenario`: a synthetic world, a
 ticket, the calls already made before the agent's first turn (a pre-filled conversation:
@@ -36,15 +37,15 @@ import random
 from collections.abc import Callable
 
 from tau2.data_model.message import AssistantMessage
-from tau2.domains.retail.data_model import Product, RetailDB
-from tau2.domains.retail.environment import get_environment
+from tau2.environment.db import DB
 from tau2.environment.environment import Environment
 from tau2.evaluator.evaluator_communicate import CommunicateEvaluator
 
 from trace_jax.agent.tool_calls import format_tool_call
 from trace_jax.envs.base import NORMAL_ENDS, Call, Gold, Message, Outcome, TaskSpec
-from trace_jax.envs.embedded_retail import SOLO_INSTRUCTION, SoloTicketEpisode, system_prompt
-from trace_jax.envs.tau2_bridge import domain_state, execute
+from trace_jax.envs.capability.domains import WorldDomain, world_domain
+from trace_jax.envs.embedded_retail import SoloTicketEpisode
+from trace_jax.envs.tau2_bridge import execute
 
 SPLITS = ("train", "heldout")
 LEVELS = {"format": 0.2, "tool": 0.5, "arguments": 0.8, "COMMUNICATE": 1.0}  # see the module docstring
@@ -56,20 +57,20 @@ class Scenario:
     """One task of a capability: its world and ticket, what was done before the agent's turn, what it must do."""
 
     variant: str  # the task's family in per-family tables
-    db: RetailDB
+    db: DB  # of the capability's domain: RetailDB, FlightDB
     ticket: str
     prefilled: tuple[Call, ...]  # calls made before the agent's first turn, in order
     gold_calls: tuple[Call, ...]  # the calls the agent still has to make
     facts: tuple[str, ...] = ()  # strings its final reply must contain
 
 
-# (random draw, difficulty, τ²'s product catalogue) -> Scenario
-Generator = Callable[[random.Random, int, dict[str, Product]], Scenario]
+# (random draw, difficulty, the domain's catalogue: τ²'s products or flights) -> Scenario
+Generator = Callable[[random.Random, int, dict], Scenario]
 
 
 @dataclasses.dataclass(frozen=True)
 class Capability:
-    """A built-in capability environment: its generator and the tools it offers at each difficulty
+    """A capability environment: its domain, its generator and the tools it offers at each difficulty
     (τ²'s schemas of those names, the same for every task of one difficulty)."""
 
     name: str
@@ -77,21 +78,20 @@ class Capability:
     generate: Generator
     tools: tuple[tuple[str, ...], ...]  # by difficulty
     hint: str = ""  # guidance a hinted training episode appends to its system prompt ("": none offered)
+    domain: str = "retail"  # a name in `domains.DOMAINS`
 
     @property
     def max_difficulty(self) -> int:
         return len(self.tools) - 1
 
 
-def _environment(db: RetailDB) -> Environment:
-    return get_environment(db=db.model_copy(deep=True))
-
-
 class CapabilityEpisode(SoloTicketEpisode):
     """One scenario played once on its own copy of the scenario's world."""
 
-    def __init__(self, spec: TaskSpec, scenario: Scenario, prompt: str, tools: list[dict], cut_share: float):
+    def __init__(self, spec: TaskSpec, scenario: Scenario, prompt: str, tools: list[dict], cut_share: float,
+                 domain: WorldDomain):
         self.task = spec
+        self.domain = domain
         self.cut_share = cut_share
         self.tools = tools
         self.user_tools: list[dict] = []
@@ -103,8 +103,9 @@ class CapabilityEpisode(SoloTicketEpisode):
         self.end_reason: str | None = None
 
     def reset(self) -> list[Message]:
-        """The system prompt, the ticket and the pre-filled turns: each call as the agent writes one, then τ²'s result."""
-        self._environment = _environment(self.scenario.db)
+        """The system prompt, the ticket and the pre-filled turns: each call as the agent writes one, then τ²'s
+        result."""
+        self._environment = self.domain.environment(self.scenario.db)
         self.end_reason = None
         self.messages = [{"role": "system", "content": self._prompt}, {"role": "user", "content": self.scenario.ticket}]
         shown = list(self.messages)
@@ -129,9 +130,9 @@ class CapabilityEpisode(SoloTicketEpisode):
         gold = self.scenario.gold_calls
         agent_calls = [{"name": c["name"], "arguments": c["arguments"]}
                        for m in self.messages[self._opening:] for c in m.get("tool_calls") or ()]
-        write_tools = domain_state("retail").write_tools
+        write_tools = self.domain.state.write_tools
         stray = [c for c in agent_calls if c["name"] in write_tools and c not in gold]
-        replay = _environment(self.scenario.db)
+        replay = self.domain.environment(self.scenario.db)
         for i, call in enumerate(self.scenario.prefilled + gold):
             execute(replay, {"id": f"gold_{i}", **call})
         texts = [AssistantMessage(role="assistant", content=m["content"]) for m in self.messages[self._opening:]
@@ -164,7 +165,7 @@ class CapabilityEnvironment:
 
     def __init__(self, capability: Capability, seed: int = 0, difficulty: int = 0, policy: bool = True,
                  num_tasks: int = 200, cut_share: float = CUT_SHARE):
-        """`difficulty` in [0, capability.max_difficulty]; `policy` puts τ²'s retail policy in the system
+        """`difficulty` in [0, capability.max_difficulty]; `policy` puts τ²'s policy of the domain in the system
         prompt (as the target has it) or only the solo instruction (a short head, for CPU-sized runs);
         `cut_share` in [0, 1]: the share of its level an episode cut at a limit keeps (module docstring)."""
         if not 0 <= difficulty <= capability.max_difficulty:
@@ -174,10 +175,11 @@ class CapabilityEnvironment:
             raise ValueError(f"cut_share = {cut_share!r} is invalid; it must be a number in [0, 1]")
         self.capability, self.seed, self.difficulty, self.num_tasks = capability, seed, difficulty, num_tasks
         self.cut_share = cut_share
-        state = domain_state("retail")
-        self._catalogue = state.db.products
-        self.tools = [t for t in state.tool_schemas if t["function"]["name"] in capability.tools[difficulty]]
-        self.system_prompt = system_prompt(state.policy) if policy else SOLO_INSTRUCTION
+        self.domain = world_domain(capability.domain)
+        self._catalogue = self.domain.catalogue()
+        offered = capability.tools[difficulty]
+        self.tools = [t for t in self.domain.state.tool_schemas if t["function"]["name"] in offered]
+        self.system_prompt = self.domain.system_prompt(policy)
         self._scenarios: dict[str, tuple[TaskSpec, Scenario]] = {}
 
     def tasks(self, split: str, num: int | None = None) -> list[TaskSpec]:
@@ -202,7 +204,7 @@ class CapabilityEnvironment:
         if hint and not self.hint:
             raise ValueError(f"the capability {self.capability.name!r} offers no hint")
         prompt = f"{self.system_prompt}\n\nHint: {self.hint}" if hint else self.system_prompt
-        return CapabilityEpisode(task, self.scenario(task), prompt, self.tools, self.cut_share)
+        return CapabilityEpisode(task, self.scenario(task), prompt, self.tools, self.cut_share, self.domain)
 
     def _task(self, split: str, index: int) -> tuple[TaskSpec, Scenario]:
         key = f"{self.capability.name}/{self.seed}/{self.difficulty}/{split}/{index}"

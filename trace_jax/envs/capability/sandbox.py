@@ -2,7 +2,7 @@
 
 The module's source is never imported by the caller: `validate_module` writes it to a temporary
 folder and runs `python -m trace_jax.envs.capability.sandbox <spec.json>` there, in a new session,
-under a wall-clock timeout; the child loads τ²'s retail catalogue first, then limits its own address
+under a wall-clock timeout; the child loads τ²'s catalogue of the domain first, then limits its own address
 space and CPU time (`resource.setrlimit`, the module's budget on top of the child's start-up) before it
 loads the module. These are limits against runaway code, not a security boundary.
 
@@ -13,8 +13,8 @@ of `CapabilityEnvironment(capability, seed=0, difficulty=d)`. A module passes wh
 scores 1.0 on >= `min_gold_success` of the seeds at each difficulty, doing nothing scores at most
 `max_empty_reward` on average, and no seed raises (a gold call that is malformed or that τ² answers with
 an error, a scenario that breaks the API or changes between equal rngs all count as raising). A passing
-module's train and held-out tasks can be exported to JSON in the same run (catalogue products stored
-once); `ExportedEnvironment` serves them where `CapabilityEnvironment` is used, so training uses the
+module's train and held-out tasks can be exported to JSON in the same run (catalogue entries: products
+or flights, stored once); `ExportedEnvironment` serves them where `CapabilityEnvironment` is used, so training uses the
 written environment without importing its code. Failure reports hold no temporary paths or timings,
 so a conversation that quotes them is the same in a rerun (and the LLM client's cache answers it).
 """
@@ -37,12 +37,15 @@ import tempfile
 import traceback
 import types
 
-from tau2.domains.retail.data_model import Product, RetailDB
-
 from trace_jax.agent.scripted import GoldAgent, NoopAgent
 from trace_jax.agent.tool_calls import parse_assistant_output
 from trace_jax.envs.base import END_MAX_TURNS, Outcome, TaskSpec
-from trace_jax.envs.capability.authoring import AuthoringError, capability_from_module, check_scenario
+from trace_jax.envs.capability.authoring import (
+    AuthoringError,
+    capability_from_module,
+    check_scenario,
+)
+from trace_jax.envs.capability.domains import WorldDomain, world_domain
 from trace_jax.envs.capability.environment import (
     CUT_SHARE,
     SPLITS,
@@ -51,7 +54,6 @@ from trace_jax.envs.capability.environment import (
     CapabilityEpisode,
     Scenario,
 )
-from trace_jax.envs.tau2_bridge import domain_state
 from trace_jax.files import write_json_atomic
 
 MODULE_FILE = "module.py"  # the module's name in the child's folder (and in its tracebacks)
@@ -140,15 +142,18 @@ def _passed(report: ValidationReport) -> bool:
 
 # --- the caller's side ---
 
-def validate_module(source: str, *, name: str | None = None, checks: Checks = Checks(), limits: Limits = Limits(),
-                    export: pathlib.Path | None = None, export_tasks: int = 200) -> ValidationReport:
+def validate_module(source: str, *, name: str | None = None, domain: str = "retail", checks: Checks = Checks(),
+                    limits: Limits = Limits(), export: pathlib.Path | None = None,
+                    export_tasks: int = 200) -> ValidationReport:
     """Validates `source` in a child process (see the module docstring); given `export`, a module that passes
-    also writes `export_tasks` train and held-out tasks per difficulty there. With `name`, the module's NAME
-    must be it. Whatever the module does (loops, allocates, crashes), this returns a report."""
+    also writes `export_tasks` train and held-out tasks per difficulty there. The module's DOMAIN must be
+    `domain` and, with `name`, its NAME must be it. Whatever the module does (loops, allocates, crashes),
+    this returns a report."""
+    world_domain(domain)  # an unknown domain fails here, naming the valid ones
     with tempfile.TemporaryDirectory(prefix="trace_jax_sandbox_") as tmp:
         folder = pathlib.Path(tmp)
         (folder / MODULE_FILE).write_text(source)
-        spec = {"name": name, "checks": dataclasses.asdict(checks), "cpu_s": limits.cpu_s,
+        spec = {"name": name, "domain": domain, "checks": dataclasses.asdict(checks), "cpu_s": limits.cpu_s,
                 "memory_mb": limits.memory_mb, "export_tasks": export_tasks, "out": "report.json",
                 "export": None if export is None else str(pathlib.Path(export).resolve())}
         (folder / "spec.json").write_text(json.dumps(spec))
@@ -192,28 +197,31 @@ def _death(returncode: int, stderr: str, limits: Limits) -> str:
     return f"The sandbox process died (exit code {returncode}) without a report; its last output:\n{stderr.strip()}"
 
 
-# --- scenarios as JSON (catalogue products stored once per file) ---
+# --- scenarios as JSON (catalogue entries stored once per file) ---
 
-def _pack(scenario: Scenario, products: dict[str, dict]) -> dict:
-    """The scenario as JSON; its DB's products go to `products` under a hash of their content."""
+def _pack(scenario: Scenario, domain: WorldDomain, entries: dict[str, dict]) -> dict:
+    """The scenario as JSON; its DB's catalogue entries (products, flights) go to `entries` under a hash of
+    their content."""
     db = scenario.db.model_dump(mode="json")
     refs = {}
-    for product_id, product in db["products"].items():
-        ref = hashlib.sha256(json.dumps(product, sort_keys=True).encode()).hexdigest()[:16]
-        products.setdefault(ref, product)
-        refs[product_id] = ref
+    for key, entry in db[domain.catalogue_field].items():
+        ref = hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:16]
+        entries.setdefault(ref, entry)
+        refs[key] = ref
     return {"variant": scenario.variant, "ticket": scenario.ticket, "prefilled": list(scenario.prefilled),
-            "gold_calls": list(scenario.gold_calls), "facts": list(scenario.facts), "db": {**db, "products": refs}}
+            "gold_calls": list(scenario.gold_calls), "facts": list(scenario.facts),
+            "db": {**db, domain.catalogue_field: refs}}
 
 
-def _unpack(data: dict, products: dict[str, dict]) -> Scenario:
-    db = {**data["db"], "products": {p: products[ref] for p, ref in data["db"]["products"].items()}}
-    return Scenario(variant=data["variant"], db=RetailDB.model_validate(db), ticket=data["ticket"],
+def _unpack(data: dict, domain: WorldDomain, entries: dict[str, dict]) -> Scenario:
+    field = domain.catalogue_field
+    db = {**data["db"], field: {key: entries[ref] for key, ref in data["db"][field].items()}}
+    return Scenario(variant=data["variant"], db=domain.db_type.model_validate(db), ticket=data["ticket"],
                     prefilled=tuple(data["prefilled"]), gold_calls=tuple(data["gold_calls"]),
                     facts=tuple(data["facts"]))
 
 
-def _exported_only(rng: random.Random, difficulty: int, catalogue: dict[str, Product]) -> Scenario:
+def _exported_only(rng: random.Random, difficulty: int, catalogue: dict) -> Scenario:
     raise RuntimeError("an exported environment serves the scenarios of its file; it generates none")
 
 
@@ -227,10 +235,10 @@ class ExportedEnvironment(CapabilityEnvironment):
         self.path = pathlib.Path(path)
         data = json.loads(self.path.read_text())
         capability = Capability(name=data["name"], description=data["description"], generate=_exported_only,
-                                tools=tuple(tuple(t) for t in data["tools"]))
+                                tools=tuple(tuple(t) for t in data["tools"]), domain=data["domain"])
         super().__init__(capability, seed=0, difficulty=difficulty, policy=policy,
                          num_tasks=data["tasks"] if num_tasks is None else num_tasks, cut_share=cut_share)
-        self._products = data["products"]
+        self._entries = data["catalogue"]
         self._pool = {split: data["scenarios"][split][difficulty] for split in SPLITS}
 
     def _draw(self, split: str, index: int, key: str) -> Scenario:
@@ -238,7 +246,7 @@ class ExportedEnvironment(CapabilityEnvironment):
         if index >= len(pool):
             raise ValueError(f"{self.path} holds {len(pool)} {split} tasks of difficulty {self.difficulty}; "
                              f"task {index} was asked for: export more (config.env_writer.export_tasks)")
-        return _unpack(pool[index], self._products)
+        return _unpack(pool[index], self.domain, self._entries)
 
 
 # --- the child's side ---
@@ -255,25 +263,25 @@ def _short(error: BaseException) -> str:
     return text if len(text) <= TRACE_CHARS else "..." + text[-TRACE_CHARS:]
 
 
-def _scenario(capability: Capability, catalogue: dict[str, Product], difficulty: int, split: str,
-              index: int) -> Scenario:
+def _scenario(capability: Capability, catalogue: dict, difficulty: int, split: str, index: int) -> Scenario:
     """Task `index` of `split` as `CapabilityEnvironment(capability, seed=0)` draws it, checked, generated twice
     (it must not change) and passed through its JSON form (as the export serves it)."""
     key = f"{capability.name}/0/{difficulty}/{split}/{index}"
     first, again = (capability.generate(random.Random(key), difficulty, catalogue) for _ in range(2))
-    check_scenario(first, difficulty, capability.tools[difficulty])
-    products: dict[str, dict] = {}
-    data = _pack(first, products)
-    if _pack(again, {}) != data:
+    check_scenario(first, difficulty, capability.tools[difficulty], capability.domain)
+    domain = world_domain(capability.domain)
+    entries: dict[str, dict] = {}
+    data = _pack(first, domain, entries)
+    if _pack(again, domain, {}) != data:
         raise AuthoringError("generate gave two different scenarios for equal rngs: draw every random value from "
                              "rng and choose from sorted lists")
-    return _unpack(data, products)
+    return _unpack(data, domain, entries)
 
 
 def _play(env: CapabilityEnvironment, spec: TaskSpec, scenario: Scenario, agent: GoldAgent | NoopAgent) -> Outcome:
     """One episode of a scripted agent, its turns parsed as the rollout engine parses them; a gold call that is
     malformed or that τ² answers with an error raises AuthoringError."""
-    episode = CapabilityEpisode(spec, scenario, env.system_prompt, env.tools, env.cut_share)
+    episode = CapabilityEpisode(spec, scenario, env.system_prompt, env.tools, env.cut_share, env.domain)
     episode.reset()
     for _ in range(len(scenario.gold_calls) + 2):
         parsed = parse_assistant_output(agent.reply(episode), env.tools)
@@ -306,11 +314,11 @@ def _grouped(problems: dict[str, list[str]]) -> list[str]:
             for text, plays in list(problems.items())[:SHOWN]]
 
 
-def _validate(module: types.ModuleType, name: str | None, checks: Checks,
-              catalogue: dict[str, Product]) -> tuple[ValidationReport, Capability | None]:
+def _validate(module: types.ModuleType, name: str | None, domain: str, checks: Checks,
+              catalogue: dict) -> tuple[ValidationReport, Capability | None]:
     """The module's report on the seeds (see the module docstring) and its capability (None when it broke the API)."""
     try:
-        capability = capability_from_module(module, name)
+        capability = capability_from_module(module, name, domain)
     except AuthoringError as error:
         return ValidationReport.failed(f"The module breaks the authoring API: {error}", checks), None
     problems: dict[str, list[str]] = {}  # an exception's text -> the plays that raised it
@@ -340,15 +348,16 @@ def _validate(module: types.ModuleType, name: str | None, checks: Checks,
     return dataclasses.replace(report, passed=_passed(report)), capability
 
 
-def _export(capability: Capability, catalogue: dict[str, Product], tasks: int, path: pathlib.Path) -> int:
+def _export(capability: Capability, catalogue: dict, tasks: int, path: pathlib.Path) -> int:
     """Writes `tasks` train and held-out scenarios per difficulty to `path`; returns how many."""
-    products: dict[str, dict] = {}
-    scenarios = {split: [[_pack(_scenario(capability, catalogue, difficulty, split, index), products)
+    domain = world_domain(capability.domain)
+    entries: dict[str, dict] = {}
+    scenarios = {split: [[_pack(_scenario(capability, catalogue, difficulty, split, index), domain, entries)
                           for index in range(tasks)] for difficulty in range(capability.max_difficulty + 1)]
                  for split in SPLITS}
     write_json_atomic(path, {"name": capability.name, "description": capability.description,
-                             "tools": [list(t) for t in capability.tools], "tasks": tasks, "products": products,
-                             "scenarios": scenarios})
+                             "domain": capability.domain, "tools": [list(t) for t in capability.tools],
+                             "tasks": tasks, "catalogue": entries, "scenarios": scenarios})
     return tasks * len(SPLITS) * (capability.max_difficulty + 1)
 
 
@@ -375,13 +384,13 @@ def _load() -> types.ModuleType:
 
 def _child(spec: dict) -> ValidationReport:
     """The child's whole run: limits, load, validation and, for a module that passes, the export."""
-    catalogue = domain_state("retail").db.products  # loaded before the limits: they budget the module alone
+    catalogue = world_domain(spec["domain"]).catalogue()  # loaded before the limits: they budget the module alone
     checks = Checks(**spec["checks"])
     _limit(spec["cpu_s"], spec["memory_mb"])
     memory_error = f"The module ran past the memory limit of {spec['memory_mb']} MB (MemoryError) and was stopped."
     try:
         module = _load()
-        report, capability = _validate(module, spec["name"], checks, catalogue)
+        report, capability = _validate(module, spec["name"], spec["domain"], checks, catalogue)
     except MemoryError:
         return ValidationReport.failed(memory_error, checks)
     except BaseException as error:  # noqa: BLE001 - the module's code may raise anything, SystemExit too

@@ -43,7 +43,7 @@ CARD_BRANDS = ("visa", "mastercard", "amex", "discover")
 STATUSES = ("pending", "processed", "delivered", "cancelled")
 
 
-def _digits(rng: random.Random, n: int) -> str:
+def digits(rng: random.Random, n: int) -> str:
     return "".join(rng.choice("0123456789") for _ in range(n))
 
 
@@ -52,27 +52,27 @@ def address(rng: random.Random) -> UserAddress:
     city, state, zip_prefix = rng.choice(CITIES)
     suite = rng.choice(("", f"Suite {rng.randint(100, 999)}", f"Apt {rng.randint(1, 40)}"))
     return UserAddress(address1=f"{rng.randint(10, 9999)} {rng.choice(STREETS)}", address2=suite, city=city,
-                       country="USA", state=state, zip=zip_prefix + _digits(rng, 2))
+                       country="USA", state=state, zip=zip_prefix + digits(rng, 2))
 
 
 def _customer(rng: random.Random, taken: set[str]) -> User:
     while True:
         first, last = rng.choice(FIRST_NAMES), rng.choice(LAST_NAMES)
-        user_id = f"{first.lower()}_{last.lower()}_{_digits(rng, 4)}"
+        user_id = f"{first.lower()}_{last.lower()}_{digits(rng, 4)}"
         if user_id not in taken:
             break
     methods = {}
     for source in rng.sample(("credit_card", "paypal", "gift_card"), rng.randint(1, 3)):
-        method_id = f"{source}_{_digits(rng, 7)}"
+        method_id = f"{source}_{digits(rng, 7)}"
         if source == "credit_card":
             methods[method_id] = CreditCard(source=source, id=method_id, brand=rng.choice(CARD_BRANDS),
-                                            last_four=_digits(rng, 4))
+                                            last_four=digits(rng, 4))
         elif source == "paypal":
             methods[method_id] = Paypal(source=source, id=method_id)
         else:
             methods[method_id] = GiftCard(source=source, id=method_id, balance=float(rng.randint(0, 300)))
     return User(user_id=user_id, name=UserName(first_name=first, last_name=last), address=address(rng),
-                email=f"{first.lower()}.{last.lower()}{_digits(rng, 4)}@example.com", payment_methods=methods,
+                email=f"{first.lower()}.{last.lower()}{digits(rng, 4)}@example.com", payment_methods=methods,
                 orders=[])
 
 
@@ -88,7 +88,7 @@ def _order(rng: random.Random, user: User, catalogue: list[Product], status: str
     payments = [OrderPayment(transaction_type="payment", amount=total, payment_method_id=method)]
     fulfillments = []
     if status in ("processed", "delivered"):
-        fulfillments = [OrderFullfilment(tracking_id=[_digits(rng, 12)], item_ids=[i.item_id for i in items])]
+        fulfillments = [OrderFullfilment(tracking_id=[digits(rng, 12)], item_ids=[i.item_id for i in items])]
     reason = None
     if status == "cancelled":
         payments.append(OrderPayment(transaction_type="refund", amount=total, payment_method_id=method))

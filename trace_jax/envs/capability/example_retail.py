@@ -1,13 +1,14 @@
-"""An example capability environment written against the authoring API (`authoring.py`), shown to the
+"""An example retail capability environment written against the authoring API (`authoring.py`), shown to the
 environment writer in its prompt: the customer asks about an order; the agent must read it and state the
 fact asked for. At difficulty 1 a ticket may name an item instead of the order, so the agent must read
 the customer's profile to find the order first."""
 
 import random
 
-from trace_jax.envs.capability.authoring import Product, Scenario, amount_text, build_world, call
+from trace_jax.envs.capability.retail_api import Product, Scenario, amount_text, build_world, call
 
 NAME = "order_facts"
+DOMAIN = "retail"
 DESCRIPTION = "Reads the order a customer asks about and states the facts they asked for in the final message."
 TOOLS = (("find_user_id_by_email", "get_order_details"),
          ("find_user_id_by_email", "get_user_details", "get_order_details"))
