@@ -28,7 +28,7 @@ from tau2.domains.airline.data_model import (
     User,
 )
 
-from trace_jax.envs.capability.world import CARD_BRANDS, FIRST_NAMES, LAST_NAMES, address, digits
+from trace_jax.envs.capability.world import CARD_BRANDS, FIRST_NAMES, LAST_NAMES, address, digits, person
 
 TODAY = "2024-05-15"  # τ²'s airline tools' date
 CABINS = ("basic_economy", "economy", "business")
@@ -47,11 +47,7 @@ def _passenger(rng: random.Random) -> Passenger:
 
 
 def _customer(rng: random.Random, taken: set[str]) -> User:
-    while True:
-        first, last = rng.choice(FIRST_NAMES), rng.choice(LAST_NAMES)
-        user_id = f"{first.lower()}_{last.lower()}_{digits(rng, 4)}"
-        if user_id not in taken:
-            break
+    first, last, user_id = person(rng, taken)
     methods = {}
     for source in ["credit_card"] + rng.sample(("gift_card", "certificate"), rng.randint(0, 2)):
         method_id = f"{source}_{digits(rng, 7)}"

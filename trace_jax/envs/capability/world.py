@@ -55,12 +55,17 @@ def address(rng: random.Random) -> UserAddress:
                        country="USA", state=state, zip=zip_prefix + digits(rng, 2))
 
 
-def _customer(rng: random.Random, taken: set[str]) -> User:
+def person(rng: random.Random, taken: set[str]) -> tuple[str, str, str]:
+    """An invented customer's first name, last name and a user id made of them that is not in `taken`."""
     while True:
         first, last = rng.choice(FIRST_NAMES), rng.choice(LAST_NAMES)
         user_id = f"{first.lower()}_{last.lower()}_{digits(rng, 4)}"
         if user_id not in taken:
-            break
+            return first, last, user_id
+
+
+def _customer(rng: random.Random, taken: set[str]) -> User:
+    first, last, user_id = person(rng, taken)
     methods = {}
     for source in rng.sample(("credit_card", "paypal", "gift_card"), rng.randint(1, 3)):
         method_id = f"{source}_{digits(rng, 7)}"
