@@ -30,7 +30,7 @@ from multiprocess import run_processes
 from trace_jax.baselines.experiment import validate_config as validate_experiment_config
 from trace_jax.baselines.gepa import joined_guidance
 from trace_jax.envs import make_environment
-from trace_jax.envs.capability import CAPABILITIES, example_retail
+from trace_jax.envs.capability import CAPABILITIES, example_airline, example_retail
 from trace_jax.evaluation import recorded_episodes, run_marker
 from trace_jax.rl.trainer import snapshot_step
 from trace_jax.trace.calibration import calibrate_capability
@@ -54,9 +54,8 @@ LLM_PATH = [f"--config.{key}={value}" for key, value in LLM_OVERRIDES.items()]
 _FENCED_EXAMPLE = f"```python\n{pathlib.Path(example_retail.__file__).read_text()}```"
 
 
-def _run(workdir, env, *overrides):
-    command = [sys.executable, "-m", "launch.trace", "--config=configs/trace_tiny.py", f"--workdir={workdir}",
-               *overrides]
+def _run(workdir, env, *overrides, config="configs/trace_tiny.py"):
+    command = [sys.executable, "-m", "launch.trace", f"--config={config}", f"--workdir={workdir}", *overrides]
     out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1]), out
@@ -80,6 +79,41 @@ def _scripted_llm(request):
     return json.dumps({"labels": {name: {v["id"]: {"label": "LACKING" if v["reward"] < 1 else "PRESENT",
                                                    "evidence": "seen"} for v in views}
                                   for name in ("tool_calling", "order_facts")}})
+
+
+def _airline_llm(request):
+    """The LLM roles on τ² airline: discovery names one capability, labelling marks it LACKING on failures and
+    PRESENT on successes, the writer answers with the airline example module."""
+    messages = request["messages"]
+    if messages[0]["content"].startswith("You are an expert Python engineer"):
+        return f"```python\n{pathlib.Path(example_airline.__file__).read_text()}```"
+    prompt = messages[1]["content"]
+    if prompt.startswith("Below are"):
+        return json.dumps({"capabilities": [{"name": "reservation_facts", "description": "Reads the reservation "
+                                             "asked about and states the facts.", "lacking": "Answers unread."}]})
+    views = [json.loads(line) for line in prompt.split("Trajectories:\n", 1)[1].splitlines()]
+    return json.dumps({"labels": {"reservation_facts": {v["id"]: {"label": "LACKING" if v["reward"] < 1 else "PRESENT",
+                                                                  "evidence": "seen"} for v in views}}})
+
+
+def test_an_airline_target_gets_its_environments_written_against_the_airline_api(tiny_chat_model, job_env, tmp_path):
+    """configs/trace_tiny_airline.py: the base model plays τ²'s airline tasks (as the agent and the user), the LLM
+    writes the selected capability's environment in the airline domain, and it is calibrated, trained and routed."""
+    with ScriptedLLMServer(_airline_llm) as server:
+        summary, _ = _run(tmp_path, job_env, f"--config.llm.base_url={server.base_url}", "--config.llm.model=scripted",
+                          "--config.env_writer.seeds=10", "--config.env_writer.export_tasks=8",
+                          *_model(tiny_chat_model), config="configs/trace_tiny_airline.py")
+        writer = [r["messages"] for r in server.requests if "expert Python" in r["messages"][0]["content"]]
+    assert summary["capabilities"] == summary["trained"] == ["reservation_facts"]
+    assert summary["episodes"] == {"base": 4, "trace": 4}
+    assert {r["family"] for r in _records(tmp_path / "heldout" / "base")} == {"airline"}
+    assert len(writer) == 1 and "agents of an airline" in writer[0][0]["content"]
+    assert "DOMAIN = 'airline'" in writer[0][1]["content"]
+    written = tmp_path / "environments" / "reservation_facts" / "written"
+    assert json.loads((written / "scenarios.json").read_text())["domain"] == "airline"
+    episode = _records(written / "calibration_1" / "difficulty_0")[0]
+    assert episode["messages"][0]["content"].startswith("You are a customer service agent of an airline")
+    assert (tmp_path / "adapters" / "reservation_facts" / "adapter" / "adapter_config.json").is_file()
 
 
 @pytest.fixture(scope="module")
@@ -339,8 +373,8 @@ def test_a_capability_dropped_by_calibration_gives_its_place_to_the_next_by_cove
     assert list(calibrate_in_order(list(passes), 0, calibrate)) == list(passes)  # 0: every selected one
 
 
-@pytest.mark.parametrize("name", ["trace_embedded", "trace_quick", "trace_tiny", "trace_tau2_retail",
-                                  "trace_tau2_retail_pod", "trace_tau2_airline"])
+@pytest.mark.parametrize("name", ["trace_embedded", "trace_quick", "trace_tiny", "trace_tiny_airline",
+                                  "trace_tau2_retail", "trace_tau2_retail_pod", "trace_tau2_airline"])
 def test_every_pipeline_config_validates_or_names_the_key_a_user_must_set(name):
     config = importlib.import_module(f"configs.{name}").get_config()
     assert target_domain(config.target.env) == ("airline" if name.endswith("airline") else "retail")
