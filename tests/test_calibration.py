@@ -36,11 +36,11 @@ def test_group_stats_and_pass_at_k_are_the_hand_computed_values():
     assert gate_failures(stats, calibration_defaults()) == ["informative groups 0.33 < 0.6"]
 
 
-def _measure(means: dict[int, float]):
-    """Rewards of mean `means[d]` with full variance: half the groups 0/1 mixed, the rest constant."""
+def _measure(means: dict[float, float]):
+    """Rewards of mean about `means[d]`, 0 or 1 at random."""
     def measure(difficulty):
         p = means[difficulty]
-        rewards = (np.random.default_rng(difficulty).random((20, 8)) < p).astype(float)
+        rewards = (np.random.default_rng(int(difficulty * 100)).random((20, 8)) < p).astype(float)
         return rewards, rewards == 1.0
     return measure
 
@@ -54,9 +54,21 @@ def test_the_difficulty_walks_to_the_gates_or_the_environment_is_dropped():
     down = calibrate(_measure({0: 0.95, 1: 0.45, 2: 0.1}), config, max_difficulty=2)
     assert down["difficulty"] == 1 and [t["difficulty"] for t in down["tries"]] == [2, 1]
     config.start_difficulty = 0
-    flips = calibrate(_measure({0: 0.9, 1: 0.1}), config, max_difficulty=1)  # too easy, then too hard: no loop
-    assert not flips["calibrated"] and [t["difficulty"] for t in flips["tries"]] == [0, 1]
-    assert flips["reason"].startswith("mean reward 0.") and "outside [0.3, 0.6]" in flips["reason"]
+    # too easy, then too hard: the mix halfway between, then (with min_step 0.25) halfway again, never a loop
+    mixed = calibrate(_measure({0: 0.9, 1: 0.1, 0.5: 0.45}), config, max_difficulty=1)
+    assert mixed["calibrated"] and [t["difficulty"] for t in mixed["tries"]] == [0, 1, 0.5]
+    flips = calibrate(_measure({0: 0.9, 1: 0.1, 0.5: 0.15}), config, max_difficulty=1)
+    assert not flips["calibrated"] and [t["difficulty"] for t in flips["tries"]] == [0, 1, 0.5]
+    assert flips["reason"].startswith("mean reward 0.1") and "outside [0.3, 0.6]" in flips["reason"]
+    config.min_step = 0.25
+    finer = calibrate(_measure({0: 0.9, 1: 0.1, 0.5: 0.15, 0.25: 0.5}), config, max_difficulty=1)
+    assert finer["difficulty"] == 0.25 and [t["difficulty"] for t in finer["tries"]] == [0, 1, 0.5, 0.25]
+    config.min_step, config.start_difficulty = 1, 2  # whole levels only; down from 2: 0 too easy stops it
+    whole = calibrate(_measure({2: 0.1, 1: 0.1, 0: 0.9}), config, max_difficulty=2)
+    assert not whole["calibrated"] and [t["difficulty"] for t in whole["tries"]] == [2, 1, 0]
+    config.min_step = 0.5  # the same walk may mix 0 and 1
+    assert [t["difficulty"] for t in calibrate(_measure({2: 0.1, 1: 0.1, 0: 0.9, 0.5: 0.2}), config,
+                                               max_difficulty=2)["tries"]] == [2, 1, 0, 0.5]
 
 
 def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_calibrate(tmp_path):

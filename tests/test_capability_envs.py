@@ -116,6 +116,22 @@ def test_tasks_are_deterministic_per_seed_with_disjoint_splits_and_new_customers
         assert {u.email for u in world.users.values()}.isdisjoint(u.email for u in target.users.values())
 
 
+def test_a_difficulty_between_two_levels_mixes_their_tasks_and_offers_both_levels_tools():
+    """Calibration's finer knob: at 0.5 about half the tasks are each level's (drawn per task key), the tools are
+    both levels', the gold still scores 1.0; 1.0 is level 1 itself (the same task ids)."""
+    mixed, lower, upper = _env(difficulty=0.5), _env(difficulty=0), _env(difficulty=1)
+    tasks = mixed.tasks("train", TASKS)
+    levels = [mixed.level(t.task_id.split("/", 1)[1]) for t in tasks]
+    assert 0.3 < sum(levels) / TASKS < 0.7 and set(levels) == {0, 1}
+    names = lambda env: {t["function"]["name"] for t in env.tools}
+    assert names(mixed) == names(lower) | names(upper) and names(lower) < names(upper)
+    upper_variants = {mixed.scenario(t).variant for t, level in zip(tasks, levels) if level == 1}
+    assert {mixed.scenario(t).variant for t, level in zip(tasks, levels) if level == 0} == {"cancel"}
+    assert upper_variants - {"cancel"}  # level 1 adds variants
+    assert {t.outcome.reward for t in _play(mixed, GoldAgent(), tasks)} == {1.0}
+    assert [t.task_id for t in _env(difficulty=1.0).tasks("train", 3)] == [t.task_id for t in upper.tasks("train", 3)]
+
+
 def test_bad_settings_fail_naming_the_key():
     with pytest.raises(ValueError, match="config.env.capability = 'telepathy'"):
         _env("telepathy")

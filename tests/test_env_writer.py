@@ -104,6 +104,9 @@ def test_the_writer_asks_again_with_each_failure_until_a_module_passes_then_resu
                 same.scenario(theirs).ticket, same.scenario(theirs).gold_calls, same.scenario(theirs).db)
     with pytest.raises(ValueError, match=f"holds {TASKS} train tasks of difficulty 0; task {TASKS} was asked"):
         synthesis.environment().tasks("train", TASKS + 1)
+    mix = synthesis.environment(0.5, policy=False)  # calibration's mix of two levels: exported tasks of each
+    assert {mix.level(t.task_id.split("/", 1)[1]) for t in mix.tasks("train")} == {0, 1}
+    assert {t.outcome.reward for t in _play(mix, GoldAgent(), mix.tasks("train"))} == {1.0}
 
     with ScriptedLLMServer([]) as server:  # a rerun: nothing is asked or validated again
         again = write_environment(CARD, EVIDENCE, _client(server, cache), folder, _config())

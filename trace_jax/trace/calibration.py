@@ -5,9 +5,11 @@ The base agent plays `seeds` training tasks `samples` times each at the rollout 
 (paper: 20 x 8 at 1.0) through the evaluation job, so the episodes are resumable and
 tabled like any evaluation. Gates (config keys; the paper's values by default): mean reward
 in [min_mean, max_mean], reward std >= min_std, a share >= min_informative of groups whose
-rewards are not all equal. pass@k is reported beside them. A built-in generator walks its
-difficulty knob (up when too easy, down when too hard); an environment that cannot pass is
-reported and dropped.
+rewards are not all equal. pass@k is reported beside them. A generator walks its difficulty
+knob a level at a time (up when too easy, down when too hard); where one level is too easy and
+the next too hard, it tries the mix of the two halfway between (each task of either level:
+`CapabilityEnvironment`), and halves again while the halves are at least `min_step` apart. An
+environment that cannot pass is reported and dropped.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def calibration_defaults() -> ml_collections.ConfigDict:
         "seeds": 20, "samples": 8, "temperature": 1.0,
         "min_mean": 0.3, "max_mean": 0.6, "min_std": 0.2, "min_informative": 0.6,
         "start_difficulty": 0,
+        "min_step": 0.5,  # the finest difficulty step between levels (0.5: one mix of two levels; 1: none)
         "policy": True,  # τ²'s retail policy in the system prompt, as the target has it
         "cut_share": CUT_SHARE,  # what an episode cut at a limit keeps of its reward (the environment's docstring)
     })
@@ -50,6 +53,7 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
             ("calibration.min_std", lambda v: number(v) and v >= 0, "a number >= 0"),
             ("calibration.min_informative", *share),
             ("calibration.start_difficulty", lambda v: isinstance(v, int) and v >= 0, "an int >= 0"),
+            ("calibration.min_step", lambda v: number(v) and 0 < v <= 1, "a number in (0, 1]"),
             ("calibration.policy", lambda v: isinstance(v, bool), "True or False"),
             ("calibration.cut_share", *share)]
 
@@ -90,12 +94,34 @@ def gate_failures(stats: dict, config: ml_collections.ConfigDict) -> list[str]:
 
 
 # difficulty -> ([seeds, samples] rewards, successes)
-Measure = Callable[[int], tuple[np.ndarray, np.ndarray]]
+Measure = Callable[[float], tuple[np.ndarray, np.ndarray]]
+
+
+def _side(mean: float, config: ml_collections.ConfigDict) -> int:
+    """+1 where a mean says harder (too easy), -1 easier (too hard), 0 where it is inside the gates."""
+    return 1 if mean > config.max_mean else -1 if mean < config.min_mean else 0
+
+
+def next_difficulty(tries: list[dict], config: ml_collections.ConfigDict, max_difficulty: int) -> float | None:
+    """Where the walk goes after its last try: a level further the way its mean points, or, where a try lies
+    within that level the other side of the gates, halfway to the nearest such try (while that half is >=
+    `min_step`); None where it may not move (the gates failed on spread, a bound, a try repeated)."""
+    last = tries[-1]
+    step = _side(last["mean"], config)
+    ahead = [t for t in tries if 0 < (t["difficulty"] - last["difficulty"]) * step <= 1]
+    if not ahead:
+        after = last["difficulty"] + step
+        return after if step and 0 <= after <= max_difficulty else None
+    nearest = min(ahead, key=lambda t: abs(t["difficulty"] - last["difficulty"]))
+    half = (nearest["difficulty"] - last["difficulty"]) / 2
+    if _side(nearest["mean"], config) != -step or abs(half) < config.min_step:
+        return None
+    return last["difficulty"] + half
 
 
 def calibrate(measure: Measure, config: ml_collections.ConfigDict, max_difficulty: int) -> dict:
-    """Walks the difficulty knob from `start_difficulty` until the gates pass, a bound is hit or a level
-    would repeat; returns every try and the difficulty chosen (None: the environment is dropped)."""
+    """Walks the difficulty knob from `start_difficulty` (`next_difficulty`) until the gates pass or it may not
+    move; returns every try and the difficulty chosen (None: the environment is dropped)."""
     tries, difficulty = [], min(config.start_difficulty, max_difficulty)
     while difficulty is not None:
         stats = group_stats(*measure(difficulty))
@@ -103,10 +129,7 @@ def calibrate(measure: Measure, config: ml_collections.ConfigDict, max_difficult
         tries.append({"difficulty": difficulty, **stats, "failures": failures})
         if not failures:
             return {"calibrated": True, "difficulty": difficulty, "tries": tries}
-        step = 1 if stats["mean"] > config.max_mean else -1 if stats["mean"] < config.min_mean else 0
-        after = difficulty + step
-        done = {t["difficulty"] for t in tries}
-        difficulty = after if step and 0 <= after <= max_difficulty and after not in done else None
+        difficulty = next_difficulty(tries, config, max_difficulty)
     return {"calibrated": False, "difficulty": None, "tries": tries,
             "reason": "; ".join(tries[-1]["failures"]) + " at every difficulty it could move to"}
 
@@ -132,7 +155,7 @@ def calibration_feedback(result: dict, config: ml_collections.ConfigDict) -> str
     return "\n".join(lines)
 
 
-def environment_config(capability: str, difficulty: int, config: ml_collections.ConfigDict,
+def environment_config(capability: str, difficulty: float, config: ml_collections.ConfigDict,
                        scenarios: str | None = None) -> dict:
     """The `env` block of a capability environment, built-in or (with `scenarios`, its exported tasks) written
     by the LLM (seed 0: calibration, training and the pipeline's examples all draw from its train split)."""
@@ -164,7 +187,7 @@ def calibrate_capability(capability: str, max_difficulty: int, base_eval: ml_col
     if result_path.exists():
         return json.loads(result_path.read_text())
 
-    def measure(difficulty: int) -> tuple[np.ndarray, np.ndarray]:
+    def measure(difficulty: float) -> tuple[np.ndarray, np.ndarray]:
         run = ml_collections.ConfigDict(base_eval.to_dict())
         run.env = environment_config(capability, difficulty, config, scenarios)
         run.update(split="train", num_tasks=config.seeds, trials=config.samples)

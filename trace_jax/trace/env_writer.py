@@ -122,7 +122,7 @@ class Synthesis:
     scenarios: str | None  # the accepted module's exported tasks
     reports: tuple[ValidationReport, ...]
 
-    def environment(self, difficulty: int = 0, policy: bool = True) -> ExportedEnvironment | None:
+    def environment(self, difficulty: float = 0, policy: bool = True) -> ExportedEnvironment | None:
         """The accepted environment at `difficulty`, or None when no module was accepted."""
         return ExportedEnvironment(self.scenarios, difficulty, policy) if self.accepted else None
 

@@ -124,7 +124,7 @@ def heldout_evaluation(config: ml_collections.ConfigDict, adapter: str = "") -> 
     return _evaluation_config(config, config.target.heldout_split, config.target.heldout_tasks, adapter)
 
 
-def training_config(config: ml_collections.ConfigDict, capability: str, difficulty: int,
+def training_config(config: ml_collections.ConfigDict, capability: str, difficulty: float,
                     scenarios: str | None = None) -> ml_collections.ConfigDict:
     """The GRPO job's config for one capability's environment (equal iterations for every capability)."""
     env = {**environment_config(capability, difficulty, config.calibration, scenarios), "split": "train"}

@@ -33,6 +33,7 @@ and learns from them as if unhinted (`trace_jax.rl.environment_rollouts`). Evalu
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Callable
 
@@ -163,21 +164,25 @@ class CapabilityEnvironment:
 
     name = "capability"
 
-    def __init__(self, capability: Capability, seed: int = 0, difficulty: int = 0, policy: bool = True,
+    def __init__(self, capability: Capability, seed: int = 0, difficulty: float = 0, policy: bool = True,
                  num_tasks: int = 200, cut_share: float = CUT_SHARE):
-        """`difficulty` in [0, capability.max_difficulty]; `policy` puts τ²'s policy of the domain in the system
-        prompt (as the target has it) or only the solo instruction (a short head, for CPU-sized runs);
-        `cut_share` in [0, 1]: the share of its level an episode cut at a limit keeps (module docstring)."""
-        if not 0 <= difficulty <= capability.max_difficulty:
-            raise ValueError(f"difficulty = {difficulty} is out of range for {capability.name}: "
+        """`difficulty` in [0, capability.max_difficulty]: a level, or between two levels a mix of them (each
+        task of the upper one with probability difficulty - lower, drawn from the task's key; the tools of
+        both offered: calibration's finer knob); `policy` puts τ²'s policy of the domain in the system prompt
+        (as the target has it) or only the solo instruction (a short head, for CPU-sized runs); `cut_share` in
+        [0, 1]: the share of its level an episode cut at a limit keeps (module docstring)."""
+        if not (isinstance(difficulty, (int, float)) and 0 <= difficulty <= capability.max_difficulty):
+            raise ValueError(f"difficulty = {difficulty!r} is out of range for {capability.name}: "
                              f"0 to {capability.max_difficulty}")
         if not (isinstance(cut_share, (int, float)) and 0 <= cut_share <= 1):
             raise ValueError(f"cut_share = {cut_share!r} is invalid; it must be a number in [0, 1]")
+        difficulty = int(difficulty) if float(difficulty).is_integer() else float(difficulty)  # 1.0 is level 1
         self.capability, self.seed, self.difficulty, self.num_tasks = capability, seed, difficulty, num_tasks
+        self.levels = (math.floor(difficulty), math.ceil(difficulty))
         self.cut_share = cut_share
         self.domain = world_domain(capability.domain)
         self._catalogue = self.domain.catalogue()
-        offered = capability.tools[difficulty]
+        offered = set(capability.tools[self.levels[0]]) | set(capability.tools[self.levels[1]])
         self.tools = [t for t in self.domain.state.tool_schemas if t["function"]["name"] in offered]
         self.system_prompt = self.domain.system_prompt(policy)
         self._scenarios: dict[str, tuple[TaskSpec, Scenario]] = {}
@@ -214,6 +219,12 @@ class CapabilityEnvironment:
             self._scenarios[task_id] = (TaskSpec(task_id, split, scenario.variant), scenario)
         return self._scenarios[task_id]
 
+    def level(self, key: str) -> int:
+        """The level of the task with `key`: the difficulty, or in a mix the upper level with probability
+        difficulty - lower (a draw of its own from the key, so the generator's draws stay the key's)."""
+        lower, upper = self.levels
+        return upper if random.Random(f"{key}/level").random() < self.difficulty - lower else lower
+
     def _draw(self, split: str, index: int, key: str) -> Scenario:
-        """Task `index` of `split`: the generator's scenario for the task's key."""
-        return self.capability.generate(random.Random(key), self.difficulty, self._catalogue)
+        """Task `index` of `split`: the generator's scenario for the task's key at the task's level."""
+        return self.capability.generate(random.Random(key), self.level(key), self._catalogue)

@@ -227,9 +227,10 @@ def _exported_only(rng: random.Random, difficulty: int, catalogue: dict) -> Scen
 
 class ExportedEnvironment(CapabilityEnvironment):
     """A written capability's tasks from the file its validated module exported: the same tasks, episodes and
-    reward as `CapabilityEnvironment(its capability, seed=0)`, without importing the module's code."""
+    reward as `CapabilityEnvironment(its capability, seed=0)`, without importing the module's code (in a mix of
+    two levels, task i is the exported task i of its level)."""
 
-    def __init__(self, path: str | pathlib.Path, difficulty: int = 0, policy: bool = True,
+    def __init__(self, path: str | pathlib.Path, difficulty: float = 0, policy: bool = True,
                  num_tasks: int | None = None, cut_share: float = CUT_SHARE):
         """`num_tasks`: how many tasks `tasks(split)` gives by default (None: every exported one)."""
         self.path = pathlib.Path(path)
@@ -239,12 +240,13 @@ class ExportedEnvironment(CapabilityEnvironment):
         super().__init__(capability, seed=0, difficulty=difficulty, policy=policy,
                          num_tasks=data["tasks"] if num_tasks is None else num_tasks, cut_share=cut_share)
         self._entries = data["catalogue"]
-        self._pool = {split: data["scenarios"][split][difficulty] for split in SPLITS}
+        self._pools = {split: data["scenarios"][split] for split in SPLITS}  # by level
 
     def _draw(self, split: str, index: int, key: str) -> Scenario:
-        pool = self._pool[split]
+        level = self.level(key)
+        pool = self._pools[split][level]
         if index >= len(pool):
-            raise ValueError(f"{self.path} holds {len(pool)} {split} tasks of difficulty {self.difficulty}; "
+            raise ValueError(f"{self.path} holds {len(pool)} {split} tasks of difficulty {level}; "
                              f"task {index} was asked for: export more (config.env_writer.export_tasks)")
         return _unpack(pool[index], self.domain, self._entries)
 
