@@ -82,12 +82,13 @@ def _flag(body: dict, name: str) -> bool:
 
 def _stops(stop: Any) -> tuple[str, ...]:
     """A request's stop strings: none, a string, or a list of at most MAX_STOPS non-empty ones."""
-    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else ()
-    if (stop is not None and not stops and not isinstance(stop, list)) or len(stops) > MAX_STOPS \
-            or not all(isinstance(s, str) and s for s in stops):
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
         raise ApiError(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them; got {stop!r}",
                        param="stop")
-    return stops
+    return tuple(stops)
 
 
 def sampling(body: dict, *, default_max_tokens: int, max_n: int, chat: bool) -> Sampling:
