@@ -29,9 +29,7 @@ flags.mark_flags_as_required(["config"])
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    multihost.initialize()
+    multihost.start(argv)
     summary = evaluate(_CONFIG.value, _WORKDIR.value, agent=_AGENT.value)
     if not distributed.is_main():
         return

@@ -12,12 +12,10 @@ from __future__ import annotations
 import json
 
 from absl import app, flags
-from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from launch import multihost
 from trace_jax import distributed
-from trace_jax.metrics import not_orbax_info
 from trace_jax.rl.trainer import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Job config file (configs/grpo_*.py).", lock_config=True)
@@ -26,10 +24,7 @@ flags.mark_flags_as_required(["config"])
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    multihost.initialize()
-    absl_logging.get_absl_handler().addFilter(not_orbax_info)
+    multihost.start(argv)
     summary = train(_CONFIG.value, _WORKDIR.value)
     if distributed.is_main():
         print(json.dumps(summary), flush=True)

@@ -8,10 +8,11 @@ TPU pod workers, Slurm and Open MPI need none of them: JAX detects the cluster i
 
 from __future__ import annotations
 
-from absl import flags
+from absl import app, flags
 from absl import logging as absl_logging
 
 from trace_jax import distributed
+from trace_jax.metrics import not_orbax_info
 
 _COORDINATOR = flags.DEFINE_string("coordinator_address", "", "host:port of process 0, which coordinates a run of "
                                    "several processes (else $JAX_COORDINATOR_ADDRESS; unset: one process)")
@@ -27,3 +28,12 @@ def initialize() -> None:
         return
     if not distributed.is_main():
         absl_logging.set_verbosity(absl_logging.WARNING)
+
+
+def start(argv: list[str]) -> None:
+    """What every job's `main` does first: refuses stray arguments, starts `jax.distributed` (`initialize`) and
+    keeps orbax's per-save info lines out of the log."""
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    initialize()
+    absl_logging.get_absl_handler().addFilter(not_orbax_info)
