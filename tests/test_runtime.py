@@ -1,6 +1,6 @@
 """Process-wide settings: the malloc setting applies only where JAX computes on the CPU (on GPU and
 TPU hosts it serialises XLA's compile threads), and the memory it keeps is given back on request; compiled
-programs persist per machine."""
+programs persist per machine, and are dropped when a process nears the kernel's limit on memory maps."""
 
 import json
 import os
@@ -71,3 +71,34 @@ print(json.dumps({"start": start, "freed": resident_memory_gb(), "released": rel
     print(f"\n[runtime] resident GB: {gb}")
     assert gb["freed"] >= gb["start"] + 0.35  # kept after the free
     assert gb["released"] <= gb["start"] + 0.05 and gb["peak"] >= gb["start"] + 0.35
+
+
+def test_a_process_near_the_kernels_limit_on_memory_maps_drops_its_compiled_programs():
+    """XLA:CPU maps each compiled kernel apart and a process keeps every program it ran; past a share of the
+    kernel's limit `bound_memory_maps` drops them (their maps go) and they compile or load again when run."""
+    script = """
+import json
+import jax, jax.numpy as jnp
+from trace_jax import runtime
+fns = [jax.jit(lambda x, i=i: jnp.tanh(jnp.sin(x) * i + jnp.cos(x * i)).cumsum()) for i in range(40)]
+first = [float(f(jnp.arange(64.0 + i)).sum()) for i, f in enumerate(fns)]
+held, limit = runtime.memory_maps()
+kept = runtime.bound_memory_maps(share=1.0, every_s=0)  # far from the limit: nothing happens
+cached = sum(f._cache_size() for f in fns)
+dropped = runtime.bound_memory_maps(share=(held - 1) / limit, every_s=0)
+after, _ = runtime.memory_maps()
+left = sum(f._cache_size() for f in fns)
+repeat = runtime.bound_memory_maps(share=(held - 1) / limit, every_s=0)  # measured from what the drop left
+throttled = runtime.bound_memory_maps(share=0.0, every_s=3600)  # looked just now
+again = [float(f(jnp.arange(64.0 + i)).sum()) for i, f in enumerate(fns)]
+print(json.dumps(dict(held=held, after=after, kept=kept, cached=cached, dropped=dropped, repeat=repeat,
+                      throttled=throttled, left=left, same=again == first)))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not result["kept"] and result["cached"] == 40
+    assert result["dropped"] and result["left"] == 0 and not result["repeat"] and not result["throttled"]
+    assert result["after"] < result["held"] - 40  # each program held maps of its own
+    assert result["same"]

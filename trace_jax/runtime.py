@@ -1,5 +1,6 @@
 """Process-wide settings that make XLA:CPU fast on Linux (call `retain_freed_memory()` first thing),
-a persistent compilation cache, the project's cache folder, and the CPU's name for benchmark output.
+a persistent compilation cache, a bound on the memory maps compiled programs hold, the project's cache
+folder, and the CPU's name for benchmark output.
 
 XLA:CPU allocates one temporary arena per executable run (about 5.5 GB for a GRPO step of
 8 x 256 tokens on SmolLM2-135M) and frees it afterwards. glibc hands such blocks straight
@@ -24,7 +25,10 @@ import pathlib
 import platform
 import re
 import sys
+import time
 from collections.abc import Iterable, Mapping
+
+from absl import logging
 
 # mallopt(3) parameters from glibc's malloc.h.
 _M_TRIM_THRESHOLD = -1
@@ -86,6 +90,48 @@ def peak_memory_gb() -> float:
     import resource  # noqa: PLC0415 (Unix only)
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the kernel's limit on them per process), from /proc (None elsewhere)."""
+    try:
+        with open("/proc/self/maps") as f:
+            held = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return held, int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+_maps_seen = {"checked_at": float("-inf"), "after_drop": 0}  # `bound_memory_maps`' last look and last drop
+
+
+def bound_memory_maps(share: float = 0.5, every_s: float = 30.0) -> bool:
+    """Drops every compiled program (`jax.clear_caches`) once this process's memory maps are more than `share`
+    of the way from what the last drop left (none at first) to the kernel's limit, so that maps which are not
+    programs' cannot make it drop over and over; each program loads again from the compilation cache when next
+    run. Returns whether it dropped them. Looks at most every `every_s` seconds.
+
+    XLA:CPU maps every compiled kernel's code and data apart, about a thousand maps for a sampler's programs
+    of SmolLM2-135M, and a process keeps every program it ran: the embedded agent's GRPO steps added some
+    2,000 maps a minute (new row-prefill, decode and learner shapes) and killed the process at the default
+    limit (65,530) after about 30 minutes ("LLVM ERROR: Unable to allocate section memory"). Dropping the
+    programs frees their maps; reloading one sampler's programs took 4.4 s against 12.2 s to compile them."""
+    now = time.monotonic()
+    if now - _maps_seen["checked_at"] < every_s:
+        return False
+    _maps_seen["checked_at"] = now
+    maps = memory_maps()
+    if maps is None or maps[0] <= _maps_seen["after_drop"] + share * (maps[1] - _maps_seen["after_drop"]):
+        return False
+    import jax  # noqa: PLC0415 (jobs call `retain_freed_memory` before JAX is imported)
+
+    jax.clear_caches()
+    _maps_seen["after_drop"] = memory_maps()[0]
+    logging.info("%d memory maps of the kernel's %d per process: dropped the compiled programs, %d maps left (they "
+                 "load again from the compilation cache; `sysctl -w vm.max_map_count=1048576` avoids the reloads)",
+                 *maps, _maps_seen["after_drop"])
+    return True
 
 
 def computes_on_cpu(environ: Mapping[str, str] | None = None, installed: Iterable[str] | None = None) -> bool:

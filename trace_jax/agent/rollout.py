@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import jax
 
-from trace_jax import lora
+from trace_jax import lora, runtime
 from trace_jax.agent.chat_codec import ChatCodec
 from trace_jax.agent.tool_calls import parse_assistant_output
 from trace_jax.envs import base
@@ -174,6 +174,7 @@ class RolloutEngine:
         sampling: dict[int, _Live] = {}  # row -> the episode whose model turn it samples
         start = time.perf_counter()
         while queue or live:
+            runtime.bound_memory_maps()  # a long run meets many shapes (see there)
             while queue and len(live) < self.config.batch_size and len(free_rows) >= self._rows_per_episode:
                 index, job = queue.popleft()
                 live.append(self._start(index, job, free_rows))

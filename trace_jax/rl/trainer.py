@@ -60,7 +60,7 @@ from trace_jax.rl.job import ADAPTER, common_checks, export_adapter, start_run
 from trace_jax.rl.learner import make_rescore_fn, make_train_step
 from trace_jax.rl.losses import AGGREGATIONS, LossConfig
 from trace_jax.rl.single_turn import TaskSetRollouts
-from trace_jax.runtime import peak_memory_gb, release_freed_memory
+from trace_jax.runtime import bound_memory_maps, peak_memory_gb, release_freed_memory
 from trace_jax.sampling import Sampler
 from trace_jax.tasks import TASK_SETS
 
@@ -262,6 +262,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
             metrics["learner/micro_batches"] = float(len(batch["micro_batches"]))
         t_learned = time.monotonic()
         rss_gb = release_freed_memory()
+        bound_memory_maps()  # the learner's programs, as the rollout engine does for the sampler's
         if rss_gb is not None:
             metrics.update({"memory/rss_gb": rss_gb, "memory/peak_rss_gb": peak_memory_gb()})
         metrics.update({"time/sample_s": t_sampled - t0, "time/learn_s": t_learned - t_sampled,

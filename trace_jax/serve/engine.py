@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import jax
 from absl import logging
 
-from trace_jax import lora
+from trace_jax import lora, runtime
 from trace_jax.sampling import Sampler, Session, common_prefix_length
 
 MIN_REUSE = 16  # a parked row is continued when it holds at least this many of a prompt's leading tokens
@@ -160,6 +160,7 @@ class ServingEngine:
                 self._fail_requests("the server is shutting down")
                 return
             try:
+                runtime.bound_memory_maps()  # a server meets new shapes for as long as it runs
                 self._drop(cancelled)
                 self._admit()
                 if self._session.running:
