@@ -222,6 +222,57 @@ def test_copy_on_read_tables_hand_out_private_rows():
     assert pristine.status != "cancelled" and reservation_id in state.db.reservations
 
 
+def test_read_tools_read_pristine_rows_without_copies():
+    """τ²'s READ tools read the rows as they are (no copies): every READ call among the base tasks' gold actions,
+    and every READ tool that takes no argument, answers as on τ²'s own environment, copies no row, and leaves
+    the pristine DBs as they were."""
+    for domain in ("airline", "retail", "mock", "telecom"):
+        state, env = domain_state(domain), environment(domain)
+        pristine = state.fresh_environment()
+        hashes = pristine.get_db_hash(), pristine.get_user_db_hash()
+        theirs = tau2_environment(domain)
+        side = lambda requestor: "user" if requestor == "user" else "agent"
+        reads = [(action.requestor, action.name, action.arguments) for spec in env.tasks("base")
+                 for action in env.tau2_task(spec).evaluation_criteria.actions or ()
+                 if action.name in state._read_tools[side(action.requestor)]]
+        reads += [(requestor, schema["function"]["name"], {})
+                  for requestor, schemas in (("assistant", state.tool_schemas), ("user", state.user_tool_schemas))
+                  for schema in schemas if schema["function"]["name"] in state._read_tools[side(requestor)]
+                  and not schema["function"]["parameters"].get("required")]
+        assert reads, domain
+        for i, (requestor, name, arguments) in enumerate(reads):
+            ours = state.fresh_environment()
+            call = {"id": f"c{i}", "name": name, "arguments": arguments}
+            assert execute(ours, call, requestor) == execute(theirs, call, requestor), call
+            tables = [t for db in (ours.tools.db, getattr(ours.user_tools, "db", None)) if db is not None
+                      for t in vars(db).values() if isinstance(t, dict) and hasattr(t, "_own")]
+            assert not any(t._own for t in tables), call
+        fresh = state.fresh_environment()
+        assert (fresh.get_db_hash(), fresh.get_user_db_hash()) == hashes, domain
+    retail = domain_state("retail")
+    users = retail.fresh_environment()
+    email = next(iter(retail.db.users.values())).email
+    execute(users, {"id": "r", "name": "find_user_id_by_email", "arguments": {"email": email}})
+    assert not users.tools.db.users._own  # the look-up over every customer copied none of them
+    execute(users, {"id": "w", "name": "cancel_pending_order",
+                    "arguments": {"order_id": _pending_order(retail, set()), "reason": "ordered by mistake"}})
+    assert users.tools.db.orders._own  # a write tool still works on copies
+
+
+def test_db_hashes_equal_tau2s_own_after_gold_actions():
+    """The DB hash reuses the dumps of untouched rows (tau2_bridge._Snapshot.dump): after each of the first tasks'
+    gold actions (writes included), both DB hashes equal those of τ²'s own environment given the same calls."""
+    for domain in ("airline", "retail", "mock", "telecom"):
+        state, env = domain_state(domain), environment(domain)
+        for spec in env.tasks("base")[:4]:
+            ours, theirs = state.fresh_environment(), tau2_environment(domain)
+            for i, action in enumerate(env.tau2_task(spec).evaluation_criteria.actions or ()):
+                call = {"id": f"c{i}", "name": action.name, "arguments": action.arguments}
+                assert execute(ours, call, action.requestor) == execute(theirs, call, action.requestor), call
+                assert ours.get_db_hash() == theirs.get_db_hash(), call
+                assert ours.get_user_db_hash() == theirs.get_user_db_hash(), call
+
+
 # ---------------------------------------------------------------------------------------------
 # score() is τ²'s evaluate_simulation.
 

@@ -3,14 +3,17 @@
 Episodes run τ²'s own `Environment`, and τ²'s own `evaluate_simulation` scores them. Each
 domain's DB is parsed once per process; a fresh environment gets a copy-on-read view of it
 (`_CopyOnRead`): building one costs microseconds instead of the 0.2-0.5 s a parse (or a deep
-copy) of the airline DB takes. The evaluator builds two fresh environments per episode (to
-replay the trajectory and the gold actions) through τ²'s registry, where each domain is
-registered a second time under `cached_domain_name(domain)` with `DomainState.fresh_environment`
-as its constructor: the same states, hashes and rewards, without parsing the files again.
+copy) of the airline DB takes; τ²'s read-only tools read the pristine rows without copying them,
+and the DB hash reuses the pristine rows' dumps (`_fast_toolkit`). The evaluator builds two fresh
+environments per episode (to replay the trajectory and the gold actions) through τ²'s registry,
+where each domain is registered a second time under `cached_domain_name(domain)` with
+`DomainState.fresh_environment` as its constructor: the same states, hashes and rewards, without
+parsing the files again.
 """
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import datetime
 import functools
@@ -18,14 +21,16 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import Any, Self
 
+from pydantic import BaseModel
 from tau2.data_model.message import AssistantMessage, ToolCall, ToolMessage, UserMessage
 from tau2.data_model.simulation import RewardInfo, SimulationRun, TerminationReason
 from tau2.data_model.tasks import RewardType, Task
 from tau2.environment.db import DB
 from tau2.environment.environment import Environment
-from tau2.environment.toolkit import ToolType
+from tau2.environment.toolkit import ToolKitBase, ToolType
 from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
 from tau2.registry import registry
+from tau2.utils.utils import get_dict_hash
 
 from trace_jax.envs.base import (
     END_AGENT_STOP,
@@ -60,10 +65,15 @@ def cached_domain_name(domain: str) -> str:
     return f"trace_jax_cached_{domain}"
 
 
+# Set while one of τ²'s READ tools runs: the tables then hand out the rows they hold without copying them.
+_SHARED_READS = contextvars.ContextVar("shared_reads", default=False)
+
+
 class _CopyOnRead(dict):
     """One table of a fresh DB (say, reservations by id): its rows are the pristine DB's row objects
     until first read; every way of reading a row (`[]`, `get`, `values`, `items`, `pop`, ...) first
-    swaps in a private deep copy, so tools only ever see, and change, rows of their own. Serialising
+    swaps in a private deep copy, so tools only ever see, and change, rows of their own. A READ tool
+    (`_fast_toolkit`) reads the rows as they are: pristine ones stay pristine. Serialising
     (τ²'s DB hash) reads the stored rows directly: pristine ones where nothing was read."""
 
     def __init__(self, pristine: dict):
@@ -71,7 +81,7 @@ class _CopyOnRead(dict):
         self._own: set = set()
 
     def _row(self, key: Any) -> Any:
-        if key not in self._own:
+        if key not in self._own and not _SHARED_READS.get():
             dict.__setitem__(self, key, copy.deepcopy(dict.__getitem__(self, key)))
             self._own.add(key)
         return dict.__getitem__(self, key)
@@ -132,10 +142,14 @@ class _CopyOnRead(dict):
 class _Snapshot:
     """A pristine DB, parsed once. `copy()` gives a private DB as if freshly loaded: its dict tables
     copy rows on first read (`_CopyOnRead`), other fields are deep-copied (a full copy of the
-    airline DB, 165k objects, costs as much as parsing the file: 0.2-0.5 s here)."""
+    airline DB, 165k objects, costs as much as parsing the file: 0.2-0.5 s here). `dump(db)` is
+    `db.model_dump()` of such a copy, with the dumps of its untouched rows made once."""
 
     def __init__(self, db: DB):
         self.db = db
+        self._tables = [name for name in type(db).model_fields if isinstance(table := getattr(db, name), dict)
+                        and all(isinstance(row, BaseModel) for row in table.values())]  # tables of models
+        self._row_dumps: dict[str, dict] | None = None  # per table, each pristine row's model_dump()
 
     def copy(self) -> DB:
         fields = {}
@@ -143,6 +157,43 @@ class _Snapshot:
             value = getattr(self.db, name)
             fields[name] = _CopyOnRead(value) if isinstance(value, dict) else copy.deepcopy(value)
         return type(self.db).model_construct(_fields_set=set(self.db.model_fields_set), **fields)
+
+    def dump(self, db: DB) -> dict:
+        """`db.model_dump()` for a copy of this snapshot, its unread rows' dumps taken from the pristine DB's, made
+        once: τ²'s DB hash dumps the whole DB twice per evaluated episode, which touches a few rows of it."""
+        tables = {name: getattr(db, name) for name in self._tables}
+        if not all(isinstance(table, _CopyOnRead) for table in tables.values()):
+            return db.model_dump()  # a DB τ² replaced (`ToolKitBase.update_db`)
+        if self._row_dumps is None:
+            self._row_dumps = {name: {key: row.model_dump() for key, row in getattr(self.db, name).items()}
+                               for name in self._tables}
+        out = db.model_dump(exclude=set(tables))
+        for name, table in tables.items():
+            pristine = self._row_dumps[name]
+            out[name] = {key: row.model_dump() if key in table._own else pristine[key]
+                         for key, row in dict.items(table)}
+        return out
+
+
+def _fast_toolkit(toolkit: ToolKitBase, snapshot: _Snapshot, read_tools: frozenset[str]) -> None:
+    """Speeds up the τ² toolkit of a fresh environment (`snapshot`'s copy), the same answers and hashes:
+    - its READ tools (τ²'s own tool types: they do not change the DB) read the rows as they are, without
+      copies: a look-up over every customer (`find_user_id_by_email`) otherwise deep-copied all of them;
+      the other tools copy what they read;
+    - its DB hash (τ²'s `get_dict_hash` of the DB's dump) reuses the dumps of the rows nothing touched."""
+    use_tool = toolkit.use_tool
+
+    def use(tool_name: str, **kwargs: Any) -> Any:
+        if tool_name not in read_tools:
+            return use_tool(tool_name=tool_name, **kwargs)
+        token = _SHARED_READS.set(True)
+        try:
+            return use_tool(tool_name=tool_name, **kwargs)
+        finally:
+            _SHARED_READS.reset(token)
+
+    toolkit.use_tool = use
+    toolkit.get_db_hash = lambda: get_dict_hash(snapshot.dump(toolkit.db))
 
 
 class DomainState:
@@ -160,10 +211,11 @@ class DomainState:
         self.db = self._agent_db.db  # the pristine agent-side DB: read it, never write it
         self.policy: str = loaded.get_policy()
         self.tool_schemas: list[dict] = [tool.openai_schema for tool in loaded.get_tools()]
-        self.write_tools = frozenset(tool.name for tool in loaded.get_tools()
-                                     if loaded.tools.tool_type(tool.name) == ToolType.WRITE)
+        self.write_tools = _tool_names(loaded.tools, ToolType.WRITE)
         self.user_tool_schemas: list[dict] = ([tool.openai_schema for tool in loaded.get_user_tools()]
                                               if loaded.user_tools is not None else [])
+        self._read_tools = {side: _tool_names(toolkit, ToolType.READ) for side, toolkit in
+                            (("agent", loaded.tools), ("user", loaded.user_tools)) if toolkit is not None}
         if cached_domain_name(domain) not in registry.get_domains():
             registry.register_domain(self.fresh_environment, cached_domain_name(domain))
 
@@ -172,7 +224,16 @@ class DomainState:
         kwargs: dict[str, Any] = {"db": self._agent_db.copy(), "solo_mode": solo_mode}
         if self._user_db is not None:
             kwargs["user_db"] = self._user_db.copy()
-        return self._get_environment(**kwargs)
+        environment = self._get_environment(**kwargs)
+        _fast_toolkit(environment.tools, self._agent_db, self._read_tools["agent"])
+        if self._user_db is not None:
+            _fast_toolkit(environment.user_tools, self._user_db, self._read_tools["user"])
+        return environment
+
+
+def _tool_names(toolkit: ToolKitBase, kind: ToolType) -> frozenset[str]:
+    """The names of `toolkit`'s tools of type `kind`."""
+    return frozenset(name for name in toolkit.tools if toolkit.tool_type(name) == kind)
 
 
 @functools.cache
