@@ -4,7 +4,7 @@ Episodes run τ²'s own `Environment`, and τ²'s own `evaluate_simulation` scor
 domain's DB is parsed once per process; a fresh environment gets a copy-on-read view of it
 (`_CopyOnRead`): building one costs microseconds instead of the 0.2-0.5 s a parse (or a deep
 copy) of the airline DB takes; τ²'s read-only tools read the pristine rows without copying them,
-and the DB hash reuses the pristine rows' dumps (`_fast_toolkit`). The evaluator builds two fresh
+and DB hashes are memoised on what a copy changed (`_fast_toolkit`). The evaluator builds two fresh
 environments per episode (to replay the trajectory and the gold actions) through τ²'s registry,
 where each domain is registered a second time under `cached_domain_name(domain)` with
 `DomainState.fresh_environment` as its constructor: the same states, hashes and rewards, without
@@ -18,6 +18,7 @@ import copy
 import datetime
 import functools
 import importlib
+import json
 from collections.abc import Callable, Sequence
 from typing import Any, Self
 
@@ -45,6 +46,7 @@ from trace_jax.envs.base import (
 )
 
 DOMAINS = ("airline", "retail", "mock", "telecom")
+HASHES_KEPT = 4096  # DB states whose hash a domain's snapshot keeps (`_Snapshot.hash`)
 
 # Our end reasons as τ²'s; only the first two are scored (τ² gives every other end 0).
 TERMINATIONS = {
@@ -142,14 +144,15 @@ class _CopyOnRead(dict):
 class _Snapshot:
     """A pristine DB, parsed once. `copy()` gives a private DB as if freshly loaded: its dict tables
     copy rows on first read (`_CopyOnRead`), other fields are deep-copied (a full copy of the
-    airline DB, 165k objects, costs as much as parsing the file: 0.2-0.5 s here). `dump(db)` is
-    `db.model_dump()` of such a copy, with the dumps of its untouched rows made once."""
+    airline DB, 165k objects, costs as much as parsing the file: 0.2-0.5 s here). `hash(db)` is τ²'s
+    DB hash of such a copy, memoised on what the copy changed."""
 
     def __init__(self, db: DB):
         self.db = db
         self._tables = [name for name in type(db).model_fields if isinstance(table := getattr(db, name), dict)
                         and all(isinstance(row, BaseModel) for row in table.values())]  # tables of models
         self._row_dumps: dict[str, dict] | None = None  # per table, each pristine row's model_dump()
+        self._hashes: dict[str, str] = {}  # `hash`'s memo: what a copy changed (JSON) -> its DB hash
 
     def copy(self) -> DB:
         fields = {}
@@ -158,21 +161,29 @@ class _Snapshot:
             fields[name] = _CopyOnRead(value) if isinstance(value, dict) else copy.deepcopy(value)
         return type(self.db).model_construct(_fields_set=set(self.db.model_fields_set), **fields)
 
-    def dump(self, db: DB) -> dict:
-        """`db.model_dump()` for a copy of this snapshot, its unread rows' dumps taken from the pristine DB's, made
-        once: τ²'s DB hash dumps the whole DB twice per evaluated episode, which touches a few rows of it."""
+    def hash(self, db: DB) -> str:
+        """τ²'s DB hash (`get_dict_hash(db.model_dump())`) of a copy of this snapshot, memoised on what the copy
+        holds apart from its pristine rows: a task's gold replay, and every episode that leaves the DB as an
+        earlier one did, dump the whole DB once per process; a new state reuses the pristine rows' dumps. Equal
+        memo keys (JSON as τ²'s hash writes it) mean equal whole-DB JSON, so equal hashes."""
         tables = {name: getattr(db, name) for name in self._tables}
         if not all(isinstance(table, _CopyOnRead) for table in tables.values()):
-            return db.model_dump()  # a DB τ² replaced (`ToolKitBase.update_db`)
-        if self._row_dumps is None:
-            self._row_dumps = {name: {key: row.model_dump() for key, row in getattr(self.db, name).items()}
-                               for name in self._tables}
-        out = db.model_dump(exclude=set(tables))
-        for name, table in tables.items():
-            pristine = self._row_dumps[name]
-            out[name] = {key: row.model_dump() if key in table._own else pristine[key]
-                         for key, row in dict.items(table)}
-        return out
+            return get_dict_hash(db.model_dump())  # a DB τ² replaced (`ToolKitBase.update_db`)
+        rest = db.model_dump(exclude=set(tables))
+        own = {name: {key: dict.__getitem__(table, key).model_dump() for key in table._own if key in table}
+               for name, table in tables.items()}
+        removed = {name: [key for key in getattr(self.db, name) if key not in table] for name, table in tables.items()}
+        changes = json.dumps([rest, own, removed], sort_keys=True, default=str)
+        if changes not in self._hashes:
+            if self._row_dumps is None:
+                self._row_dumps = {name: {key: row.model_dump() for key, row in getattr(self.db, name).items()}
+                                   for name in self._tables}
+            whole = {**rest, **{name: {key: own[name][key] if key in own[name] else self._row_dumps[name][key]
+                                       for key in dict.keys(table)} for name, table in tables.items()}}
+            if len(self._hashes) >= HASHES_KEPT:
+                del self._hashes[next(iter(self._hashes))]  # the oldest
+            self._hashes[changes] = get_dict_hash(whole)
+        return self._hashes[changes]
 
 
 def _fast_toolkit(toolkit: ToolKitBase, snapshot: _Snapshot, read_tools: frozenset[str]) -> None:
@@ -180,7 +191,7 @@ def _fast_toolkit(toolkit: ToolKitBase, snapshot: _Snapshot, read_tools: frozens
     - its READ tools (τ²'s own tool types: they do not change the DB) read the rows as they are, without
       copies: a look-up over every customer (`find_user_id_by_email`) otherwise deep-copied all of them;
       the other tools copy what they read;
-    - its DB hash (τ²'s `get_dict_hash` of the DB's dump) reuses the dumps of the rows nothing touched."""
+    - its DB hash (τ²'s `get_dict_hash` of the DB's dump) is memoised on what the copy changed (`_Snapshot.hash`)."""
     use_tool = toolkit.use_tool
 
     def use(tool_name: str, **kwargs: Any) -> Any:
@@ -193,7 +204,7 @@ def _fast_toolkit(toolkit: ToolKitBase, snapshot: _Snapshot, read_tools: frozens
             _SHARED_READS.reset(token)
 
     toolkit.use_tool = use
-    toolkit.get_db_hash = lambda: get_dict_hash(snapshot.dump(toolkit.db))
+    toolkit.get_db_hash = lambda: snapshot.hash(toolkit.db)
 
 
 class DomainState:
