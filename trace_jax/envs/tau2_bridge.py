@@ -22,7 +22,6 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any, Self
 
-from pydantic import BaseModel
 from tau2.data_model.message import AssistantMessage, ToolCall, ToolMessage, UserMessage
 from tau2.data_model.simulation import RewardInfo, SimulationRun, TerminationReason
 from tau2.data_model.tasks import RewardType, Task
@@ -150,7 +149,7 @@ class _Snapshot:
     def __init__(self, db: DB):
         self.db = db
         self._tables = [name for name in type(db).model_fields if isinstance(table := getattr(db, name), dict)
-                        and all(isinstance(row, BaseModel) for row in table.values())]  # tables of models
+                        and all(hasattr(row, "model_dump") for row in table.values())]  # tables of pydantic rows
         self._row_dumps: dict[str, dict] | None = None  # per table, each pristine row's model_dump()
         self._hashes: dict[str, str] = {}  # `hash`'s memo: what a copy changed (JSON) -> its DB hash
 
