@@ -185,6 +185,37 @@ def test_rows_that_open_alike_are_prefilled_once_and_copied(model):
     assert len({tuple(o.token_ids) for o in sampled}) > 1  # copies draw their own tokens
 
 
+def test_a_row_opening_as_a_held_row_copies_it_later(model):
+    """A row fed later with an opening another row holds (that row has gone on sampling since) copies it: the
+    opening's length and the logits after it, not the holder's; rows restarted, released or cut below it
+    no longer hold it, and with no holder left the opening is prefilled again."""
+    cfg, params, _ = model
+    sampler = Sampler(cfg, params, min_shared_prefix=None)
+    p = [3, 1, 4, 1, 5, 9, 2, 6]
+    alone, _ = sampler.generate([p], key=jax.random.key(0), max_new_tokens=6)
+    session = sampler.session(8)
+
+    def play(row: int) -> list[int]:
+        session.feed([row], [p], max_new_tokens=6)
+        done = {}
+        while session.running:
+            done.update(session.step(jax.random.key(0)))
+        assert done[row].token_ids == alone[0].token_ids
+        assert np.abs(_full_logprobs(params, cfg, p, done[row].token_ids) - np.array(done[row].logprobs)).max() <= 1e-4
+        return [session.stats[name] for name in ("prefill_rows", "copied_rows", "copied_tokens")]
+
+    assert play(0) == [1, 0, 0]
+    assert play(3) == [1, 1, len(p)]  # row 0 holds p and 6 sampled tokens after it
+    session.release([0])
+    assert play(5) == [1, 2, 2 * len(p)]  # row 3 still holds it
+    session.start(3, [7])
+    session.feed([3], [[8] * len(p)], max_new_tokens=1)  # row 3 now holds other tokens where p was
+    while session.running:
+        session.step(jax.random.key(0))
+    assert session.keep(5, len(p) - 1)  # cut inside the opening: row 5 holds it no more
+    assert play(6) == [3, 2, 2 * len(p)]
+
+
 def test_a_session_compiles_few_programs_whatever_it_is_fed(model):
     """Feeds of any number of rows and any piece lengths compile one row prefill per (width: 1, 4 or
     16 rows; length: a power of two from 32 to the chunk; window: the fed rows' reach, a power of two up to

@@ -347,8 +347,9 @@ def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.
         _keep_episodes_of_same_run(workdir, run_marker(run, agent, routes))
         groups.append((run, env.tasks(run.split, run.num_tasks)))
     engine, adapter_of = _engine(config, env, agent, routes)
-    played = play_together(engine, [([Job(task, trial, adapter_of(task.task_id)) for trial in range(run.trials)
-                                      for task in tasks], workdir / "episodes.jsonl")
+    # A task's trials adjacent: the later ones find its opening held by a row (`Session` copies it).
+    played = play_together(engine, [([Job(task, trial, adapter_of(task.task_id)) for task in tasks
+                                      for trial in range(run.trials)], workdir / "episodes.jsonl")
                                     for (run, tasks), workdir in zip(groups, workdirs)],
                            key=jax.random.key(config.seed), log_every_s=config.log_every_s)
     summaries, tables = [], []

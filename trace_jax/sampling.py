@@ -153,11 +153,13 @@ def _put_rows(k, v, lengths, logits, row_ids, rows_k, rows_v, rows_lengths, row_
     return tuple(map(own, k, rows_k)), tuple(map(own, v, rows_v)), row(lengths, rows_lengths), row(logits, row_logits)
 
 
-def _copy_rows(k, v, lengths, logits, src, dst):
-    """Rows `dst` become copies of rows `src` (own buffers, lengths, next-token logits); ids >= the
-    batch are padding (copied from empty rows, written nowhere)."""
+def _copy_rows(k, v, lengths, logits, src, dst, dst_lengths, dst_logits):
+    """Rows `dst` take the own buffers of rows `src`, with own lengths `dst_lengths` and next-token logits
+    `dst_logits` (an opening's: its length and the logits after it, where `src` may have gone on since); ids
+    >= the batch are padding (copied from empty rows, written nowhere)."""
     copy = lambda a: a.at[dst].set(a.at[src].get(mode="fill", fill_value=0), mode="drop")
-    return tuple(map(copy, k)), tuple(map(copy, v)), copy(lengths), copy(logits)
+    return (tuple(map(copy, k)), tuple(map(copy, v)), lengths.at[dst].set(dst_lengths, mode="drop"),
+            logits.at[dst].set(dst_logits, mode="drop"))
 
 
 def row_keys(key: jax.Array, streams: jax.Array, positions: jax.Array) -> jax.Array:
@@ -457,6 +459,15 @@ class Sampler:
         return keep, start
 
 
+@dataclasses.dataclass
+class _Opening:
+    """A first prompt that `rows` hold at the start of their own buffers (`length` positions), and the
+    next-token logits after it: a row opening alike copies one of them instead of prefilling it again."""
+    length: int
+    logits: np.ndarray
+    rows: set[int]
+
+
 class Session:
     """Rows of one cache that sample independently, for callers that feed rows at different times.
 
@@ -491,6 +502,8 @@ class Session:
         self._text_end: dict[int, int] = {}  # where a stop string cut a row's text
         self._row_stops: dict[int, tuple[str, ...]] = {}  # rows fed with stop strings of their own
         self._prefixes: dict[tuple, tuple[list[int], int]] = {}  # (adapter, group) -> (tokens, slot)
+        self._openings: dict[tuple, _Opening] = {}  # (prefix slot, its length, adapter, tokens) -> rows holding them
+        self._opening_of: dict[int, tuple] = {}  # row -> the key of the opening it holds
         # Where the time goes (for benchmarks): prefill calls, rows and tokens (and the stored prefixes'); decode
         # calls, steps and tokens.
         self.stats = collections.Counter()
@@ -507,6 +520,7 @@ class Session:
         group) share the stored prefix of the group's first prompt (system prompts repeat: each
         is prefilled once per session) when they share `min_shared_prefix` tokens with it."""
         minimum, sampler = self.sampler.min_shared_prefix, self.sampler
+        self._forget([row])
         if minimum is None or len(prompt) <= minimum:
             self.cache = sampler.start_row(self.cache, row)
             return 0
@@ -555,7 +569,7 @@ class Session:
         # Room for the prompts and the first decode chunk; `step` grows the cache as rows go on.
         self._fit(np.where(fits, lengths[rows] + new_len + np.minimum(max_new, sampler.decode_chunk), 0))
         parts = [list(p) if ok else [] for p, ok in zip(prompts, fits)]
-        copies = self._copies(rows, parts, settings["adapter_idx"], lengths)
+        firsts, copies = self._openings_fed(rows, parts, settings["adapter_idx"], lengths)
         for offset in range(0, max(map(len, parts)), sampler.prefill_chunk):
             # longest first, so that each call's rows have pieces of like lengths (each call pads to its longest)
             members = sorted((i for i, p in enumerate(parts) if len(p) > offset and i not in copies),
@@ -564,8 +578,10 @@ class Session:
                 group, members = members[:size], members[size:]
                 self._prefill_chunk(rows[group], [parts[i][offset: offset + sampler.prefill_chunk] for i in group],
                                     settings["adapter_idx"][group])
+        for key, i in firsts.items():
+            self._hold(key, int(rows[i]), len(parts[i]))
         if copies:
-            self._copy_rows(rows[list(copies.values())], rows[list(copies)])
+            self._copy_openings(rows, copies)
         for name, values in settings.items():
             self._settings[name][rows] = values
         self._remaining[rows] = max_new
@@ -580,31 +596,60 @@ class Session:
             if not self._running[r]:
                 self._complete(r)
 
-    def _copies(self, rows: np.ndarray, parts: list[list[int]], adapter_idx: np.ndarray,
-                lengths: np.ndarray) -> dict[int, int]:
-        """{i: j} for each fed row i that starts empty (`lengths`: the rows' own lengths), on the same
-        prefix and with the same adapter and tokens as an earlier fed row j: a GRPO group's episodes
-        open alike, so one is prefilled and the others copy its row."""
+    def _openings_fed(self, rows: np.ndarray, parts: list[list[int]], adapter_idx: np.ndarray,
+                      lengths: np.ndarray) -> tuple[dict[tuple, int], dict[int, tuple]]:
+        """The fed rows that start empty (`lengths`: the rows' own lengths), by opening (prefix slot, its
+        length, adapter, tokens): ({key: i} for the first of an opening no row holds, prefilled; {i: key} for
+        the others, copied from a row holding it). A GRPO group's or a calibration's episodes of one task open
+        alike, at once or as rows free up, so each opening is prefilled once while a row holds it."""
         slots, held = np.asarray(self.cache.prefix_slot), np.asarray(self.cache.prefix_len)
-        first: dict[tuple, int] = {}
-        copies = {}
+        firsts: dict[tuple, int] = {}
+        copies: dict[int, tuple] = {}
         for i, r in enumerate(rows.tolist()):
             if parts[i] and lengths[r] == 0:
-                j = first.setdefault((slots[r], held[r], adapter_idx[i], tuple(parts[i])), i)
-                if j != i:
-                    copies[i] = j
-        return copies
+                key = (int(slots[r]), int(held[r]), int(adapter_idx[i]), tuple(parts[i]))
+                if key in self._openings or key in firsts:
+                    copies[i] = key
+                else:
+                    firsts[key] = i
+        return firsts, copies
 
-    def _copy_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Rows `dst` become copies of the prefilled rows `src`, in one call."""
+    def _hold(self, key: tuple, row: int, length: int) -> None:
+        """Records that `row` holds opening `key` (`length` own positions) with its next-token logits now."""
+        if key not in self._openings:
+            self._openings[key] = _Opening(length, np.asarray(self._logits[row]), set())
+        self._openings[key].rows.add(row)
+        self._opening_of[row] = key
+
+    def _forget(self, rows: Sequence[int]) -> None:
+        """`rows` no longer hold their openings (restarted, released or cut)."""
+        for r in rows:
+            key = self._opening_of.pop(int(r), None)
+            if key is not None:
+                self._openings[key].rows.discard(int(r))
+                if not self._openings[key].rows:
+                    del self._openings[key]
+
+    def _copy_openings(self, rows: np.ndarray, copies: dict[int, tuple]) -> None:
+        """Fed rows `rows[i]` take opening copies[i] from a row holding it, in one call."""
         sampler, batch, start = self.sampler, self.cache.batch, time.perf_counter()
+        openings = [self._openings[key] for key in copies.values()]
+        dst = rows[list(copies)]
         width = sampler._rows_width(len(dst), batch)
         ids = lambda values: sampler._put(self._row_ids(values, width), "batch")
-        k, v, lengths, self._logits = sampler._copy_rows(self.cache.k, self.cache.v, self.cache.lengths, self._logits,
-                                                         ids(src), ids(dst))
-        self.cache = self.cache.replace(k=k, v=v, lengths=lengths)
+        lengths = np.zeros((width,), np.int32)
+        lengths[: len(dst)] = [o.length for o in openings]
+        logits = np.zeros((width, sampler.cfg.vocab_size), np.float32)
+        logits[: len(dst)] = [o.logits for o in openings]
+        k, v, all_lengths, self._logits = sampler._copy_rows(
+            self.cache.k, self.cache.v, self.cache.lengths, self._logits, ids([min(o.rows) for o in openings]),
+            ids(dst), sampler._put(lengths, "batch"), sampler._put(logits, "batch"))
+        self.cache = self.cache.replace(k=k, v=v, lengths=all_lengths)
         self._logits.block_until_ready()
-        self.stats.update(prefill_s=time.perf_counter() - start, copied_rows=len(dst))
+        for key, r in zip(copies.values(), dst.tolist()):
+            self._hold(key, r, self._openings[key].length)
+        self.stats.update(prefill_s=time.perf_counter() - start, copied_rows=len(dst),
+                          copied_tokens=int(lengths.sum()))
 
     def _row_ids(self, rows: np.ndarray, width: int) -> np.ndarray:
         """`rows` padded to `width` ids with the batch size, an id the row moves read as an empty row
@@ -626,6 +671,7 @@ class Session:
         rows = [int(r) for r in rows]
         if self._running[rows].any() or any(r in self._done for r in rows):
             raise ValueError(f"rows {rows} include a row whose turn has not been returned by step()")
+        self._forget(rows)
         for r in rows:
             self.cache = self.sampler.start_row(self.cache, r)
         self._fit(self._needed(), shrink=True)
@@ -657,6 +703,9 @@ class Session:
             raise ValueError(f"row {row} holds {prefix + own} positions: cannot keep {length}")
         if length < prefix:
             return False
+        key = self._opening_of.get(row)
+        if key is not None and length - prefix < self._openings[key].length:
+            self._forget([row])
         self.cache = self.cache.replace(lengths=self.cache.lengths.at[row].set(length - prefix))
         return True
 

@@ -366,7 +366,8 @@ def session_rows(used: int, batch_size: int, more_to_start: bool) -> int:
 
 def rollout_profile(stats: collections.Counter) -> dict:
     """Where a run went (`RolloutEngine.stats`): decoding, prefilling (shared system prompts, tool results, user
-    turns, new episodes) and the host (tools, the evaluator, encoding turns), with the rows busy per decode step."""
+    turns, new episodes; openings copied from rows holding them) and the host (tools, the evaluator, encoding
+    turns), with the rows busy per decode step."""
     host = stats["run_s"] - stats["decode_s"] - stats["prefill_s"]
     return {"decode_s": round(stats["decode_s"], 1), "prefill_s": round(stats["prefill_s"], 1),
             "host_s": round(host, 1), "decode_steps": stats["decode_steps"], "decode_calls": stats["decode_calls"],
@@ -375,6 +376,7 @@ def rollout_profile(stats: collections.Counter) -> dict:
             "prefix_prefills": stats["prefix_prefills"], "prefix_tokens": stats["prefix_tokens"],
             "prefill_calls": stats["prefill_calls"], "prefill_rows": stats["prefill_rows"],
             "prefill_tokens": stats["prefill_tokens"], "prefill_padded_tokens": stats["prefill_padded_tokens"],
+            "copied_rows": stats["copied_rows"], "copied_tokens": stats["copied_tokens"],
             "cache_resizes": stats["resizes"]}
 
 
