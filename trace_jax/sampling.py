@@ -459,13 +459,12 @@ class Sampler:
         return keep, start
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Opening:
-    """A first prompt that `rows` hold at the start of their own buffers (`length` positions), and the
-    next-token logits after it: a row opening alike copies one of them instead of prefilling it again."""
+    """A first prompt that rows hold at the start of their own buffers (`length` positions), and the
+    next-token logits after it: a row opening alike copies a holder instead of prefilling it again."""
     length: int
     logits: np.ndarray
-    rows: set[int]
 
 
 class Session:
@@ -502,7 +501,7 @@ class Session:
         self._text_end: dict[int, int] = {}  # where a stop string cut a row's text
         self._row_stops: dict[int, tuple[str, ...]] = {}  # rows fed with stop strings of their own
         self._prefixes: dict[tuple, tuple[list[int], int]] = {}  # (adapter, group) -> (tokens, slot)
-        self._openings: dict[tuple, _Opening] = {}  # (prefix slot, its length, adapter, tokens) -> rows holding them
+        self._openings: dict[tuple, _Opening] = {}  # (prefix slot, its length, adapter, tokens) -> held opening
         self._opening_of: dict[int, tuple] = {}  # row -> the key of the opening it holds
         # Where the time goes (for benchmarks): prefill calls, rows and tokens (and the stored prefixes'); decode
         # calls, steps and tokens.
@@ -616,24 +615,22 @@ class Session:
 
     def _hold(self, key: tuple, row: int, length: int) -> None:
         """Records that `row` holds opening `key` (`length` own positions) with its next-token logits now."""
-        if key not in self._openings:
-            self._openings[key] = _Opening(length, np.asarray(self._logits[row]), set())
-        self._openings[key].rows.add(row)
+        if key not in self._openings:  # one row at a time: one compiled slice whatever the row
+            self._openings[key] = _Opening(length, np.asarray(self._logits[row]))
         self._opening_of[row] = key
 
     def _forget(self, rows: Sequence[int]) -> None:
         """`rows` no longer hold their openings (restarted, released or cut)."""
         for r in rows:
             key = self._opening_of.pop(int(r), None)
-            if key is not None:
-                self._openings[key].rows.discard(int(r))
-                if not self._openings[key].rows:
-                    del self._openings[key]
+            if key is not None and key not in self._opening_of.values():
+                del self._openings[key]
 
     def _copy_openings(self, rows: np.ndarray, copies: dict[int, tuple]) -> None:
         """Fed rows `rows[i]` take opening copies[i] from a row holding it, in one call."""
         sampler, batch, start = self.sampler, self.cache.batch, time.perf_counter()
         openings = [self._openings[key] for key in copies.values()]
+        src = [min(r for r, held in self._opening_of.items() if held == key) for key in copies.values()]
         dst = rows[list(copies)]
         width = sampler._rows_width(len(dst), batch)
         ids = lambda values: sampler._put(self._row_ids(values, width), "batch")
@@ -642,8 +639,8 @@ class Session:
         logits = np.zeros((width, sampler.cfg.vocab_size), np.float32)
         logits[: len(dst)] = [o.logits for o in openings]
         k, v, all_lengths, self._logits = sampler._copy_rows(
-            self.cache.k, self.cache.v, self.cache.lengths, self._logits, ids([min(o.rows) for o in openings]),
-            ids(dst), sampler._put(lengths, "batch"), sampler._put(logits, "batch"))
+            self.cache.k, self.cache.v, self.cache.lengths, self._logits, ids(src), ids(dst),
+            sampler._put(lengths, "batch"), sampler._put(logits, "batch"))
         self.cache = self.cache.replace(k=k, v=v, lengths=all_lengths)
         self._logits.block_until_ready()
         for key, r in zip(copies.values(), dst.tolist()):
