@@ -145,3 +145,47 @@ def test_a_sampler_sharded_over_devices_plays_the_episodes_of_one_device(tmp_pat
     sharded.tensor = 3
     with pytest.raises(ValueError, match="config.tensor = 3 is invalid; it must be a positive int that divides"):
         evaluate(sharded, tmp_path / "three")
+
+
+def test_an_evaluation_takes_the_episodes_of_the_same_policies_from_earlier_ones(tmp_path, tiny_chat_model):
+    """`reuse`: a routed evaluation given the base agent's and one adapter's evaluations takes their episodes
+    for the tasks it routes to them (under its own adapter index), plays only the other adapter's, and records
+    what it records when it plays every task itself; an evaluation under other rollout limits takes nothing."""
+    import jax
+
+    from trace_jax import lora
+    from trace_jax.evaluation import Routes
+    from trace_jax.models.model import load_model
+
+    cfg = load_model(tiny_chat_model).cfg
+    folders = []
+    for seed in range(2):  # random adapters with non-zero B: each changes what the agent writes
+        stack = lora.init_adapters(jax.random.key(seed), cfg, lora.LoraSpec(rank=4, alpha=8, targets=("q_proj",)))
+        weights = {t: {"a": w["a"], "b": jax.random.normal(jax.random.key(10 + seed), w["b"].shape)}
+                   for t, w in stack.weights.items()}
+        folders.append(str(tmp_path / f"adapter_{seed}"))
+        lora.save_peft(lora.Adapters(weights, stack.scale), folders[-1])
+    config = embedded_retail.get_config()
+    config.update(model=str(tiny_chat_model), num_tasks=3, log_every_s=0.0)
+    config.rollout.update(max_turns=2, max_tokens_per_turn=8, temperature=1.0)
+    evaluate(config, tmp_path / "base")
+    alone = embedded_retail.get_config()
+    alone.update(config.to_dict())
+    alone.adapter = folders[0]
+    evaluate(alone, tmp_path / "alone")
+    tasks = [r["task_id"] for r in _records(tmp_path / "base")]
+    played = lambda run: {r["task_id"]: {k: v for k, v in r.items() if k not in ("elapsed_s", "reused_from")}
+                          for r in _records(tmp_path / run)}
+    assert played("alone") != {t: {**r, "adapter_idx": 0} for t, r in played("base").items()}  # adapters matter
+    # -1, 0, 1: the base model, the adapter not evaluated alone, the one that was (there at index 0)
+    routes = Routes((folders[1], folders[0]), {t: i % 3 - 1 for i, t in enumerate(sorted(tasks))})
+    whole = evaluate(config, tmp_path / "whole", routes=routes)
+    taken = evaluate(config, tmp_path / "taken", routes=routes, reuse=[tmp_path / "base", tmp_path / "alone"])
+    assert whole["reused_episodes"] == 0 and taken["reused_episodes"] == 2
+    assert played("taken") == played("whole") and len(_records(tmp_path / "taken")) == 3
+    assert {r["task_id"] for r in _records(tmp_path / "taken") if "reused_from" in r} == \
+        {t for t, i in routes.by_task.items() if i != 0}
+    other = embedded_retail.get_config()
+    other.update(config.to_dict())
+    other.rollout.max_turns = 1
+    assert evaluate(other, tmp_path / "other", reuse=[tmp_path / "base"])["reused_episodes"] == 0

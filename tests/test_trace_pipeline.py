@@ -183,6 +183,8 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
     routed = stages["routing"]["result"]["by_task"]
     records = _records(tmp_path / "heldout" / "trace")
     assert len(records) == heldout and all(r["adapter_idx"] == routed[r["task_id"]] for r in records)
+    taken = json.loads((tmp_path / "heldout" / "trace" / "summary.json").read_text())["reused_episodes"]
+    assert taken == sum(i == -1 for i in routed.values())  # the base agent's tasks: its own episodes, not replayed
     assert sum(summary["routing"].values()) == heldout and summary["oracle"] is None  # final.per_adapter is off
     report = (tmp_path / "report.md").read_text()
     assert "## Held-out success per family" in report and "| order_facts | 0 |" in report  # calibration row
@@ -222,11 +224,14 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     assert all(row["episodes"] == heldout for row in arms.values())
     for name in ("GRPO on the target", "one adapter, environments mixed", "GEPA"):  # the budget, as counted
         assert abs(arms[name]["rollouts"] - budget) <= 0.05 * budget, name
-    first = json.loads((trace_dir / "stages.json").read_text())["analysis"]["result"]["selected"][0]
+    stages = json.loads((trace_dir / "stages.json").read_text())
+    first = stages["analysis"]["result"]["selected"][0]
     top_1 = _records(tmp_path / "subsets" / "top_1")
     assert arms["TRACE, top 1 of 2 capabilities"]["rollouts"] == json.loads(
         (trace_dir / "adapters" / first / "summary.json").read_text())["rollouts"]
     assert len(top_1) == heldout and {e["adapter_idx"] for e in top_1} <= {-1, 0}  # the first adapter or none
+    taken = json.loads((tmp_path / "subsets" / "top_1" / "summary.json").read_text())["reused_episodes"]
+    assert taken == heldout  # the first adapter's episodes alone and the base agent's: nothing played
     mixed = [json.loads(line)["task_id"] for path in sorted((tmp_path / "mixed" / "rollouts").glob("step_*.jsonl"))
              for line in path.read_text().splitlines()]
     print(f"[experiment] the mixed arm's episodes: {mixed}")
@@ -238,7 +243,10 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
                for run in gepa["capabilities"].values())
     episodes = _records(tmp_path / "gepa" / "heldout")
     assert all(e["messages"][0]["content"].endswith(gepa["guidance"]) for e in episodes)
-    assert all((trace_dir / "heldout" / n / "summary.json").is_file() for n in trained)  # each adapter alone
+    routed = stages["routing"]["result"]["by_task"]
+    for index, name in enumerate(stages["training"]["result"]):  # each adapter alone: TRACE's tasks under it taken
+        alone = json.loads((trace_dir / "heldout" / name / "summary.json").read_text())
+        assert alone["reused_episodes"] == sum(i == index for i in routed.values()), name
     report = (tmp_path / "report.md").read_text()
     assert all(f"| {name} |" in report for name in arms) and "## Held-out success per family" in report
     # The scaling curve: each arm from the base agent to its finished run through its shares of the budget.

@@ -1,12 +1,14 @@
 """The evaluation job: play an environment's tasks with the model (or a scripted agent) and report.
 
-Writes to the workdir: `episodes.jsonl` (one line per episode: messages, end reason,
-reward and its components), `summary.json` and `table.md` (per family: success with a
-95% interval, pass^1, pass^k). A killed evaluation resumes from its episodes when run again
-with the same config and agent. The user simulator, where a task has one, is the base
-model with no adapter for `agent="model"`, and a scripted user for the scripted agents
-(so gold and noop runs need no model at all): it states the request, makes the task's
-user-side gold calls for the gold agent (telecom), and stops after the agent's next text turn.
+Writes to the workdir: `episodes.jsonl` (one line per episode: messages, end reason, reward and its
+components), `summary.json` and `table.md` (per family: success with a 95% interval, pass^1, pass^k). A killed
+evaluation resumes from its episodes when run again with the same config and agent, and an evaluation given
+other evaluations' workdirs (`reuse`) takes from them every episode it would play again: the same policy (base
+weights and adapter) on the same task and trial under the same settings (an episode plays the same in any
+batch: per-episode random streams). The user simulator, where a task has one, is the base model with no
+adapter for `agent="model"`, and a scripted user for the scripted agents (so gold and noop runs need no model
+at all): it states the request, makes the task's user-side gold calls for the gold agent (telecom), and stops
+after the agent's next text turn.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import json
 import pathlib
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import ml_collections
@@ -92,24 +94,29 @@ class Routes:
             raise ValueError(f"routes name adapters outside [-1, {len(self.adapters) - 1}]: {shown}")
 
 
-def _engine(config: ml_collections.ConfigDict, env, agent: str,
-            routes: Routes | None) -> tuple[RolloutEngine, Callable[[str], int]]:
-    """The rollout engine for `agent` and each task's adapter index."""
+def _adapter_of(config: ml_collections.ConfigDict, agent: str, routes: Routes | None) -> Callable[[str], int]:
+    """Each task's adapter index in the engine `_engine` builds."""
+    if agent != "model":
+        return lambda task_id: lora.NO_ADAPTER
+    if routes:
+        return lambda task_id: routes.by_task.get(task_id, lora.NO_ADAPTER)
+    return lambda task_id: 0 if config.adapter else lora.NO_ADAPTER
+
+
+def _engine(config: ml_collections.ConfigDict, env, agent: str, routes: Routes | None) -> RolloutEngine:
+    """The rollout engine for `agent` (with `routes`, every routed adapter stacked in their order)."""
     rollout = RolloutConfig(**config.rollout.to_dict())
     if agent != "model":
         gold = agent == "gold"
         scripted, user = (GoldAgent() if gold else NoopAgent()), ScriptedUser(user_actions=gold)
-        return RolloutEngine(env, agent=scripted, user=user, config=rollout), lambda task_id: lora.NO_ADAPTER
+        return RolloutEngine(env, agent=scripted, user=user, config=rollout)
     model = load_model(config.model, config.dtype)
     folders = routes.adapters if routes else (config.adapter,) if config.adapter else ()
     adapters = lora.stack_adapters([lora.load_peft(f, model.cfg) for f in folders]) if folders else None
     plan = sampler_plan(config)
     params, adapters = plan.shard_params((model.params, adapters)) if plan else (model.params, adapters)
     sampler = Sampler(model.cfg, params, adapters=adapters, plan=plan, detokenize=model.tokenizer.decode)
-    engine = RolloutEngine(env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=model.tokenizer, config=rollout)
-    if routes:
-        return engine, lambda task_id: routes.by_task.get(task_id, lora.NO_ADAPTER)
-    return engine, lambda task_id: 0 if config.adapter else lora.NO_ADAPTER
+    return RolloutEngine(env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=model.tokenizer, config=rollout)
 
 
 def play(engine: RolloutEngine, jobs: list[Job], *, key: jax.Array, episodes_path: pathlib.Path,
@@ -121,13 +128,14 @@ def play(engine: RolloutEngine, jobs: list[Job], *, key: jax.Array, episodes_pat
     line cut off by the kill is dropped). Each record's `elapsed_s` counts the playing time of
     all runs so far, so the last one is the evaluation's wall time however often it resumed.
     """
-    return play_together(engine, [(jobs, episodes_path)], key=key, log_every_s=log_every_s)[0]
+    return play_together(lambda: engine, [(jobs, episodes_path)], key=key, log_every_s=log_every_s)[0]
 
 
-def play_together(engine: RolloutEngine, runs: list[tuple[list[Job], pathlib.Path]], *, key: jax.Array,
-                  log_every_s: float = 10.0) -> list[list[dict]]:
+def play_together(make_engine: Callable[[], RolloutEngine], runs: list[tuple[list[Job], pathlib.Path]], *,
+                  key: jax.Array, log_every_s: float = 10.0) -> list[list[dict]]:
     """`play` for several runs' jobs in one batch, each run's records in its own episodes file (a batch lasts
-    as long as its slowest episode, so runs played one after the other each wait for theirs).
+    as long as its slowest episode, so runs played one after the other each wait for theirs); the engine is made
+    only when there is an episode to play.
 
     In a run of several processes each plays its share of the episodes (`distributed.share`) and records them in
     its own file beside the run's (`<episodes>.process<k>`); at the end every process has every record and
@@ -170,13 +178,15 @@ def play_together(engine: RolloutEngine, runs: list[tuple[list[Job], pathlib.Pat
             ended = [r for done in records for r in done]
             progress.update(len(ended), f"success {sum(r['success'] for r in ended)}/{len(ended)}")
 
-        engine.run(mine, key=key, on_done=on_done)
+        engine = make_engine() if mine else None
+        if engine:
+            engine.run(mine, key=key, on_done=on_done)
     if not alone:
         played = distributed.allgather_objects([done[n:] for done, n in zip(records, resumed_counts)])
         records = [done[:n] + [r for process in played for r in process[run]]
                    for run, (done, n) in enumerate(zip(records, resumed_counts))]
         _write_merged(paths, records)
-    if engine.stats["decode_steps"]:  # the model played: where its time went
+    if engine and engine.stats["decode_steps"]:  # the model played: where its time went
         logging.info("rollouts in %.0f s: %s", engine.stats["run_s"], rollout_profile(engine.stats))
     return records
 
@@ -300,6 +310,59 @@ def _keep_episodes_of_same_run(workdir: pathlib.Path, run: dict) -> None:
     distributed.on_main(keep)
 
 
+def _episode_setting(marker: dict) -> str:
+    """What decides an episode besides its policy and task, from a `run_marker`: the agent, the base weights,
+    dtype, environment, seed and rollout settings (not the batch size, which changes no episode)."""
+    config = marker["config"]
+    return json.dumps({"agent": marker["agent"], "weights": marker.get("weights"),
+                       **{k: config[k] for k in ("model", "dtype", "env", "seed")},
+                       "rollout": {k: v for k, v in config["rollout"].items() if k != "batch_size"}}, sort_keys=True)
+
+
+def _policy(marker: dict, adapter_idx: int) -> str:
+    """The fingerprint of the adapter an episode of the run `marker` played under ("" for the base model)."""
+    if "routes" in marker:
+        return "" if adapter_idx == lora.NO_ADAPTER else marker["routes"]["adapters"][adapter_idx]
+    return marker.get("adapter", "")
+
+
+def _reusable(folders: Sequence[str | pathlib.Path], marker: dict) -> dict[tuple, dict]:
+    """(policy, split, task id, trial) -> an episode recorded in `folders` (evaluation workdirs, finished or not)
+    that a run of `marker` would play the same, tagged with the folder it came from."""
+    library, setting = {}, _episode_setting(marker)
+    for folder in map(pathlib.Path, folders):
+        if not (folder / "run.json").is_file():
+            continue
+        found = json.loads((folder / "run.json").read_text())
+        if _episode_setting(found) != setting:
+            continue
+        for record in recorded_episodes(folder / "episodes.jsonl"):
+            key = (_policy(found, record["adapter_idx"]), record["split"], record["task_id"], record["trial"])
+            library.setdefault(key, {**record, "reused_from": record.get("reused_from", str(folder))})
+    return library
+
+
+def _take_reused(jobs: list[Job], split: str, workdir: pathlib.Path, marker: dict,
+                 reuse: Sequence[str | pathlib.Path]) -> None:
+    """Writes into `workdir`'s episodes the jobs' episodes that `reuse` holds (see `_reusable`), each under this
+    run's adapter index and with no playing time, so that `play` resumes past them."""
+    episodes = workdir / "episodes.jsonl"
+    others = [f for f in reuse if pathlib.Path(f).resolve() != workdir.resolve()]
+
+    def take() -> None:
+        records = recorded_episodes(episodes)
+        played, library = {_record_id(r) for r in records}, _reusable(others, marker)
+        taken = [{**found, "adapter_idx": job.adapter_idx, "elapsed_s": 0.0} for job in jobs
+                 if _job_id(job.task.task_id, job.trial, job.adapter_idx) not in played
+                 and (found := library.get((_policy(marker, job.adapter_idx), split, job.task.task_id, job.trial)))]
+        if taken:
+            logging.info("%s: %d of %d episodes taken from earlier evaluations of the same policies", workdir,
+                         len(taken), len(jobs))
+            write_jsonl_atomic(episodes, records + taken)
+
+    distributed.on_main(take)
+
+
 def summarize_run(records: list[dict], trials: int) -> tuple[dict, str]:
     """The summary of played episodes (overall and per-family success with 95% intervals, pass^1,
     pass^k, end reasons) and its per-family table."""
@@ -309,24 +372,26 @@ def summarize_run(records: list[dict], trials: int) -> tuple[dict, str]:
                "pass_k": overall["pass_k"], "k": overall["k"], "success": overall["success"],
                "ci_low": overall["ci_low"], "ci_high": overall["ci_high"],
                "needs_judge": sorted({r["task_id"] for r in records if r["info"].get("needs_judge")}),
-               "end_reasons": dict(sorted(Counter(r["end_reason"] for r in records).items())), "families": rows[:-1]}
+               "end_reasons": dict(sorted(Counter(r["end_reason"] for r in records).items())),
+               "reused_episodes": sum("reused_from" in r for r in records), "families": rows[:-1]}
     return summary, format_table(rows)
 
 
 def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, agent: str = "model",
-             routes: Routes | None = None) -> dict:
+             routes: Routes | None = None, reuse: Sequence[str | pathlib.Path] = ()) -> dict:
     """Runs the evaluation into `workdir` (with `routes`, each task under its own adapter, in place
-    of `config.adapter`); returns the summary also written to summary.json."""
-    return evaluate_together([(config, workdir)], agent=agent, routes=routes)[0]
+    of `config.adapter`; with `reuse`, other evaluations' workdirs, taking the episodes they hold of the same
+    policies instead of playing them again); returns the summary also written to summary.json."""
+    return evaluate_together([(config, workdir)], agent=agent, routes=routes, reuse=reuse)[0]
 
 
 TOGETHER_KEYS = ("split", "num_tasks")  # what evaluations played in one batch may differ in
 
 
 def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.Path]], agent: str = "model",
-                      routes: Routes | None = None) -> list[dict]:
+                      routes: Routes | None = None, reuse: Sequence[str | pathlib.Path] = ()) -> list[dict]:
     """Evaluations that differ only in split and task count, played in one batch with one model (each
-    writes its workdir and resumes as `evaluate` does); returns their summaries."""
+    writes its workdir, resumes and reuses as `evaluate` does); returns their summaries."""
     if agent not in AGENTS:
         raise ValueError(f"agent {agent!r} is invalid; it must be one of {', '.join(AGENTS)}")
     config = runs[0][0]
@@ -341,17 +406,20 @@ def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.
     start = time.monotonic()
     workdirs = [pathlib.Path(workdir) for _, workdir in runs]
     env = make_environment(config.env)
-    groups = []
+    adapter_of = _adapter_of(config, agent, routes)
+    plays = []
     for (run, _), workdir in zip(runs, workdirs):
         workdir.mkdir(parents=True, exist_ok=True)
-        _keep_episodes_of_same_run(workdir, run_marker(run, agent, routes))
-        groups.append((run, env.tasks(run.split, run.num_tasks)))
-    engine, adapter_of = _engine(config, env, agent, routes)
-    # A task's trials adjacent: the later ones find its opening held by a row (`Session` copies it).
-    played = play_together(engine, [([Job(task, trial, adapter_of(task.task_id)) for task in tasks
-                                      for trial in range(run.trials)], workdir / "episodes.jsonl")
-                                    for (run, tasks), workdir in zip(groups, workdirs)],
-                           key=jax.random.key(config.seed), log_every_s=config.log_every_s)
+        marker = run_marker(run, agent, routes)
+        _keep_episodes_of_same_run(workdir, marker)
+        # A task's trials adjacent: the later ones find its opening held by a row (`Session` copies it).
+        jobs = [Job(task, trial, adapter_of(task.task_id)) for task in env.tasks(run.split, run.num_tasks)
+                for trial in range(run.trials)]
+        if reuse:
+            _take_reused(jobs, run.split, workdir, _jsonable(marker), reuse)
+        plays.append((jobs, workdir / "episodes.jsonl"))
+    played = play_together(lambda: _engine(config, env, agent, routes), plays, key=jax.random.key(config.seed),
+                           log_every_s=config.log_every_s)
     summaries, tables = [], []
     for records in played:
         summary, table = summarize_run(records, config.trials)

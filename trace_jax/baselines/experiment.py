@@ -47,6 +47,7 @@ from trace_jax.trace.pipeline import (
     evaluate_alone,
     grpo_config,
     heldout_evaluation,
+    heldout_runs,
     route_tasks,
 )
 from trace_jax.trace.pipeline import validate_config as validate_pipeline_config
@@ -107,7 +108,8 @@ class Experiment:
         fractions = sorted(self.config.trace.training.train.snapshot_fractions)
         self.stages.run("scaling", lambda: scaling_points(
             fractions, heldout_evaluation(self.config.trace), self.workdir, trace,
-            {arm: self.stages.done[arm]["result"] for arm in ("grpo_target", "gepa") if arm in self.stages.done}))
+            {arm: self.stages.done[arm]["result"] for arm in ("grpo_target", "gepa") if arm in self.stages.done},
+            heldout_runs(self.trace_dir, trace["base_dir"])))
         results = self._results(trace, budget)
         if distributed.is_main():
             write_json_atomic(self.workdir / "results.json", results)
@@ -185,7 +187,8 @@ class Experiment:
             routes = Routes(tuple(trace["adapters"][n] for n in names[:k]),
                             {t.task_id: i for t, i in zip(tasks, indices)})
             folder = self.workdir / "subsets" / f"top_{k}"
-            evaluate(heldout_evaluation(config), folder, routes=routes)
+            evaluate(heldout_evaluation(config), folder, routes=routes,
+                     reuse=heldout_runs(self.trace_dir, trace["base_dir"]))  # each adapter's alone, the base's
             runs[str(k)] = {"rollouts": sum(trace["rollouts_by_capability"][n] for n in names[:k]),
                             "episodes_dir": str(folder)}
         return runs

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+from collections.abc import Sequence
 
 import matplotlib
 import ml_collections
@@ -54,28 +55,32 @@ def trace_routes(fraction: float, adapters: dict[str, str], steps: dict[str, int
                    for task, i in by_task.items()})
 
 
-def _evaluated(heldout: ml_collections.ConfigDict, folder: pathlib.Path, routes: Routes | None = None) -> str:
-    """`heldout` (with `routes`) evaluated into `folder` once its adapters are known to exist; the folder."""
+def _evaluated(heldout: ml_collections.ConfigDict, folder: pathlib.Path, routes: Routes | None = None,
+               reuse: Sequence[pathlib.Path] = ()) -> str:
+    """`heldout` (with `routes`, taking what `reuse` holds of the same policies) evaluated into `folder` once its
+    adapters are known to exist; the folder."""
     missing = [pathlib.Path(f) for f in (routes.adapters if routes else [heldout.adapter] if heldout.adapter else [])
                if not (pathlib.Path(f) / "adapter_config.json").is_file()]
     if missing:
         raise FileNotFoundError(f"no adapter snapshot at {missing[0]}: the run was made without "
                                 "train.snapshot_fractions at this share")
-    evaluate(heldout, folder, routes=routes)
+    evaluate(heldout, folder, routes=routes, reuse=reuse)
     return str(folder)
 
 
 def scaling_points(fractions: list[float], heldout: ml_collections.ConfigDict, workdir: pathlib.Path,
-                   trace: dict, arms: dict[str, dict]) -> dict[str, list[dict]]:
+                   trace: dict, arms: dict[str, dict],
+                   trace_heldout: Sequence[pathlib.Path] = ()) -> dict[str, list[dict]]:
     """Per scaled arm, its curve: {"fraction", "rollouts", "episodes_dir"} for the untrained agent, each of
     `fractions` and the finished arm. `trace`: the experiment's TRACE stage result; `arms`: the finished
-    grpo_target and gepa stages' results (an arm not run has no curve). A TRACE run made without snapshots at
-    these shares gets no curve (a warning says so)."""
+    grpo_target and gepa stages' results (an arm not run has no curve); `trace_heldout`: the TRACE run's held-out
+    evaluations, whose base-agent episodes TRACE's points reuse for tasks no trained adapter serves yet. A TRACE
+    run made without snapshots at these shares gets no curve (a warning says so)."""
     curves: dict[str, list[dict]] = {}
     base_dir = trace["base_dir"]
     if trace["adapters"]:
         try:
-            points = [_trace_point(f, heldout, workdir, base_dir, trace) for f in fractions]
+            points = [_trace_point(f, heldout, workdir, base_dir, trace, trace_heldout) for f in fractions]
             curves[TRACE] = _with_ends(points, base_dir, trace["trace_rollouts"], trace["episodes_dir"])
         except FileNotFoundError as error:
             logging.warning("no TRACE scaling curve: %s", error)
@@ -91,7 +96,8 @@ def _with_ends(points: list[dict], base_dir: str, rollouts: int, episodes_dir: s
             {"fraction": 1.0, "rollouts": rollouts, "episodes_dir": episodes_dir}]
 
 
-def _trace_point(fraction: float, heldout, workdir: pathlib.Path, base_dir: str, trace: dict) -> dict:
+def _trace_point(fraction: float, heldout, workdir: pathlib.Path, base_dir: str, trace: dict,
+                 reuse: Sequence[pathlib.Path]) -> dict:
     steps, rollouts = trace["steps_by_capability"], trace["rollouts_by_capability"]
     at = {n: snapshot_step(fraction, steps[n]) for n in steps}
     used = sum(at[n] * rollouts[n] // steps[n] for n in steps)
@@ -102,7 +108,7 @@ def _trace_point(fraction: float, heldout, workdir: pathlib.Path, base_dir: str,
         episodes = trace["episodes_dir"]
     else:
         folder = workdir / "scaling" / "trace" / ("steps_" + "_".join(str(at[n]) for n in trace["adapters"]))
-        episodes = _evaluated(heldout, folder, routes)
+        episodes = _evaluated(heldout, folder, routes, reuse)
     return {"fraction": fraction, "rollouts": used, "episodes_dir": episodes}
 
 

@@ -212,12 +212,21 @@ class Stages:
         return result
 
 
+def heldout_runs(workdir: pathlib.Path, base_dir: str | pathlib.Path | None = None) -> list[pathlib.Path]:
+    """The held-out evaluations of the run in `workdir` so far (the base agent's in `base_dir` where it was not
+    played here, TRACE's, each adapter's alone): a later held-out evaluation takes from them the episodes of the
+    same policy on the same task instead of playing them again (a routed task under its adapter, or none)."""
+    found = sorted(p for p in (workdir / "heldout").glob("*") if p.is_dir())
+    return list(dict.fromkeys([*([pathlib.Path(base_dir)] if base_dir else []), *found]))
+
+
 def evaluate_alone(config: ml_collections.ConfigDict, workdir: pathlib.Path, adapters: dict[str, str]) -> dict:
     """Each adapter (name -> PEFT folder) alone on every held-out task, into workdir/heldout/<name> (the oracle's
-    and the best single adapter's input); name -> success."""
+    and the best single adapter's input; what TRACE's routed run played under it is reused); name -> success."""
     success = {}
     for name, folder in adapters.items():
-        success[name] = evaluate(heldout_evaluation(config, folder), workdir / "heldout" / name)["success"]
+        success[name] = evaluate(heldout_evaluation(config, folder), workdir / "heldout" / name,
+                                 reuse=heldout_runs(workdir))["success"]
     return success
 
 
@@ -398,13 +407,14 @@ class Pipeline:
         return " | ".join(f"{m['role']}: {m.get('tool_calls') or m['content']}" for m in turns)[:EXAMPLE_CHARS]
 
     def _final(self, adapters: dict, routing: dict) -> dict:
-        """The routed held-out evaluation and, with `final.per_adapter`, each adapter alone (the oracle's input)."""
-        heldout = heldout_evaluation(self.config)
+        """The routed held-out evaluation and, with `final.per_adapter`, each adapter alone (the oracle's input),
+        played first: the routed run then takes every episode from them and the base agent's."""
+        alone = evaluate_alone(self.config, self.workdir, adapters) if self.config.final.per_adapter else {}
         folders = tuple(adapters.values())
         routes = Routes(folders, routing["by_task"]) if folders else None
-        runs = {"trace": evaluate(heldout, self.workdir / "heldout" / "trace", routes=routes)["success"]}
-        if self.config.final.per_adapter:
-            runs.update(evaluate_alone(self.config, self.workdir, adapters))
+        reuse = heldout_runs(self.workdir, self.stages["base"]["result"]["heldout_dir"])
+        runs = {"trace": evaluate(heldout_evaluation(self.config), self.workdir / "heldout" / "trace", routes=routes,
+                                  reuse=reuse)["success"], **alone}
         oracle = oracle_routes(self.workdir, self.stages["base"]["result"]["heldout_dir"], list(adapters),
                                routing["by_task"]) if self.config.final.per_adapter and adapters else None
         return {"success": runs, "oracle": oracle}
