@@ -18,8 +18,9 @@ the report run on process 0 (docs/multihost.md). Layout:
   adapters/<c>/       stage 3: the GRPO job per calibrated capability; its PEFT adapter in adapter/
   stages.json         also stage 4's routing: each held-out task's adapter, the router's weights, settings
                       and calibration offsets
-  heldout/trace/      the routed final evaluation, every task under its own adapter in one batch
   heldout/<c>/        each adapter alone on every held-out task (for the oracle routing)
+  heldout/trace/      the routed final evaluation, every task under its own adapter in one batch (the episodes
+                      of heldout/<c>/ and heldout/base/ taken, not played again)
   report.md, plots/, summary.json
 """
 
