@@ -312,11 +312,11 @@ def _keep_episodes_of_same_run(workdir: pathlib.Path, run: dict) -> None:
 
 def _episode_setting(marker: dict) -> str:
     """What decides an episode besides its policy and task, from a `run_marker`: the agent, the base weights,
-    dtype, environment, seed and rollout settings (not the batch size, which changes no episode)."""
+    dtype, environment, seed and `EPISODE_LIMITS` (not the batch size, which changes no episode)."""
     config = marker["config"]
     return json.dumps({"agent": marker["agent"], "weights": marker.get("weights"),
                        **{k: config[k] for k in ("model", "dtype", "env", "seed")},
-                       "rollout": {k: v for k, v in config["rollout"].items() if k != "batch_size"}}, sort_keys=True)
+                       "rollout": {k: config["rollout"].get(k) for k in EPISODE_LIMITS}}, sort_keys=True)
 
 
 def _policy(marker: dict, adapter_idx: int) -> str:

@@ -180,6 +180,7 @@ class Experiment:
         names, config = list(trace["adapters"]), self.config.trace
         target = make_environment(config.target.env)
         tasks = target.tasks(config.target.heldout_split, config.target.heldout_tasks)
+        reuse = heldout_runs(self.trace_dir, trace["base_dir"])  # each adapter's alone, the base agent's
         runs = {}
         for k in range(1, len(names)):
             options = [RouteOption(n, trace["descriptions"][n], trace["examples"][n]) for n in names[:k]]
@@ -187,8 +188,7 @@ class Experiment:
             routes = Routes(tuple(trace["adapters"][n] for n in names[:k]),
                             {t.task_id: i for t, i in zip(tasks, indices)})
             folder = self.workdir / "subsets" / f"top_{k}"
-            evaluate(heldout_evaluation(config), folder, routes=routes,
-                     reuse=heldout_runs(self.trace_dir, trace["base_dir"]))  # each adapter's alone, the base's
+            evaluate(heldout_evaluation(config), folder, routes=routes, reuse=reuse)
             runs[str(k)] = {"rollouts": sum(trace["rollouts_by_capability"][n] for n in names[:k]),
                             "episodes_dir": str(folder)}
         return runs
