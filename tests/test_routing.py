@@ -2,6 +2,8 @@
 labels checked at start, and every decision and label logit equal to an independent transformers
 computation (its own tokenizer and chat template, its own forward) on the same prompts."""
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -38,10 +40,14 @@ def test_labels_must_be_single_distinct_tokens(model):
         Router(model, OPTIONS * 9)
 
 
-def test_decisions_equal_an_independent_transformers_computation(model, conversations):
+def test_decisions_equal_an_independent_transformers_computation(model, conversations, caplog):
     router = Router(model, OPTIONS, batch_size=4)  # 5 conversations: a full and a partial batch
-    indices, weights, offsets = router.route(conversations)
-    logits = router.logits(conversations)
+    with caplog.at_level(logging.INFO):
+        indices, weights, offsets = router.route(conversations)  # silent, as a server routes
+        assert not [m for m in caplog.messages if m.startswith("conversation ")]
+        logits = Router(model, OPTIONS, batch_size=4, log_every_s=0.0).logits(conversations)  # a pipeline's
+    progress = [m.split("  ")[0] for m in caplog.messages if m.startswith("conversation ")]
+    assert progress == ["conversation 4/5 (80%)", "conversation 5/5 (100%)"]
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(model.path)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32).eval()
     label_ids = [hf_tokenizer.convert_tokens_to_ids(label) for label in "ABCD"]

@@ -237,7 +237,8 @@ def route_tasks(config: ml_collections.ConfigDict, target: Environment, tasks: l
     (NO_ADAPTER: the base model), the label weights and the calibration's offsets, from the task's opening
     messages."""
     router = Router(load_model(config.model, config.dtype), options, max_messages=config.routing.max_messages,
-                    batch_size=config.routing.batch_size, calibration=config.routing.calibration)
+                    batch_size=config.routing.batch_size, calibration=config.routing.calibration,
+                    log_every_s=30.0)
     return router.route([target.episode(t).reset() for t in tasks])
 
 

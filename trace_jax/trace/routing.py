@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trace_jax.envs.base import Message
+from trace_jax.metrics import Progress
 from trace_jax.models.decoder import forward
 from trace_jax.models.model import Model
 from trace_jax.models.tokenizer import ChatTokenizer
@@ -98,10 +99,11 @@ def _last_logits(params, tokens, lengths, label_ids, cfg):
 
 
 class Router:
-    """Routes conversations among `options` with `model` (no adapter), one decision per conversation."""
+    """Routes conversations among `options` with `model` (no adapter), one decision per conversation;
+    `log_every_s` logs progress through the conversations routed in one call (None: silent, as a server is)."""
 
     def __init__(self, model: Model, options: Sequence[RouteOption], max_messages: int = 10, batch_size: int = 8,
-                 calibration: str = "none"):
+                 calibration: str = "none", log_every_s: float | None = None):
         if len(options) + 1 > len(string.ascii_uppercase):
             raise ValueError(f"{len(options)} capabilities: the router has labels for at most 25")
         calibrate(np.zeros((0, 1)), calibration)  # fails now on an unknown method
@@ -109,7 +111,7 @@ class Router:
         self.model, self.options = model, list(options)
         self.labels = list(string.ascii_uppercase[: len(options) + 1])
         self.label_ids = label_token_ids(model.tokenizer, self.labels)
-        self.max_messages, self.batch_size = max_messages, batch_size
+        self.max_messages, self.batch_size, self.log_every_s = max_messages, batch_size, log_every_s
 
     def prompt_ids(self, conversation: Sequence[Message]) -> list[int]:
         """The token ids the router reads for one conversation (ending where the label is predicted)."""
@@ -120,6 +122,8 @@ class Router:
         """[N, options + 1] next-token logits of the labels (column 0: general service)."""
         prompts = [self.prompt_ids(c) for c in conversations]
         out = []
+        progress = None if self.log_every_s is None else Progress(len(prompts), every_s=self.log_every_s,
+                                                                    name="conversation")
         for start in range(0, len(prompts), self.batch_size):
             batch = prompts[start:start + self.batch_size]
             width = 1 << max(len(p) for p in batch).bit_length()  # few shapes, few compiles
@@ -129,6 +133,8 @@ class Router:
                 tokens[row, :len(ids)], lengths[row] = ids, len(ids)
             out.append(np.asarray(_last_logits(self.model.params, tokens, lengths, jnp.asarray(self.label_ids),
                                                self.model.cfg))[:len(batch)])
+            if progress:
+                progress.update(start + len(batch))
         return np.concatenate(out) if out else np.zeros((0, len(self.labels)), np.float32)
 
     def route(self, conversations: Sequence[Sequence[Message]],
