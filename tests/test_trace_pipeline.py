@@ -189,6 +189,7 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
     report = (tmp_path / "report.md").read_text()
     assert "## Held-out success per family" in report and "| order_facts | 0 |" in report  # calibration row
     assert "| all |" in out.stdout  # the held-out table is printed
+    assert f"conversation {heldout}/{heldout} (100%)" in out.stderr  # the routing stage's progress
     assert {k: v for k, v in again.items() if k != "this_run_seconds"} == \
         {k: v for k, v in summary.items() if k != "this_run_seconds"}
     assert again["this_run_seconds"] < 120  # nothing replayed, nothing retrained (a replay takes minutes)
