@@ -212,6 +212,10 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     summary, again = (json.loads(out.stdout.strip().splitlines()[-1]) for out in outputs)
     print(f"\n[experiment] tiny config: {summary}")
     results = json.loads((tmp_path / "results.json").read_text())
+    assert results["pending"] == []
+    log = outputs[0].stderr  # the table so far, rewritten after each arm (a long experiment's partial results)
+    assert "report.md: 4 arms; still to run: grpo_target, mixed, gepa, subsets, scaling" in log
+    assert "report.md: 5 arms; still to run: mixed, gepa, subsets, scaling" in log
     trained = tiny_run[1]["trained"]
     budget = sum(json.loads((trace_dir / "adapters" / n / "summary.json").read_text())["rollouts"] for n in trained)
     assert results["budget"] == summary["budget"] == budget > 0

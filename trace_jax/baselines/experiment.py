@@ -100,25 +100,37 @@ class Experiment:
                 "mixed": lambda: self._grpo("mixed", mixed, budget, hints=trace["hints"], snapshots=False),
                 "gepa": lambda: self._gepa(trace, budget),
                 "subsets": lambda: self._subsets(trace)}
-        for arm in ARMS:
-            if arm in self.config.arms and arm in CAPABILITY_ARMS and not trace["environments"]:
-                logging.warning("arm %s skipped: TRACE calibrated no capability environment", arm)
-            elif arm in self.config.arms:
-                self.stages.run(arm, runs[arm])
+        arms = [arm for arm in ARMS if arm in self.config.arms]
+        for arm in [arm for arm in arms if arm in CAPABILITY_ARMS and not trace["environments"]]:
+            logging.warning("arm %s skipped: TRACE calibrated no capability environment", arm)
+            arms.remove(arm)
+        stages = [*arms, "scaling"]
+        self._write(trace, budget, stages)  # a long experiment's table so far, kept current after every arm
+        for arm in arms:
+            self.stages.run(arm, runs[arm])
+            self._write(trace, budget, stages)
         fractions = sorted(self.config.trace.training.train.snapshot_fractions)
         self.stages.run("scaling", lambda: scaling_points(
             fractions, heldout_evaluation(self.config.trace), self.workdir, trace,
             {arm: self.stages.done[arm]["result"] for arm in ("grpo_target", "gepa") if arm in self.stages.done},
             heldout_runs(self.trace_dir, trace["base_dir"])))
-        results = self._results(trace, budget)
+        results = self._write(trace, budget, stages)
+        return {"success": {row["arm"]: row["success"] for row in results["arms"]}, "budget": results["budget"],
+                "seconds": round(sum(s["seconds"] for s in self.stages.done.values()), 1),
+                "this_run_seconds": round(time.monotonic() - start, 1)}
+
+    def _write(self, trace: dict, budget: int, stages: list[str]) -> dict:
+        """results.json, report.md and the scaling plot as far as the experiment has come (`stages`: those it
+        runs after TRACE); returns the results."""
+        results = self._results(trace, budget, [name for name in stages if name not in self.stages.done])
         if distributed.is_main():
             write_json_atomic(self.workdir / "results.json", results)
             (self.workdir / "report.md").write_text(report(results))
             if results["scaling"]:
                 plot_scaling(results["scaling"], self.workdir / "plots" / "scaling.png")
-        return {"success": {row["arm"]: row["success"] for row in results["arms"]}, "budget": results["budget"],
-                "seconds": round(sum(s["seconds"] for s in self.stages.done.values()), 1),
-                "this_run_seconds": round(time.monotonic() - start, 1)}
+        logging.info("report.md: %d arms%s", len(results["arms"]),
+                     f"; still to run: {', '.join(results['pending'])}" if results["pending"] else "")
+        return results
 
     def _trace(self) -> dict:
         """The TRACE run (resumed or run here) and what the arms take from it: its training episodes (the budget),
@@ -193,8 +205,9 @@ class Experiment:
                             "episodes_dir": str(folder)}
         return runs
 
-    def _results(self, trace: dict, budget: int) -> dict:
-        """One row per arm: held-out success overall (95% interval) and per family, rollouts, wall time."""
+    def _results(self, trace: dict, budget: int, pending: list[str]) -> dict:
+        """One row per arm done: held-out success overall (95% interval) and per family, rollouts, wall time;
+        the scaling curve once done; the stages still `pending`."""
         base = _episodes(pathlib.Path(trace["base_dir"]))
         rows = [_row("base", base, 0, trace["base_seconds"]),
                 _row("TRACE", _episodes(self.trace_dir / "heldout" / "trace"), trace["trace_rollouts"],
@@ -224,7 +237,7 @@ class Experiment:
             rows.append(_row(f"TRACE, top {k} of {len(adapters)} capabilities", _episodes(pathlib.Path(
                 run["episodes_dir"])), run["rollouts"], self.stages.done["subsets"]["seconds"]))
         return {"budget": budget, "trace_rollouts": trace["trace_rollouts"], "arms": rows,
-                "scaling": self._curves()}
+                "scaling": self._curves(), "pending": pending}
 
     def _curves(self) -> dict[str, list[dict]]:
         """The scaling stage's points as rows: held-out success with its 95% interval at each point's rollouts
@@ -232,7 +245,7 @@ class Experiment:
         read = functools.cache(lambda folder: _episodes(pathlib.Path(folder)))
         return {arm: [{**_row(arm, read(p["episodes_dir"]), p["rollouts"], 0.0), "fraction": p["fraction"]}
                       for p in points]
-                for arm, points in self.stages.done["scaling"]["result"].items()}
+                for arm, points in self.stages.done.get("scaling", {}).get("result", {}).items()}
 
 
 def _episodes(folder: pathlib.Path) -> list[dict]:
@@ -252,6 +265,7 @@ def _row(arm: str, records: list[dict], rollouts: int, seconds: float) -> dict:
 def report(results: dict) -> str:
     """The comparison's tables: success per arm with its 95% interval, rollouts and wall time; then per family."""
     lines = [f"# TRACE against its baselines (budget: {results['budget']} training episodes per arm)", "",
+             *([f"Still to run: {', '.join(results['pending'])}.", ""] if results["pending"] else []),
              "| arm | held-out success [95% CI] | episodes | training rollouts | wall time |",
              "|---|---|---:|---:|---:|"]
     for row in results["arms"]:
