@@ -100,10 +100,10 @@ class Experiment:
                 "mixed": lambda: self._grpo("mixed", mixed, budget, hints=trace["hints"], snapshots=False),
                 "gepa": lambda: self._gepa(trace, budget),
                 "subsets": lambda: self._subsets(trace)}
-        arms = [arm for arm in ARMS if arm in self.config.arms]
-        for arm in [arm for arm in arms if arm in CAPABILITY_ARMS and not trace["environments"]]:
+        skipped = () if trace["environments"] else CAPABILITY_ARMS
+        for arm in [arm for arm in self.config.arms if arm in skipped]:
             logging.warning("arm %s skipped: TRACE calibrated no capability environment", arm)
-            arms.remove(arm)
+        arms = [arm for arm in ARMS if arm in self.config.arms and arm not in skipped]
         stages = [*arms, "scaling"]
         self._write(trace, budget, stages)  # a long experiment's table so far, kept current after every arm
         for arm in arms:
