@@ -2,6 +2,8 @@
 the embedded retail train tickets, one adapter on the calibrated capability environments mixed, and GEPA
 with the base model as its reflection LM, each with TRACE's training budget (its GRPO episodes, summed over
 capabilities: 8 steps x 4 tickets x 4 per capability), all evaluated on the same 200 held-out tickets.
+Oracle routing (per family the best of the base agent and each adapter alone) is chosen on the 140 train
+tickets of TRACE's analysis.
 
   python -m launch.experiment --config=configs/experiment_embedded.py --workdir=runs/experiment_embedded \
       [--config.trace_run=runs/trace_embedded]
@@ -22,5 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.budget = config_dict.placeholder(int)  # None: TRACE's own training episodes
     config.arms = ARMS
     config.grpo_target = ml_collections.ConfigDict(dict(split="train"))
+    # oracle routing's choice per family: on the first num_tasks of TRACE's analysis tasks (None: all of them)
+    config.oracle = ml_collections.ConfigDict(dict(num_tasks=config_dict.placeholder(int)))
     config.gepa = gepa_defaults()
     return config

@@ -18,15 +18,17 @@ import time
 
 import jax
 import ml_collections
+import numpy as np
 import openai
 import pytest
 from notebooks import printed, run_notebook
 from scripted_llm_server import ScriptedLLMServer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from configs import trace_tiny
+from configs import experiment_tiny, trace_tiny
 from launch.bench_serve import start_server
 from multiprocess import run_processes
+from trace_jax.baselines.experiment import Experiment
 from trace_jax.baselines.experiment import validate_config as validate_experiment_config
 from trace_jax.baselines.gepa import joined_guidance
 from trace_jax.envs import make_environment
@@ -197,9 +199,10 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
 
 def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budget(tiny_run, tiny_chat_model,
                                                                                  job_env, tmp_path):
-    """configs/experiment_tiny.py on the tiny pipeline's run: every adapter alone, GRPO on the target, one adapter
-    on both capability environments mixed and GEPA, each with TRACE's budget, and TRACE routed to its first
-    capability only, all on the same held-out tickets; a rerun repeats nothing."""
+    """configs/experiment_tiny.py on the tiny pipeline's run: every adapter alone, oracle routing chosen on the
+    analysis tickets, GRPO on the target, one adapter on both capability environments mixed and GEPA, each with
+    TRACE's budget, and TRACE routed to its first capability only, all on the same held-out tickets; a rerun
+    repeats nothing."""
     trace_dir = tiny_run[0]
     overrides = [f"--config.trace_run={trace_dir}", *(f"--config.trace.{o[len('--config.'):]}" for o in
                                                        [*LLM_PATH, *_model(tiny_chat_model)])]
@@ -214,15 +217,18 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["pending"] == []
     log = outputs[0].stderr  # the table so far, rewritten after each arm (a long experiment's partial results)
-    assert "report.md: 4 arms; still to run: grpo_target, mixed, gepa, subsets, scaling" in log
-    assert "report.md: 5 arms; still to run: mixed, gepa, subsets, scaling" in log
+    assert "report.md: 4 arms; still to run: oracle, grpo_target, mixed, gepa, subsets, scaling" in log
+    assert "report.md: 5 arms; still to run: grpo_target, mixed, gepa, subsets, scaling" in log
     trained = tiny_run[1]["trained"]
     budget = sum(json.loads((trace_dir / "adapters" / n / "summary.json").read_text())["rollouts"] for n in trained)
     assert results["budget"] == summary["budget"] == budget > 0
     arms = {row["arm"]: row for row in results["arms"]}
     names = list(arms)
-    assert names[:3] == ["base", "TRACE", "TRACE, oracle routing"] and names[3].startswith("best single adapter (")
-    assert names[4:] == ["GRPO on the target", "one adapter, environments mixed", "GEPA",
+    analysis = CONFIG.target.analysis_tasks
+    assert names[:4] == ["base", "TRACE", f"TRACE, oracle routing (chosen on {analysis} train tasks)",
+                         "per family the best system on held-out (upper bound)"]
+    assert names[4].startswith("best single adapter (")
+    assert names[5:] == ["GRPO on the target", "one adapter, environments mixed", "GEPA",
                          "TRACE, top 1 of 2 capabilities"]
     assert set(summary["success"]) == set(arms)
     heldout = CONFIG.target.heldout_tasks
@@ -248,6 +254,25 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
                for run in gepa["capabilities"].values())
     episodes = _records(tmp_path / "gepa" / "heldout")
     assert all(e["messages"][0]["content"].endswith(gepa["guidance"]) for e in episodes)
+    # Oracle routing: per family the system with the most successes on the analysis tickets (the base agent's
+    # episodes taken from the analysis run), scored by those systems' held-out episodes.
+    chosen = json.loads((tmp_path / "stages.json").read_text())["oracle"]["result"]
+    systems = {"general_service": tmp_path / "oracle" / "general_service",
+               **{n: tmp_path / "oracle" / n for n in trained}}
+    train = {name: _records(folder) for name, folder in systems.items()}
+    assert all(len(records) == analysis and {r["split"] for r in records} == {"train"} for records in train.values())
+    assert json.loads((systems["general_service"] / "summary.json").read_text())["reused_episodes"] == analysis
+    assert chosen["episodes_played"] == analysis * len(trained) and chosen["tasks"] == analysis
+    wins = lambda name, family: sum(r["success"] for r in train[name] if r["family"] == family)
+    print(f"[experiment] oracle routing's choice on the analysis tickets: {chosen['by_family']}")
+    for family, name in chosen["by_family"].items():
+        assert wins(name, family) == max(wins(other, family) for other in systems), family
+    heldout_of = {"general_service": _records(stages["base"]["result"]["heldout_dir"]),
+                  **{n: _records(trace_dir / "heldout" / n) for n in trained}}
+    by_task = {name: {r["task_id"]: r["success"] for r in records} for name, records in heldout_of.items()}
+    system = lambda family: chosen["by_family"].get(family, "general_service")  # a family it never met: the base
+    assert arms[names[2]]["success"] == pytest.approx(
+        np.mean([by_task[system(r["family"])][r["task_id"]] for r in heldout_of["general_service"]]))
     routed = stages["routing"]["result"]["by_task"]
     for index, name in enumerate(stages["training"]["result"]):  # each adapter alone: TRACE's tasks under it taken
         alone = json.loads((trace_dir / "heldout" / name / "summary.json").read_text())
@@ -464,7 +489,8 @@ def test_a_base_run_of_other_episodes_fails_at_start_naming_the_key(tmp_path, sm
 def _episodes(folder, outcomes):
     """An evaluation folder whose episodes.jsonl holds one record per (task id, family, success)."""
     folder.mkdir(parents=True)
-    lines = [json.dumps({"task_id": t, "family": f, "success": s, "trial": 0}) for t, f, s in outcomes]
+    lines = [json.dumps({"task_id": t, "family": f, "success": s, "reward": float(s), "trial": 0})
+             for t, f, s in outcomes]
     (folder / "episodes.jsonl").write_text("\n".join(lines) + "\n")
 
 
@@ -477,3 +503,25 @@ def test_the_oracle_takes_the_best_system_per_family_and_scores_the_router(tmp_p
     oracle = oracle_routes(tmp_path, str(tmp_path / "base"), ["x", "y"], routed)
     assert oracle["by_family"] == {"a": "x", "b": "general_service"}  # a tie goes to the base model
     assert oracle["success"] == 3 / 4 and oracle["accuracy"] == 2 / 4 and oracle["episodes"] == 4
+
+
+def test_the_experiments_oracle_routing_is_chosen_on_train_tasks_and_scored_on_held_out_ones(tmp_path):
+    """Adapter x beat the base agent on family a's train tasks but not on its held-out ones: oracle routing (the
+    oracle stage's choice on train tasks) serves a with x, the upper bound (chosen on held-out) with the base."""
+    trace_dir, workdir = tmp_path / "trace", tmp_path / "experiment"
+    tasks = [("a1", "a"), ("a2", "a"), ("b1", "b"), ("b2", "b")]
+    _episodes(trace_dir / "heldout" / "base", [(t, f, f == "a") for t, f in tasks])  # 2 of 2 on a
+    _episodes(trace_dir / "heldout" / "x", [(t, f, t == "a1") for t, f in tasks])  # 1 of 2 on a
+    _episodes(trace_dir / "heldout" / "trace", [(t, f, False) for t, f in tasks])
+    config = experiment_tiny.get_config()
+    config.trace_run = str(trace_dir)
+    experiment = Experiment(config, workdir)
+    experiment.stages.done["oracle"] = {"seconds": 5.0, "result": {"by_family": {"a": "x", "b": "general_service"},
+                                                                   "tasks": 6}}
+    trace = {"base_dir": str(trace_dir / "heldout" / "base"), "base_seconds": 1.0, "trace_rollouts": 8,
+             "trace_seconds": 10.0, "adapters": {"x": str(tmp_path / "x")}, "rollouts_by_capability": {"x": 8},
+             "routing": {t: 0 for t, _ in tasks}}
+    rows = {row["arm"]: row for row in experiment._results(trace, 8, [])["arms"]}
+    oracle = rows["TRACE, oracle routing (chosen on 6 train tasks)"]
+    assert (oracle["success"], oracle["families"], oracle["seconds"]) == (1 / 4, {"a": 0.5, "b": 0.0}, 15.0)
+    assert rows["per family the best system on held-out (upper bound)"]["success"] == 2 / 4

@@ -4,7 +4,9 @@ Stages, recorded in <workdir>/stages.json as the pipeline records its own (a rer
 killed stage resumes from what its jobs wrote):
 
   trace        the TRACE pipeline's run (`trace_run`, or run here in <workdir>/trace), with every adapter alone
-               on the held-out tasks (the oracle's and the best single adapter's input) where it lacks them
+               on the held-out tasks (the oracles' and the best single adapter's input) where it lacks them
+  oracle       oracle routing chosen on train tasks: the base agent and each adapter alone on the first
+               `oracle.num_tasks` of TRACE's analysis tasks, per family the system with the most successes
   grpo_target  GRPO on the target's `grpo_target.split` with the budget, then held-out
   mixed        GRPO on every calibrated capability environment mixed (one adapter), the budget, then held-out
   gepa         GEPA per capability with an equal share of the budget, the texts joined into the target's
@@ -28,9 +30,10 @@ import pathlib
 import time
 
 import ml_collections
+import numpy as np
 from absl import logging
 
-from trace_jax import distributed
+from trace_jax import distributed, lora
 from trace_jax.agent.rollout import RolloutConfig
 from trace_jax.baselines.gepa import gepa_arm, validate_gepa_config
 from trace_jax.baselines.scaling import plot_scaling, scaling_points, scaling_table
@@ -44,6 +47,7 @@ from trace_jax.trace.calibration import environment_config
 from trace_jax.trace.pipeline import (
     Pipeline,
     Stages,
+    analysis_evaluation,
     evaluate_alone,
     grpo_config,
     heldout_evaluation,
@@ -52,10 +56,10 @@ from trace_jax.trace.pipeline import (
 )
 from trace_jax.trace.pipeline import validate_config as validate_pipeline_config
 from trace_jax.trace.routing import RouteOption
-from trace_jax.trace.trace_report import oracle_routes
+from trace_jax.trace.trace_report import best_by_family, oracle_routes
 
-ARMS = ("grpo_target", "mixed", "gepa", "subsets")
-CAPABILITY_ARMS = ("mixed", "gepa", "subsets")  # arms on TRACE's capability environments or adapters
+ARMS = ("oracle", "grpo_target", "mixed", "gepa", "subsets")
+CAPABILITY_ARMS = ("oracle", "mixed", "gepa", "subsets")  # arms on TRACE's capability environments or adapters
 STAGES = ("trace", *ARMS, "scaling")
 BUDGET_TOLERANCE = 0.05  # the baselines' budgets are within 5% of TRACE's (else a warning)
 
@@ -64,7 +68,9 @@ def _checks() -> list[Check]:
     return [("trace_run", lambda v: isinstance(v, str), '"" (run the pipeline here) or a TRACE run\'s workdir'),
             ("budget", lambda v: v is None or positive_int(v), "None (TRACE's own rollouts) or a positive int"),
             ("arms", lambda v: isinstance(v, tuple | list) and set(v) <= set(ARMS), f"a subset of {ARMS}"),
-            ("grpo_target.split", lambda v: isinstance(v, str) and bool(v), "the target's training split")]
+            ("grpo_target.split", lambda v: isinstance(v, str) and bool(v), "the target's training split"),
+            ("oracle.num_tasks", lambda v: v is None or positive_int(v),
+             "None (all of TRACE's analysis tasks) or a positive int")]
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -96,7 +102,8 @@ class Experiment:
             raise ValueError("TRACE trained no adapter, so it gives no budget: set config.budget")
         target = {**self.config.trace.target.env.to_dict(), "split": self.config.grpo_target.split}
         mixed = {"name": "mixed", "parts": list(trace["environments"].values()), "split": "train"}
-        runs = {"grpo_target": lambda: self._grpo("grpo_target", target, budget, hints=False, snapshots=True),
+        runs = {"oracle": lambda: self._oracle(trace),
+                "grpo_target": lambda: self._grpo("grpo_target", target, budget, hints=False, snapshots=True),
                 "mixed": lambda: self._grpo("mixed", mixed, budget, hints=trace["hints"], snapshots=False),
                 "gepa": lambda: self._gepa(trace, budget),
                 "subsets": lambda: self._subsets(trace)}
@@ -156,6 +163,22 @@ class Experiment:
                 "hints": not any(environments[n].get("scenarios") for n in adapters),  # written ones offer none
                 "descriptions": {c["name"]: c["description"] for c in cards if c["name"] in adapters}}
 
+    def _oracle(self, trace: dict) -> dict:
+        """Oracle routing chosen on train tasks, not on the held-out ones it is scored on: the base agent (its
+        episodes taken from TRACE's analysis run) and each adapter alone on the first `oracle.num_tasks` analysis
+        tasks; per family, the system with the most successes there."""
+        config, folder = self.config.trace, self.workdir / "oracle"
+        systems = {lora.NO_ADAPTER: ("general_service", ""), **dict(enumerate(trace["adapters"].items()))}
+        records, played = {}, 0
+        for index, (name, adapter) in systems.items():
+            summary = evaluate(analysis_evaluation(config, adapter, self.config.oracle.num_tasks), folder / name,
+                               reuse=[self.trace_dir / "base_analysis"])
+            played += summary["num_episodes"] - summary["reused_episodes"]
+            records[index] = _episodes(folder / name)
+        success = {systems[i][0]: float(np.mean([r["success"] for r in found])) for i, found in records.items()}
+        return {"by_family": {f: systems[i][0] for f, i in best_by_family(records).items()},
+                "tasks": len(records[lora.NO_ADAPTER]), "episodes_played": played, "success": success}
+
     def _grpo(self, arm: str, env: dict, budget: int, hints: bool, snapshots: bool) -> dict:
         """GRPO with TRACE's training settings on `env` for `budget` episodes, then its adapter on the held-out
         tasks (`hints`: keep TRACE's hinted share, where every environment offers a hint; `snapshots`: keep
@@ -214,12 +237,19 @@ class Experiment:
                      trace["trace_seconds"])]
         adapters = list(trace["adapters"])
         if adapters:
-            oracle = oracle_routes(self.trace_dir, trace["base_dir"], adapters, trace["routing"])
             singles = {n: _episodes(self.trace_dir / "heldout" / n) for n in adapters}
             by_task = {name: {r["task_id"]: r for r in records}
                        for name, records in {"general_service": base, **singles}.items()}
-            rows.append(_row("TRACE, oracle routing",
-                             [by_task[oracle["by_family"][r["family"]]][r["task_id"]] for r in base],
+            # each held-out task's episode of its family's system (a family the choice never met: the base agent's)
+            routed = lambda by_family: [by_task[by_family.get(r["family"], "general_service")][r["task_id"]]
+                                        for r in base]
+            if "oracle" in self.stages.done:
+                done, split = self.stages.done["oracle"], self.config.trace.target.analysis_split
+                rows.append(_row(f"TRACE, oracle routing (chosen on {done['result']['tasks']} {split} tasks)",
+                                 routed(done["result"]["by_family"]), trace["trace_rollouts"],
+                                 trace["trace_seconds"] + done["seconds"]))
+            upper = oracle_routes(self.trace_dir, trace["base_dir"], adapters, trace["routing"])["by_family"]
+            rows.append(_row("per family the best system on held-out (upper bound)", routed(upper),
                              trace["trace_rollouts"], trace["trace_seconds"]))
             best = max(adapters, key=lambda n: sum(r["success"] for r in singles[n]))
             rows.append(_row(f"best single adapter ({best})", singles[best], trace["rollouts_by_capability"][best],

@@ -125,6 +125,14 @@ def heldout_evaluation(config: ml_collections.ConfigDict, adapter: str = "") -> 
     return _evaluation_config(config, config.target.heldout_split, config.target.heldout_tasks, adapter)
 
 
+def analysis_evaluation(config: ml_collections.ConfigDict, adapter: str = "",
+                        num_tasks: int | None = None) -> ml_collections.ConfigDict:
+    """The evaluation job's config of the base agent (with `adapter`) on the first `num_tasks` (default: all) of
+    the target's analysis tasks."""
+    target = config.target
+    return _evaluation_config(config, target.analysis_split, num_tasks or target.analysis_tasks, adapter)
+
+
 def training_config(config: ml_collections.ConfigDict, capability: str, difficulty: float,
                     scenarios: str | None = None) -> ml_collections.ConfigDict:
     """The GRPO job's config for one capability's environment (equal iterations for every capability)."""
@@ -297,8 +305,7 @@ class Pipeline:
         """The base agent on the analysis split and, unless `target.base_run` names that run, on the held-out
         split, both in one batch."""
         target = self.config.target
-        runs = [(_evaluation_config(self.config, target.analysis_split, target.analysis_tasks),
-                 self.workdir / "base_analysis")]
+        runs = [(analysis_evaluation(self.config), self.workdir / "base_analysis")]
         heldout_dir = pathlib.Path(target.base_run) if target.base_run else self.workdir / "heldout" / "base"
         if not target.base_run:
             runs.append((heldout_evaluation(self.config), heldout_dir))

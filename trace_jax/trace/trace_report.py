@@ -29,18 +29,24 @@ def _records(folder: str | pathlib.Path) -> list[dict]:
     return recorded_episodes(pathlib.Path(folder) / "episodes.jsonl")
 
 
+def best_by_family(systems: dict[int, list[dict]]) -> dict[str, int]:
+    """Per task family, the system (`NO_ADAPTER`: the base agent; i: adapter i alone) whose episode records hold
+    the most successes; a tie goes to the base agent, then to the first adapter."""
+    best = {}
+    for family in sorted({r["family"] for r in systems[NO_ADAPTER]}):
+        wins = {index: sum(r["success"] for r in records if r["family"] == family)
+                for index, records in systems.items()}
+        best[family] = max(wins, key=lambda index: (wins[index], index == NO_ADAPTER, -index))
+    return best
+
+
 def oracle_routes(workdir: pathlib.Path, base_dir: str, names: list[str], routed: dict[str, int]) -> dict:
     """The oracle: per task family, the system (base or one adapter alone) with the most held-out
     successes; its success (each task's episode of its family's system) and the router's accuracy
     against it."""
     systems = {NO_ADAPTER: _records(base_dir), **{i: _records(workdir / "heldout" / n) for i, n in enumerate(names)}}
     by_task = {index: {r["task_id"]: r for r in records} for index, records in systems.items()}
-    families = sorted({r["family"] for r in systems[NO_ADAPTER]})
-    best = {}
-    for family in families:
-        wins = {index: sum(r["success"] for r in records if r["family"] == family)
-                for index, records in systems.items()}
-        best[family] = max(wins, key=lambda index: (wins[index], index == NO_ADAPTER, -index))
+    best = best_by_family(systems)
     tasks = [r for r in systems[NO_ADAPTER] if r["task_id"] in routed]
     choice = {r["task_id"]: best[r["family"]] for r in tasks}
     label = lambda index: "general_service" if index == NO_ADAPTER else names[index]
@@ -171,7 +177,8 @@ def write_report(workdir: pathlib.Path, stages: dict, config: ml_collections.Con
              *(f"| {label} | {n} |" for label, n in distribution.items())]
     if final["oracle"]:
         oracle = final["oracle"]
-        lines += [f"\nOracle (best system per family: {oracle['by_family']}): success "
+        lines += [f"\nOracle (the best system per family on these held-out tasks, an upper bound for routing: "
+                  f"{oracle['by_family']}): success "
                   f"{100 * oracle['success']:.1f}%; the router agrees with it on {100 * oracle['accuracy']:.1f}% "
                   "of tasks."]
     lines += ["\n## Held-out success per family\n", _side_by_side(rows), "\n![held-out](plots/heldout.png)\n",
