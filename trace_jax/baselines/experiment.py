@@ -30,7 +30,6 @@ import pathlib
 import time
 
 import ml_collections
-import numpy as np
 from absl import logging
 
 from trace_jax import distributed, lora
@@ -175,9 +174,8 @@ class Experiment:
                                reuse=[self.trace_dir / "base_analysis"])
             played += summary["num_episodes"] - summary["reused_episodes"]
             records[index] = _episodes(folder / name)
-        success = {systems[i][0]: float(np.mean([r["success"] for r in found])) for i, found in records.items()}
         return {"by_family": {f: systems[i][0] for f, i in best_by_family(records).items()},
-                "tasks": len(records[lora.NO_ADAPTER]), "episodes_played": played, "success": success}
+                "tasks": len(records[lora.NO_ADAPTER]), "episodes_played": played}
 
     def _grpo(self, arm: str, env: dict, budget: int, hints: bool, snapshots: bool) -> dict:
         """GRPO with TRACE's training settings on `env` for `budget` episodes, then its adapter on the held-out
