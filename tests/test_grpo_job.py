@@ -9,6 +9,7 @@ processes of one device each (one JAX run over both) logs the same metrics and s
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from configs import grpo_tiny
 from multiprocess import TWO_DEVICES, run_processes, step_metrics
+from trace_jax.models.model import weights_fingerprint
 from trace_jax.rl.trainer import validate_config
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -74,6 +76,21 @@ def test_two_processes_run_the_task_set_as_one(tiny_run, tiny_chat_model, job_en
     assert len((two_dir / "metrics.jsonl").read_text().splitlines()) == len(
         (workdir / "metrics.jsonl").read_text().splitlines())
     assert (two_dir / "adapter" / "adapter_config.json").is_file()
+
+
+def test_a_finished_run_rerun_keeps_its_adapter_files(tiny_run, tiny_chat_model, job_env, tmp_path):
+    """A finished job run again (as the experiment does when an arm's held-out evaluation was interrupted)
+    exports the same adapter without rewriting its files, so their fingerprint, to which an evaluation of the
+    adapter ties its episodes, is the one before: the evaluation resumes instead of starting afresh."""
+    workdir, summary, _ = tiny_run
+    rerun = tmp_path / "run"
+    shutil.copytree(workdir, rerun)  # modification times kept
+    before = weights_fingerprint(rerun / "adapter")
+    out = subprocess.run(_tiny_model_command(rerun, tiny_chat_model), cwd=REPO,
+                         env={**job_env, "XLA_FLAGS": TWO_DEVICES}, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == summary["steps"]
+    assert weights_fingerprint(rerun / "adapter") == before
 
 
 @pytest.mark.parametrize("key, value, message", [

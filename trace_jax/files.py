@@ -31,13 +31,25 @@ def _jsonl_line(record: Any) -> str:
     return json.dumps(record, ensure_ascii=False) + "\n"
 
 
+def write_if_changed(path: pathlib.Path, data: bytes) -> None:
+    """Writes `data` atomically unless `path` already holds it: an unchanged file keeps its modification time,
+    which `trace_jax.models.model.weights_fingerprint` reads (an adapter exported again by a resumed run is still
+    the adapter an evaluation recorded its episodes for)."""
+    if not (path.is_file() and path.read_bytes() == data):
+        _write_bytes_atomic(path, data)
+
+
 def _write_text_atomic(path: pathlib.Path, text: str) -> None:
-    """Writes `text` through a temp file in the same folder, renamed into place."""
+    _write_bytes_atomic(path, text.encode())
+
+
+def _write_bytes_atomic(path: pathlib.Path, data: bytes) -> None:
+    """Writes `data` through a temp file in the same folder, renamed into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

@@ -17,8 +17,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file, save
 
+from trace_jax.files import write_if_changed
 from trace_jax.models.config import ModelConfig
 
 NO_ADAPTER = -1
@@ -192,9 +193,9 @@ def _peft_key(layer: int, target: str, ab: str) -> str:
 
 
 def save_peft(adapters: Adapters, out_dir: str | pathlib.Path, *, index: int = 0, base_model: str = "") -> None:
-    """Writes adapter `index` in PEFT's format (adapter_config.json + adapter_model.safetensors)."""
+    """Writes adapter `index` in PEFT's format (adapter_config.json + adapter_model.safetensors); files that
+    already hold the same bytes are left as they are (`files.write_if_changed`)."""
     out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {}
     rank = None
     for target, w in adapters.weights.items():
@@ -210,8 +211,8 @@ def save_peft(adapters: Adapters, out_dir: str | pathlib.Path, *, index: int = 0
         "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
         "rank_pattern": {}, "alpha_pattern": {},
     }
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    write_if_changed(out_dir / "adapter_config.json", json.dumps(config, indent=2).encode())
+    write_if_changed(out_dir / "adapter_model.safetensors", save(tensors, metadata={"format": "pt"}))
 
 
 def load_peft(adapter_dir: str | pathlib.Path, cfg: ModelConfig, dtype=jnp.float32) -> Adapters:
