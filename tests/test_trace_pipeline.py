@@ -391,6 +391,8 @@ def test_a_resumed_stage_reports_the_time_of_every_process_that_worked_on_it(tmp
         time.sleep(0.5)  # then "killed": what it saved is all a resume can know
     saved = json.loads(path.read_text())["training"]
     assert 0.3 <= saved <= 0.55
+    with StageClock(path, "oracle", every_s=0.05):  # a stage added before it since, run first
+        time.sleep(0.2)
     with StageClock(path, "training", every_s=0.05) as resumed:
         time.sleep(0.1)
     assert resumed.before == saved and saved + 0.1 <= resumed.seconds() < saved + 1.0

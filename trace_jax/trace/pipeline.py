@@ -165,12 +165,14 @@ def calibration_evaluation(config: ml_collections.ConfigDict) -> ml_collections.
 
 class StageClock:
     """A stage's wall time summed over every process that worked on it: while the stage runs, a thread saves
-    the running total to `path` every `every_s`, and the process that resumes the stage starts from it."""
+    the running total to `path` every `every_s` (beside other stages' totals: a stage added before an unfinished
+    one runs first, and the unfinished one's time must survive it), and the process that resumes the stage
+    starts from it."""
 
     def __init__(self, path: pathlib.Path, stage: str, every_s: float = CLOCK_EVERY_S):
         self.path, self.stage, self.every_s = path, stage, every_s
-        saved = json.loads(path.read_text()) if path.exists() else {}
-        self.before = float(saved.get(stage, 0.0))  # another stage's entry is stale: stages run in order
+        self._saved = json.loads(path.read_text()) if path.exists() else {}
+        self.before = float(self._saved.get(stage, 0.0))
         self._start = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._save_every, daemon=True)
@@ -190,7 +192,7 @@ class StageClock:
 
     def _save_every(self) -> None:
         while not self._stop.wait(self.every_s):
-            write_json_atomic(self.path, {self.stage: round(self.seconds(), 1)})
+            write_json_atomic(self.path, {**self._saved, self.stage: round(self.seconds(), 1)})
 
 
 class Stages:
