@@ -1,5 +1,5 @@
 """Running a launch job as several local processes of one JAX run (gloo collectives on the CPU), as a multi-host
-user runs it on several machines."""
+user runs it on several machines, and saying why a job's process failed."""
 
 import os
 import pathlib
@@ -25,6 +25,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def last_words(output: str, chars: int = 4000) -> str:
+    """The end of a failed process's output and, where Python's fault handler dumped its threads (XLA or another
+    library aborted the process), what the process printed before the dump: the cause (a failed check, a C++
+    exception), which the dump and its list of extension modules push out of the output's end."""
+    crash = output.find("Fatal Python error")
+    if crash < 0 or len(output) <= chars:
+        return output[-chars:]
+    return f"{output[max(0, crash - chars):crash + 500]}\n[...]\n{output[-chars // 2:]}"
+
+
+def failure_report(out: subprocess.CompletedProcess) -> str:
+    """Why a process run with `subprocess.run(..., capture_output=True, text=True)` failed."""
+    return f"exit code {out.returncode}\n--- stdout:\n{out.stdout[-2000:]}\n--- stderr:\n{last_words(out.stderr)}"
+
+
 def _start(command: list[str], processes: int, env: dict[str, str], logs: pathlib.Path) -> list[subprocess.Popen]:
     """`command` as process i of `processes` (one CPU device each), its output in `logs`/process_<i>.log."""
     logs.mkdir(parents=True, exist_ok=True)
@@ -44,7 +59,7 @@ def run_processes(command: list[str], processes: int, env: dict[str, str], logs:
     children = _start(command, processes, env, logs)
     codes = [child.wait(timeout=timeout_s) for child in children]
     outputs = _outputs(logs, processes)
-    assert codes == [0] * processes, "\n".join(f"process {i} ({code}): {out[-3000:]}" for i, (code, out)
+    assert codes == [0] * processes, "\n".join(f"process {i} ({code}): {last_words(out)}" for i, (code, out)
                                                in enumerate(zip(codes, outputs)))
     return outputs
 
@@ -64,5 +79,5 @@ def kill_one_after_checkpoint(command: list[str], processes: int, env: dict[str,
             os.kill(child.pid, signal.SIGKILL)
         child.wait()
     outputs = _outputs(logs, processes)
-    assert done.is_dir() and all(running), "\n".join(out[-3000:] for out in outputs)
+    assert done.is_dir() and all(running), "\n".join(last_words(out) for out in outputs)
     return outputs

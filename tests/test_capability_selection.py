@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from multiprocess import failure_report
 from trace_jax.trace.selection import InvalidRun, LabellingRun, intervals, load_runs, resample, scores, select
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -101,7 +102,7 @@ def test_the_cli_reads_a_folder_drops_invalid_runs_and_prints_one_json_line(tmp_
     (tmp_path / "notes.txt").write_text("ignored")
     command = [sys.executable, "-m", "launch.select_capabilities", f"--runs={tmp_path}", "--min_runs=3", "--json"]
     out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.returncode == 0, failure_report(out)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert [(c["name"], c["selected"], c["runs_passed"]) for c in result["capabilities"]] == \
         [("wide", True, 3), ("never", False, 0)]

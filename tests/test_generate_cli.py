@@ -8,6 +8,7 @@ import sys
 import jax
 import pytest
 
+from multiprocess import failure_report
 from trace_jax import lora
 from trace_jax.models.model import load_model
 from trace_jax.sampling import Sampler
@@ -24,7 +25,7 @@ def _run_cli(model, *flags: str) -> dict:
     result = subprocess.run([sys.executable, "-m", "launch.generate", f"--model={model.path}",
                              f"--prompt={PROMPT}", "--max_new_tokens=8", "--temperature=0", "--json", *flags],
                             capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.returncode == 0, failure_report(result)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

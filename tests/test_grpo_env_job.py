@@ -24,7 +24,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import grpo_env_tiny, warmstart_tiny
-from multiprocess import TWO_DEVICES, kill_one_after_checkpoint, run_processes, step_metrics
+from multiprocess import failure_report, kill_one_after_checkpoint, run_processes, step_metrics, TWO_DEVICES
 from trace_jax import lora, warmstart
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.embedded import resolve_model_dir
@@ -49,7 +49,7 @@ def tiny_agent(tmp_path_factory, job_env) -> tuple[pathlib.Path, pathlib.Path]:
     build = f"import sys; from trace_jax import warmstart; print(warmstart.agent_dir({AGENT!r}, sys.argv[1]))"
     out = subprocess.run([sys.executable, "-c", build, str(cache)], cwd=REPO, env=job_env, capture_output=True,
                          text=True, timeout=3600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.returncode == 0, failure_report(out)
     return cache, pathlib.Path(out.stdout.strip().splitlines()[-1])
 
 
@@ -101,7 +101,7 @@ def env_run(tiny_agent, job_env, tmp_path_factory):
     workdir, env = tmp_path_factory.mktemp("grpo_env"), {**job_env, "TRACE_JAX_CACHE": str(cache),
                                                          "XLA_FLAGS": TWO_DEVICES}
     out = subprocess.run(_command(workdir), cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.returncode == 0, failure_report(out)
     return workdir, json.loads(out.stdout.strip().splitlines()[-1]), out.stderr, env
 
 

@@ -18,7 +18,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import grpo_tiny
-from multiprocess import TWO_DEVICES, run_processes, step_metrics
+from multiprocess import failure_report, run_processes, step_metrics, TWO_DEVICES
 from trace_jax.models.model import weights_fingerprint
 from trace_jax.rl.trainer import validate_config
 
@@ -41,7 +41,7 @@ def tiny_run(tiny_chat_model, job_env, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("grpo_tiny")
     out = subprocess.run(_tiny_model_command(workdir, tiny_chat_model), cwd=REPO,
                          env={**job_env, "XLA_FLAGS": TWO_DEVICES}, capture_output=True, text=True, timeout=1800)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.returncode == 0, failure_report(out)
     return workdir, json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
@@ -88,7 +88,7 @@ def test_a_finished_run_rerun_keeps_its_adapter_files(tiny_run, tiny_chat_model,
     before = weights_fingerprint(rerun / "adapter")
     out = subprocess.run(_tiny_model_command(rerun, tiny_chat_model), cwd=REPO,
                          env={**job_env, "XLA_FLAGS": TWO_DEVICES}, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.returncode == 0, failure_report(out)
     assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == summary["steps"]
     assert weights_fingerprint(rerun / "adapter") == before
 

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+from multiprocess import failure_report
 from trace_jax.runtime import compilation_cache_dir, computes_on_cpu, full_precision_matmuls
 
 
@@ -46,7 +47,7 @@ def test_compiled_programs_persist_in_a_folder_named_after_the_machine(tmp_path,
     show = "import launch, jax; print(jax.config.jax_compilation_cache_dir)"
     out = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, timeout=300,
                          cwd=pathlib.Path(__file__).resolve().parents[1])
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.returncode == 0, failure_report(out)
     assert out.stdout.strip() == str(folder)
 
 
@@ -66,7 +67,7 @@ print(json.dumps({"start": start, "freed": resident_memory_gb(), "released": rel
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", measure], env=env, capture_output=True, text=True, timeout=300,
                          cwd=pathlib.Path(__file__).resolve().parents[1])
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.returncode == 0, failure_report(out)
     gb = json.loads(out.stdout)
     print(f"\n[runtime] resident GB: {gb}")
     assert gb["freed"] >= gb["start"] + 0.35  # kept after the free
@@ -96,7 +97,7 @@ print(json.dumps(dict(held=held, after=after, kept=kept, cached=cached, dropped=
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          cwd=pathlib.Path(__file__).resolve().parents[1])
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.returncode == 0, failure_report(out)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert not result["kept"] and result["cached"] == 40
     assert result["dropped"] and result["left"] == 0 and not result["repeat"] and not result["throttled"]

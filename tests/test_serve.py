@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from launch.bench_serve import load, start_server
+from multiprocess import failure_report
 from trace_jax import lora
 from trace_jax.agent.tool_calls import format_tool_call
 from trace_jax.models.model import load_model
@@ -95,7 +96,7 @@ def test_each_served_model_answers_as_the_sampler_and_generate_do(client, model,
     out = subprocess.run([sys.executable, "-m", "launch.generate", f"--model={model.path}", "--chat", "--json",
                           f"--prompt={ASK[0]['content']}", f"--adapter={adapters['beta']}", "--max_new_tokens=12"],
                          capture_output=True, text=True, timeout=600, env=job_env)
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.returncode == 0, failure_report(out)
     assert json.loads(out.stdout.strip().splitlines()[-1])["text"] == texts["beta"]
 
 

@@ -17,7 +17,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from configs import warmstart_tiny
-from multiprocess import TWO_DEVICES, kill_one_after_checkpoint, run_processes
+from multiprocess import failure_report, kill_one_after_checkpoint, run_processes, TWO_DEVICES
 from trace_jax import lora
 from trace_jax.models import decoder
 from trace_jax.models.model import load_model
@@ -45,7 +45,7 @@ def runs(tmp_path_factory, job_env, tiny_chat_model):
     assert "resumed from step 2" in outputs[0] and '"steps"' not in outputs[1]  # process 0 alone logs and prints
     out = subprocess.run(_command(uninterrupted, tiny_chat_model), cwd=REPO, env={**job_env, "XLA_FLAGS": TWO_DEVICES},
                          capture_output=True, text=True, timeout=1200)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.returncode == 0, failure_report(out)
     for last_line in (outputs[0], out.stdout):
         assert json.loads(last_line.strip().splitlines()[-1])["steps"] == CONFIG.train.steps
     return resumed, uninterrupted

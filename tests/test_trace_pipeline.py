@@ -27,7 +27,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from configs import experiment_tiny, trace_tiny
 from launch.bench_serve import start_server
-from multiprocess import run_processes
+from multiprocess import failure_report, run_processes
 from trace_jax.baselines.experiment import Experiment
 from trace_jax.baselines.experiment import validate_config as validate_experiment_config
 from trace_jax.baselines.gepa import joined_guidance
@@ -59,7 +59,7 @@ _FENCED_EXAMPLE = f"```python\n{pathlib.Path(example_retail.__file__).read_text(
 def _run(workdir, env, *overrides, config="configs/trace_tiny.py"):
     command = [sys.executable, "-m", "launch.trace", f"--config={config}", f"--workdir={workdir}", *overrides]
     out = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert out.returncode == 0, failure_report(out)
     return json.loads(out.stdout.strip().splitlines()[-1]), out
 
 
@@ -211,7 +211,7 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     outputs = [subprocess.run(command, cwd=REPO, env=job_env, capture_output=True, text=True, timeout=3600)
                for _ in range(2)]
     for out in outputs:
-        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+        assert out.returncode == 0, failure_report(out)
     summary, again = (json.loads(out.stdout.strip().splitlines()[-1]) for out in outputs)
     print(f"\n[experiment] tiny config: {summary}")
     results = json.loads((tmp_path / "results.json").read_text())
