@@ -13,10 +13,15 @@ from safetensors.numpy import load_file, save_file
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.decoder import forward
 from trace_jax.models.loading import load_params, save_hf_checkpoint
+from trace_jax.models.model import weights_fingerprint
 
 
 def _tokens(seed=0, shape=(2, 40), vocab=128):
     return np.random.RandomState(seed).randint(0, vocab, shape)
+
+
+def _inodes(folder) -> dict[str, int]:
+    return {f.name: f.stat().st_ino for f in folder.iterdir()}
 
 
 def _same_trees(a, b) -> bool:
@@ -68,12 +73,22 @@ def test_bf16_loading_keeps_logits_close(tiny_checkpoints):
     assert np.abs(np.asarray(l32) - np.asarray(l16)).max() < 0.1
 
 
-def test_save_and_reload_round_trip(tiny_checkpoints, tmp_path):
+def test_save_and_reload_round_trip_and_an_unchanged_save_keeps_the_files(tiny_checkpoints, tmp_path):
+    """Saved again with the same weights (a finished SFT job rerun exports its merged folder again), the folder
+    keeps its files and so its fingerprint, to which evaluations tie their episodes; other weights replace them."""
     path, _ = tiny_checkpoints["qwen2"]
     cfg = ModelConfig.from_dir(path)
     params = load_params(path, cfg)
     save_hf_checkpoint(params, path, tmp_path, cfg)
     assert _same_trees(params, load_params(tmp_path, cfg))
+    saved, inodes = weights_fingerprint(tmp_path), _inodes(tmp_path)
+    save_hf_checkpoint(params, path, tmp_path, cfg)
+    assert weights_fingerprint(tmp_path) == saved and _inodes(tmp_path) == inodes  # the same files, untouched
+    assert not list(tmp_path.glob(".*"))  # no temp file left
+    moved = jax.tree.map(lambda a: a + 1, params)
+    save_hf_checkpoint(moved, path, tmp_path, cfg)
+    replaced = {name for name, inode in _inodes(tmp_path).items() if inode != inodes[name]}
+    assert replaced == {"model.safetensors"} and _same_trees(moved, load_params(tmp_path, cfg))
 
 
 def test_unsupported_architecture_is_named():

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import filecmp
 import json
 import os
 import pathlib
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 
@@ -32,25 +34,35 @@ def _jsonl_line(record: Any) -> str:
 
 
 def write_if_changed(path: pathlib.Path, data: bytes) -> None:
-    """Writes `data` atomically unless `path` already holds it: an unchanged file keeps its modification time,
-    which `trace_jax.models.model.weights_fingerprint` reads (an adapter exported again by a resumed run is still
-    the adapter an evaluation recorded its episodes for)."""
-    if not (path.is_file() and path.read_bytes() == data):
-        _write_bytes_atomic(path, data)
+    """Writes `data` to `path` as `write_file_if_changed` does."""
+    write_file_if_changed(path, lambda tmp: tmp.write_bytes(data))
+
+
+def write_file_if_changed(path: pathlib.Path, write: Callable[[pathlib.Path], None]) -> None:
+    """Has `write` write the file at the path it is given (a temp file beside `path`) and moves it to `path`,
+    unless `path` already holds the same bytes (compared a block at a time: a merged model need not fit in memory
+    twice). An unchanged file keeps its modification time, which `trace_jax.models.model.weights_fingerprint`
+    reads: an adapter or model exported again by a rerun job is still the one an evaluation recorded its episodes
+    for."""
+    _write_through_temp(path, write, keep_unchanged=True)
 
 
 def _write_text_atomic(path: pathlib.Path, text: str) -> None:
-    _write_bytes_atomic(path, text.encode())
+    _write_through_temp(path, lambda tmp: tmp.write_bytes(text.encode()), keep_unchanged=False)
 
 
-def _write_bytes_atomic(path: pathlib.Path, data: bytes) -> None:
-    """Writes `data` through a temp file in the same folder, renamed into place."""
+def _write_through_temp(path: pathlib.Path, write: Callable[[pathlib.Path], None], *, keep_unchanged: bool) -> None:
+    """Writes through a temp file in the same folder, renamed into place: a reader (or a run resumed after a
+    kill) sees the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        write(pathlib.Path(tmp))
+        if keep_unchanged and path.is_file() and filecmp.cmp(tmp, path, shallow=False):
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        pathlib.Path(tmp).unlink(missing_ok=True)
         raise

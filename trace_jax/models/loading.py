@@ -16,6 +16,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from trace_jax.files import write_file_if_changed, write_if_changed
 from trace_jax.models.config import ModelConfig
 
 # (HF name after "model.layers.{i}.", path in a layer's dict, is a linear weight [out, in]).
@@ -116,10 +117,13 @@ def to_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
 
 
 def save_hf_checkpoint(params: dict, cfg_dir: str | pathlib.Path, out_dir: str | pathlib.Path, cfg: ModelConfig) -> None:
-    """Writes `params` as an HF folder: config.json (and tokenizer files) copied from `cfg_dir`."""
+    """Writes `params` as an HF folder: config.json (and tokenizer files) copied from `cfg_dir`. Files that
+    already hold the same bytes are left as they are (`files.write_file_if_changed`)."""
     cfg_dir, out_dir = pathlib.Path(cfg_dir), pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in cfg_dir.iterdir():
         if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".txt", ".model", ".jinja"):
-            (out_dir / f.name).write_bytes(f.read_bytes())
-    save_file(to_hf_tensors(params, cfg), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+            write_if_changed(out_dir / f.name, f.read_bytes())
+    tensors = to_hf_tensors(params, cfg)
+    write_file_if_changed(out_dir / "model.safetensors",
+                          lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
