@@ -81,6 +81,10 @@ def test_save_and_reload_round_trip_and_an_unchanged_save_keeps_the_files(tiny_c
     params = load_params(path, cfg)
     save_hf_checkpoint(params, path, tmp_path, cfg)
     assert _same_trees(params, load_params(tmp_path, cfg))
+    (tmp_path / "elsewhere").mkdir()
+    made_by_open = (tmp_path / "elsewhere" / "file")
+    made_by_open.write_bytes(b"")
+    assert (tmp_path / "model.safetensors").stat().st_mode == made_by_open.stat().st_mode  # readable as any file is
     saved, inodes = weights_fingerprint(tmp_path), _inodes(tmp_path)
     save_hf_checkpoint(params, path, tmp_path, cfg)
     assert weights_fingerprint(tmp_path) == saved and _inodes(tmp_path) == inodes  # the same files, untouched

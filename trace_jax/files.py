@@ -11,6 +11,18 @@ from collections.abc import Callable
 from typing import Any
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# The mode a file made by `open` gets (0o666 less the umask), for the temp files renamed into place, which
+# `mkstemp` makes 0o600: adapters and models exported for other users to read. Read once, at import (setting the
+# umask to read it is not thread-safe).
+_NEW_FILE_MODE = 0o666 & ~_umask()
+
+
 def write_json_atomic(path: pathlib.Path, value: Any) -> None:
     """Writes `value` as JSON so that a reader (or a resumed run after a kill) sees the old file or the
     new one, never half of one."""
@@ -59,6 +71,7 @@ def _write_through_temp(path: pathlib.Path, write: Callable[[pathlib.Path], None
     os.close(fd)
     try:
         write(pathlib.Path(tmp))
+        os.chmod(tmp, _NEW_FILE_MODE)  # after `write`, which may have made the file anew
         if keep_unchanged and path.is_file() and filecmp.cmp(tmp, path, shallow=False):
             os.unlink(tmp)
         else:
