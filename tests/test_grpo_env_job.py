@@ -24,7 +24,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import grpo_env_tiny, warmstart_tiny
-from multiprocess import failure_report, kill_one_after_checkpoint, run_processes, step_metrics, TWO_DEVICES
+from multiprocess import TWO_DEVICES, failure_report, kill_one_after_checkpoint, run_processes, step_metrics
 from trace_jax import lora, warmstart
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.embedded import resolve_model_dir

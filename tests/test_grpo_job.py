@@ -18,7 +18,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import grpo_tiny
-from multiprocess import failure_report, run_processes, step_metrics, TWO_DEVICES
+from multiprocess import TWO_DEVICES, failure_report, run_processes, step_metrics
 from trace_jax.models.model import weights_fingerprint
 from trace_jax.rl.trainer import validate_config
 

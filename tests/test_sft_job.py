@@ -17,7 +17,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from configs import warmstart_tiny
-from multiprocess import failure_report, kill_one_after_checkpoint, run_processes, TWO_DEVICES
+from multiprocess import TWO_DEVICES, failure_report, kill_one_after_checkpoint, run_processes
 from trace_jax import lora
 from trace_jax.models import decoder
 from trace_jax.models.model import load_model
