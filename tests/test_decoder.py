@@ -78,21 +78,20 @@ def test_save_and_reload_round_trip_and_an_unchanged_save_keeps_the_files(tiny_c
     keeps its files and so its fingerprint, to which evaluations tie their episodes; other weights replace them."""
     path, _ = tiny_checkpoints["qwen2"]
     cfg = ModelConfig.from_dir(path)
-    params = load_params(path, cfg)
-    save_hf_checkpoint(params, path, tmp_path, cfg)
-    assert _same_trees(params, load_params(tmp_path, cfg))
-    (tmp_path / "elsewhere").mkdir()
-    made_by_open = (tmp_path / "elsewhere" / "file")
+    params, out = load_params(path, cfg), tmp_path / "saved"
+    save_hf_checkpoint(params, path, out, cfg)
+    assert _same_trees(params, load_params(out, cfg))
+    made_by_open = tmp_path / "made_by_open"
     made_by_open.write_bytes(b"")
-    assert (tmp_path / "model.safetensors").stat().st_mode == made_by_open.stat().st_mode  # readable as any file is
-    saved, inodes = weights_fingerprint(tmp_path), _inodes(tmp_path)
-    save_hf_checkpoint(params, path, tmp_path, cfg)
-    assert weights_fingerprint(tmp_path) == saved and _inodes(tmp_path) == inodes  # the same files, untouched
-    assert not list(tmp_path.glob(".*"))  # no temp file left
+    assert (out / "model.safetensors").stat().st_mode == made_by_open.stat().st_mode  # readable as any file is
+    saved, inodes = weights_fingerprint(out), _inodes(out)
+    save_hf_checkpoint(params, path, out, cfg)
+    assert weights_fingerprint(out) == saved and _inodes(out) == inodes  # the same files, untouched
+    assert not list(out.glob(".*"))  # no temp file left
     moved = jax.tree.map(lambda a: a + 1, params)
-    save_hf_checkpoint(moved, path, tmp_path, cfg)
-    replaced = {name for name, inode in _inodes(tmp_path).items() if inode != inodes[name]}
-    assert replaced == {"model.safetensors"} and _same_trees(moved, load_params(tmp_path, cfg))
+    save_hf_checkpoint(moved, path, out, cfg)
+    replaced = {name for name, inode in _inodes(out).items() if inode != inodes[name]}
+    assert replaced == {"model.safetensors"} and _same_trees(moved, load_params(out, cfg))
 
 
 def test_unsupported_architecture_is_named():
