@@ -44,7 +44,7 @@ def main(argv: list[str]) -> None:
     if not distributed.is_main():
         return
     table = calibration_table(results)
-    (workdir / "calibration.md").write_text(table + "\n")
+    (workdir / "calibration.md").write_text(table + "\n", encoding="utf-8")
     print(table, flush=True)
     print(json.dumps({r["capability"]: {"calibrated": r["calibrated"], "difficulty": r["difficulty"]}
                       for r in results}), flush=True)

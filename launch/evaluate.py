@@ -33,7 +33,7 @@ def main(argv: list[str]) -> None:
     summary = evaluate(_CONFIG.value, _WORKDIR.value, agent=_AGENT.value)
     if not distributed.is_main():
         return
-    print(pathlib.Path(_WORKDIR.value, "table.md").read_text().rstrip(), flush=True)
+    print(pathlib.Path(_WORKDIR.value, "table.md").read_text(encoding="utf-8").rstrip(), flush=True)
     if _JSON.value:
         print(json.dumps(summary), flush=True)
 

@@ -32,7 +32,7 @@ def main(argv: list[str]) -> None:
     summary = Experiment(_CONFIG.value, _WORKDIR.value).run()
     if not distributed.is_main():
         return
-    print(pathlib.Path(_WORKDIR.value, "report.md").read_text().rstrip(), flush=True)
+    print(pathlib.Path(_WORKDIR.value, "report.md").read_text(encoding="utf-8").rstrip(), flush=True)
     print(json.dumps(summary), flush=True)
 
 

@@ -30,7 +30,7 @@ from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Tr
 from trace_jax.agent.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS, make_environment
-from trace_jax.files import write_jsonl_atomic
+from trace_jax.files import read_json, write_jsonl_atomic
 from trace_jax.metrics import Progress
 from trace_jax.models.embedded import resolve_model_dir
 from trace_jax.models.model import DTYPES, load_model, weights_fingerprint
@@ -163,8 +163,8 @@ def play_together(make_engine: Callable[[], RolloutEngine], runs: list[tuple[lis
     offset = max((r.get("elapsed_s", 0.0) for done in records for r in done), default=0.0)
     start = time.monotonic()
     with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(open(path if alone else _process_file(path, jax.process_index()), "w"))
-                for path in paths]
+        log_paths = [path if alone else _process_file(path, jax.process_index()) for path in paths]
+        logs = [stack.enter_context(open(path, "w", encoding="utf-8")) for path in log_paths]
         if alone:
             for log, done in zip(logs, records):
                 log.writelines(json.dumps(r) + "\n" for r in done)
@@ -238,7 +238,7 @@ def recorded_episodes(episodes_path: pathlib.Path) -> list[dict]:
     """The episode records in `episodes_path` up to the first incomplete line ([] if there is no file)."""
     records = []
     try:
-        with open(episodes_path) as f:
+        with open(episodes_path, encoding="utf-8") as f:
             for line in f:
                 try:
                     records.append(json.loads(line))
@@ -273,7 +273,7 @@ def check_base_run(folder: pathlib.Path, config: ml_collections.ConfigDict, key:
     if not (folder / "run.json").exists() or not (folder / "summary.json").exists():
         raise ValueError(f"config.{key} = {str(folder)!r} is not a finished evaluation's workdir "
                          "(run.json and summary.json)")
-    found, wanted = json.loads((folder / "run.json").read_text()), _jsonable(run_marker(config, "model"))
+    found, wanted = read_json(folder / "run.json"), _jsonable(run_marker(config, "model"))
     ran, runs = found["config"], wanted["config"]
     pairs = {"agent": (found["agent"], "model"), "weights": (found.get("weights"), wanted["weights"]),
              "adapter": (found.get("adapter"), wanted["adapter"]),
@@ -301,11 +301,11 @@ def _keep_episodes_of_same_run(workdir: pathlib.Path, run: dict) -> None:
     text = json.dumps(run, sort_keys=True, default=str)
     def keep() -> None:
         stale = [p for p in (episodes, *workdir.glob(_process_file(episodes, "*").name)) if p.exists()]
-        if stale and (not marker.exists() or marker.read_text() != text):
+        if stale and (not marker.exists() or marker.read_text(encoding="utf-8") != text):
             logging.info("%s holds episodes of another config or agent: starting afresh", workdir)
             for path in stale:
                 path.unlink()
-        marker.write_text(text)
+        marker.write_text(text, encoding="utf-8")
 
     distributed.on_main(keep)
 
@@ -333,7 +333,7 @@ def _reusable(folders: Sequence[str | pathlib.Path], marker: dict) -> dict[tuple
     for folder in map(pathlib.Path, folders):
         if not (folder / "run.json").is_file():
             continue
-        found = json.loads((folder / "run.json").read_text())
+        found = read_json(folder / "run.json")
         if _episode_setting(found) != setting:
             continue
         for record in recorded_episodes(folder / "episodes.jsonl"):
@@ -429,8 +429,8 @@ def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.
 
     def write() -> None:
         for workdir, summary, table in zip(workdirs, summaries, tables):
-            (workdir / "table.md").write_text(table + "\n")
-            (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+            (workdir / "table.md").write_text(table + "\n", encoding="utf-8")
+            (workdir / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
 
     distributed.on_main(write)  # what comes next may read the summaries
     return summaries

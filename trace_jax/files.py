@@ -1,4 +1,4 @@
-"""Small file helpers shared by the stages."""
+"""Small file helpers shared by the stages. Text files are UTF-8 whatever the locale, read and written alike."""
 
 from __future__ import annotations
 
@@ -23,6 +23,11 @@ def _umask() -> int:
 _NEW_FILE_MODE = 0o666 & ~_umask()
 
 
+def read_json(path: pathlib.Path) -> Any:
+    """The JSON value in `path`, a UTF-8 file as the writers here write them."""
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
 def write_json_atomic(path: pathlib.Path, value: Any) -> None:
     """Writes `value` as JSON so that a reader (or a resumed run after a kill) sees the old file or the
     new one, never half of one."""
@@ -37,7 +42,7 @@ def write_jsonl_atomic(path: pathlib.Path, records: list[Any]) -> None:
 def append_jsonl(path: pathlib.Path, record: Any) -> None:
     """Appends `record` as one line, as `write_jsonl_atomic` writes them (a kill may cut the last line; readers
     such as `trace_jax.evaluation.recorded_episodes` stop before it)."""
-    with open(path, "a") as f:
+    with open(path, "a", encoding="utf-8") as f:
         f.write(_jsonl_line(record))
 
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file, save
 
-from trace_jax.files import write_if_changed
+from trace_jax.files import read_json, write_if_changed
 from trace_jax.models.config import ModelConfig
 
 NO_ADAPTER = -1
@@ -218,7 +218,7 @@ def save_peft(adapters: Adapters, out_dir: str | pathlib.Path, *, index: int = 0
 def load_peft(adapter_dir: str | pathlib.Path, cfg: ModelConfig, dtype=jnp.float32) -> Adapters:
     """Reads a PEFT LoRA adapter folder into a stack of one."""
     adapter_dir = pathlib.Path(adapter_dir)
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    config = read_json(adapter_dir / "adapter_config.json")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{adapter_dir}: peft_type {config.get('peft_type')!r} is not LORA")
     for key in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save", "fan_in_fan_out"):

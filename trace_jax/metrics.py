@@ -57,7 +57,7 @@ def logged_scalars(workdir: str | pathlib.Path, step: int) -> dict[str, float]:
     """Every scalar `<workdir>/metrics.jsonl` holds for `step` (a resumed run reads back what an earlier
     process of it logged)."""
     path = pathlib.Path(workdir) / "metrics.jsonl"
-    lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
     return {name: value for line in lines if line["step"] == step for name, value in line.items() if name != "step"}
 
 

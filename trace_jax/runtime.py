@@ -79,7 +79,7 @@ def _glibc_function(name: str):
 def resident_memory_gb() -> float | None:
     """The process's resident set size in GB, from /proc (None elsewhere)."""
     try:
-        with open("/proc/self/statm") as f:
+        with open("/proc/self/statm", encoding="utf-8") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
     except (OSError, ValueError, IndexError):
         return None
@@ -95,9 +95,9 @@ def peak_memory_gb() -> float:
 def memory_maps() -> tuple[int, int] | None:
     """(memory maps this process holds, the kernel's limit on them per process), from /proc (None elsewhere)."""
     try:
-        with open("/proc/self/maps") as f:
+        with open("/proc/self/maps", encoding="utf-8") as f:
             held = sum(1 for _ in f)
-        with open("/proc/sys/vm/max_map_count") as f:
+        with open("/proc/sys/vm/max_map_count", encoding="utf-8") as f:
             return held, int(f.read())
     except (OSError, ValueError):
         return None
@@ -164,7 +164,7 @@ def full_precision_matmuls(environ: Mapping[str, str] | None = None) -> bool:
 def cpu_name() -> str:
     """The CPU's model name: benchmark numbers depend on it (timings compare only on one kind)."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
             return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
@@ -186,7 +186,7 @@ def compilation_cache_dir(environ: Mapping[str, str] | None = None) -> pathlib.P
     if environ.get("JAX_COMPILATION_CACHE_DIR"):
         return pathlib.Path(environ["JAX_COMPILATION_CACHE_DIR"])
     try:
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
             flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
     except OSError:
         flags = ""

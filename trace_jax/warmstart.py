@@ -23,6 +23,7 @@ import sys
 
 from absl import logging
 
+from trace_jax.files import read_json
 from trace_jax.runtime import default_cache_dir
 
 # name -> the config module of the SFT job that builds it
@@ -55,7 +56,7 @@ def agent_dir(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.
     logging.info("building the embedded agent %s (once; config %s, workdir %s)", name, AGENTS[name], workdir)
     summary = run_build(AGENTS[name], workdir)
     (workdir / "merged" / _MARKER).write_text(json.dumps({"config": AGENTS[name], "fingerprint": fingerprint,
-                                                          "build": summary}))
+                                                          "build": summary}), encoding="utf-8")
     if target.exists():
         shutil.rmtree(target)  # built from another config
     os.replace(workdir / "merged", target)
@@ -79,6 +80,6 @@ def run_build(config_module: str, workdir: pathlib.Path) -> dict:
 
 def _built_from(folder: pathlib.Path) -> str | None:
     try:
-        return json.loads((folder / _MARKER).read_text())["fingerprint"]
+        return read_json(folder / _MARKER)["fingerprint"]
     except (OSError, ValueError, KeyError):
         return None

@@ -25,7 +25,6 @@ the rollouts each arm used and its wall time, and the scaling curve (a table in 
 from __future__ import annotations
 
 import functools
-import json
 import pathlib
 import time
 
@@ -39,7 +38,7 @@ from trace_jax.baselines.scaling import plot_scaling, scaling_points, scaling_ta
 from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import make_environment
 from trace_jax.evaluation import Routes, evaluate, recorded_episodes
-from trace_jax.files import write_json_atomic
+from trace_jax.files import read_json, write_json_atomic
 from trace_jax.report import summarize
 from trace_jax.rl import trainer as grpo
 from trace_jax.trace.calibration import environment_config
@@ -131,7 +130,7 @@ class Experiment:
         results = self._results(trace, budget, [name for name in stages if name not in self.stages.done])
         if distributed.is_main():
             write_json_atomic(self.workdir / "results.json", results)
-            (self.workdir / "report.md").write_text(report(results))
+            (self.workdir / "report.md").write_text(report(results), encoding="utf-8")
             if results["scaling"]:
                 plot_scaling(results["scaling"], self.workdir / "plots" / "scaling.png")
         logging.info("report.md: %d arms%s", len(results["arms"]),
@@ -147,8 +146,8 @@ class Experiment:
         missing = {n: f for n, f in adapters.items() if not (self.trace_dir / "heldout" / n / "summary.json").exists()}
         evaluate_alone(self.config.trace, self.trace_dir, missing)
         environments = pipeline.stages["environments"]["result"]
-        cards = json.loads((self.trace_dir / "analysis" / "capabilities.json").read_text())["candidates"]
-        jobs = {n: json.loads((self.trace_dir / "adapters" / n / "summary.json").read_text()) for n in adapters}
+        cards = read_json(self.trace_dir / "analysis" / "capabilities.json")["candidates"]
+        jobs = {n: read_json(self.trace_dir / "adapters" / n / "summary.json") for n in adapters}
         rollouts = {n: job["rollouts"] for n, job in jobs.items()}
         return {"trace_rollouts": sum(rollouts.values()), "rollouts_by_capability": rollouts, "adapters": adapters,
                 "steps_by_capability": {n: job["steps"] for n, job in jobs.items()},

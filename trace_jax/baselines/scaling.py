@@ -11,7 +11,6 @@ held-out tasks (greedy, resumable, in <workdir>/scaling/<arm>/...).
 from __future__ import annotations
 
 import hashlib
-import json
 import pathlib
 from collections.abc import Sequence
 
@@ -23,6 +22,7 @@ from absl import logging
 from trace_jax import lora
 from trace_jax.baselines.gepa import best_within, guided_evaluation
 from trace_jax.evaluation import Routes, evaluate
+from trace_jax.files import read_json
 from trace_jax.rl.trainer import snapshot_step
 
 matplotlib.use("Agg")  # files only, no display
@@ -125,7 +125,7 @@ def _grpo_point(fraction: float, heldout, workdir: pathlib.Path, base_dir: str, 
 
 
 def _gepa_point(fraction: float, heldout, workdir: pathlib.Path, base_dir: str, arm: dict) -> dict:
-    runs = json.loads(pathlib.Path(arm["result"]).read_text())["capabilities"]
+    runs = read_json(pathlib.Path(arm["result"]))["capabilities"]
     calls = {n: int(fraction * run["metric_calls"]) for n, run in runs.items()}
     texts = {n: best_within(run, calls[n]) for n, run in runs.items()}
     if texts == arm["texts"]:

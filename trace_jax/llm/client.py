@@ -20,7 +20,7 @@ import ml_collections
 import openai
 
 from trace_jax.config_checks import check_config, number, positive_int
-from trace_jax.files import write_json_atomic
+from trace_jax.files import read_json, write_json_atomic
 
 T = TypeVar("T")
 
@@ -114,7 +114,7 @@ class ChatClient:
         path = self._cache_path(request)
         if path is not None and path.exists():
             self._count("cache_hits")
-            return json.loads(path.read_text())["response"]
+            return read_json(path)["response"]
         content = self._send(request)
         if path is not None:
             write_json_atomic(path, {"request": request, "response": content})

@@ -7,9 +7,10 @@ One dataclass covers the Llama, Qwen2 and Qwen3 families; the differences
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from typing import Any
+
+from trace_jax.files import read_json
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -91,7 +92,7 @@ class ModelConfig:
         config_file = pathlib.Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in {path}")
-        return cls.from_hf_dict(json.loads(config_file.read_text()))
+        return cls.from_hf_dict(read_json(config_file))
 
 
 def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import save_file
 
+from trace_jax.files import read_json
 from trace_jax.runtime import default_cache_dir
 
 if TYPE_CHECKING:
@@ -102,7 +103,8 @@ def embedded_model_dir(name: str = _DEFAULT_MODEL, cache_dir: str | os.PathLike 
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         convert_gguf(source, staging)
-        (staging / _MARKER).write_text(json.dumps({"source": source.name, "version": _CONVERSION_VERSION}))
+        marker = {"source": source.name, "version": _CONVERSION_VERSION}
+        (staging / _MARKER).write_text(json.dumps(marker), encoding="utf-8")
         _make_readable(staging)
         if target.exists() and not _is_complete(target):  # from an older conversion version
             shutil.rmtree(target)
@@ -142,13 +144,14 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> No
     meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
     tensors = _hf_tensors(reader, meta)
     config = _hf_config(meta, tie_word_embeddings="lm_head.weight" not in tensors)
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
     tokenizer = _build_tokenizer(meta)
     tokenizer.save_pretrained(str(out_dir), save_jinja_files=False)
     # transformers 5 no longer writes this file; older tools still read it.
-    (out_dir / "special_tokens_map.json").write_text(json.dumps(tokenizer.special_tokens_map, indent=2) + "\n")
+    special_tokens = json.dumps(tokenizer.special_tokens_map, indent=2) + "\n"
+    (out_dir / "special_tokens_map.json").write_text(special_tokens, encoding="utf-8")
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -160,7 +163,7 @@ def _embedded(name: str) -> EmbeddedModel:
 
 def _is_complete(folder: pathlib.Path) -> bool:
     try:
-        marker = json.loads((folder / _MARKER).read_text())
+        marker = read_json(folder / _MARKER)
     except (OSError, ValueError):
         return False
     return marker.get("version") == _CONVERSION_VERSION

@@ -6,7 +6,6 @@ HF's [out, in] to [in, out]; `params["layers"]` is a list with one dict per laye
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Iterator
 
@@ -16,7 +15,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from trace_jax.files import write_file_if_changed, write_if_changed
+from trace_jax.files import read_json, write_file_if_changed, write_if_changed
 from trace_jax.models.config import ModelConfig
 
 # (HF name after "model.layers.{i}.", path in a layer's dict, is a linear weight [out, in]).
@@ -41,7 +40,7 @@ _GLOBAL_TENSORS = [
 def _safetensors_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(read_json(index)["weight_map"].values()))
         return [model_dir / n for n in names]
     single = model_dir / "model.safetensors"
     if single.is_file():

@@ -15,6 +15,8 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from trace_jax.files import read_json
+
 # Tokens that end an assistant turn in common chat formats (ChatML, Llama 3, Gemma, Phi-3).
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
 
@@ -41,7 +43,7 @@ class ChatTokenizer:
         generation_eos: list[int] = []
         generation_file = path / "generation_config.json"
         if generation_file.is_file():
-            eos = json.loads(generation_file.read_text()).get("eos_token_id")
+            eos = read_json(generation_file).get("eos_token_id")
             generation_eos = [eos] if isinstance(eos, int) else list(eos or [])
         return cls(AutoTokenizer.from_pretrained(str(path)), generation_eos)
 

@@ -134,7 +134,7 @@ class EnvironmentRollouts:
             return
         wanted = {task.task_id for task in self.heldout}
         records = [r for r in recorded_episodes(self.base_run / "episodes.jsonl") if r["task_id"] in wanted]
-        episodes_path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        episodes_path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
 
     def _engine(self, sampler: Sampler, rollout: RolloutConfig) -> RolloutEngine:
         return RolloutEngine(self.env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=self.tokenizer,
@@ -178,7 +178,7 @@ class EnvironmentRollouts:
                        episodes_path=episodes_path, log_every_s=self.config.log_every_s)
         summary, table = summarize_run(records, trials=1)
         if distributed.is_main():
-            (folder / f"step_{step}.md").write_text(table + "\n")
+            (folder / f"step_{step}.md").write_text(table + "\n", encoding="utf-8")
         metrics = {"eval/reward": summary["mean_reward"], "eval/success": summary["success"],
                    "eval/success_ci_low": summary["ci_low"], "eval/success_ci_high": summary["ci_high"]}
         for row in summary["families"]:

@@ -174,5 +174,5 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     summary = {"steps": int(state.step), "trajectories": len(kept), "gold_played": len(played),
                "final_loss": metrics.get("learner/loss", logged_scalars(workdir, state.step).get("learner/loss")),
                "seconds": round(time.monotonic() - start_time, 1)}
-    distributed.on_main(lambda: (workdir / "summary.json").write_text(json.dumps(summary)))
+    distributed.on_main(lambda: (workdir / "summary.json").write_text(json.dumps(summary), encoding="utf-8"))
     return summary

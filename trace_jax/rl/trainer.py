@@ -50,7 +50,7 @@ from absl import logging
 from trace_jax import distributed, lora
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS
-from trace_jax.files import write_json_atomic, write_jsonl_atomic
+from trace_jax.files import read_json, write_json_atomic, write_jsonl_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
 from trace_jax.rl.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from trace_jax.rl.batching import pack_sequences, padded_tokens
@@ -177,7 +177,7 @@ def _base_eval(workdir: pathlib.Path, evaluate: Callable[[int, int], dict[str, f
     """The base model's held-out metrics, computed once per workdir (a resumed run reads them back)."""
     path = workdir / "base_eval.json"
     if path.is_file():
-        return json.loads(path.read_text())
+        return read_json(path)
     metrics = evaluate(lora.NO_ADAPTER, 0)
     if distributed.is_main():
         write_json_atomic(path, metrics)
@@ -292,5 +292,5 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     summary = {**(source.summary(base, latest_eval) if base is not None else {}), "steps": int(state.step),
                "rollouts": int(state.step) * config.rollout.tasks_per_step * config.rollout.group_size,
                "seconds": round(elapsed(), 1)}  # over every process of the run, less work lost to a kill
-    distributed.on_main(lambda: (workdir / "summary.json").write_text(json.dumps(summary)))
+    distributed.on_main(lambda: (workdir / "summary.json").write_text(json.dumps(summary), encoding="utf-8"))
     return summary

@@ -10,6 +10,7 @@ import pathlib
 import threading
 from collections.abc import Sequence
 
+from trace_jax.files import read_json
 from trace_jax.lora import NO_ADAPTER
 from trace_jax.models.model import Model
 from trace_jax.serve.protocol import ApiError
@@ -46,7 +47,7 @@ def _stages(run_dir: pathlib.Path) -> dict:
     path = run_dir / "stages.json"
     if not path.exists():
         raise ValueError(f"{run_dir} is not a TRACE run's workdir (no stages.json)")
-    stages = json.loads(path.read_text())
+    stages = read_json(path)
     if "routing" not in stages:
         raise ValueError(f"the TRACE run in {run_dir} has not finished its routing stage")
     return stages
@@ -60,7 +61,7 @@ def trace_run_adapters(run_dir: str | pathlib.Path) -> dict[str, str]:
 
 def trace_run_model(run_dir: str | pathlib.Path) -> tuple[str, str]:
     """(model, dtype) a TRACE run's base agent was evaluated with."""
-    marker = json.loads((pathlib.Path(run_dir) / "heldout" / "trace" / "run.json").read_text())
+    marker = read_json(pathlib.Path(run_dir) / "heldout" / "trace" / "run.json")
     return marker["config"]["model"], marker["config"]["dtype"]
 
 
@@ -79,7 +80,7 @@ class TraceRouter:
             if "router" not in routing:
                 raise ValueError(f"the TRACE run in {run_dir} did not store its router's settings (a run before "
                                  "they were kept): run its routing stage again (remove 'routing' from stages.json)")
-            candidates = json.loads((run_dir / "analysis" / "capabilities.json").read_text())["candidates"]
+            candidates = read_json(run_dir / "analysis" / "capabilities.json")["candidates"]
             descriptions = {c["name"]: c["description"] for c in candidates}
             options = [RouteOption(n, descriptions[n], routing["examples"][n]) for n in self.names]
             settings = routing["router"]

@@ -9,7 +9,6 @@ a killed analysis resumes where it stopped and a finished one is not redone.
 
 from __future__ import annotations
 
-import json
 import pathlib
 from collections.abc import Sequence
 
@@ -17,7 +16,7 @@ import ml_collections
 import numpy as np
 
 from trace_jax.config_checks import Check, check_config, number, positive_int
-from trace_jax.files import write_json_atomic
+from trace_jax.files import read_json, write_json_atomic
 from trace_jax.llm.client import ChatClient
 from trace_jax.trace import selection
 from trace_jax.trace.analyst import (
@@ -93,7 +92,7 @@ def _candidates(analyst: Analyst, trajectories, folder: pathlib.Path) -> list[Ca
     path = folder / "candidates.json"
     if not path.exists():
         write_json_atomic(path, [card.to_json() for card in analyst.discover(trajectories)])
-    return [CapabilityCard(**card) for card in json.loads(path.read_text())]
+    return [CapabilityCard(**card) for card in read_json(path)]
 
 
 def _labellings(analyst: Analyst, trajectories, cards, runs: int, folder: pathlib.Path) -> tuple[list, list]:
@@ -109,7 +108,7 @@ def _labellings(analyst: Analyst, trajectories, cards, runs: int, folder: pathli
             else:
                 labelling = {"labels": labelling_to_json(labelling)}
             write_json_atomic(path, labelling)
-        data = json.loads(path.read_text())
+        data = read_json(path)
         if "dropped" in data:
             dropped.append(f"labelling {attempt}: {data['dropped']}")
         else:
@@ -123,7 +122,7 @@ def analyze(trajectories: Sequence[ScoredTrajectory], analyst: Analyst, config: 
     validate_analysis_config(config)
     folder = pathlib.Path(workdir) / "analysis"
     if (folder / "capabilities.json").exists():
-        return json.loads((folder / "capabilities.json").read_text())
+        return read_json(folder / "capabilities.json")
     cards = _candidates(analyst, trajectories, folder)
     labellings, dropped = _labellings(analyst, trajectories, cards, config.runs, folder)
     if not labellings:
@@ -146,7 +145,7 @@ def analyze(trajectories: Sequence[ScoredTrajectory], analyst: Analyst, config: 
     result = {"selected": [row["name"] for row in rows if row["selected"]], "candidates": rows,
               "failed": sum(not t.success for t in trajectories), "passed": sum(t.success for t in trajectories),
               "runs": len(runs), "dropped_labellings": dropped, "settings": config.to_dict()}
-    (folder / "analysis.md").write_text(report(result))
+    (folder / "analysis.md").write_text(report(result), encoding="utf-8")
     write_json_atomic(folder / "capabilities.json", result)
     return result
 

@@ -14,7 +14,6 @@ environment that cannot pass is reported and dropped.
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 from collections.abc import Callable
@@ -25,7 +24,7 @@ import numpy as np
 from trace_jax import distributed
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.evaluation import evaluate, recorded_episodes
-from trace_jax.files import write_json_atomic
+from trace_jax.files import read_json, write_json_atomic
 
 
 def calibration_defaults() -> ml_collections.ConfigDict:
@@ -185,7 +184,7 @@ def calibrate_capability(capability: str, max_difficulty: int, base_eval: ml_col
     validate_calibration_config(config)
     result_path = folder / "calibration.json"
     if result_path.exists():
-        return json.loads(result_path.read_text())
+        return read_json(result_path)
 
     def measure(difficulty: float) -> tuple[np.ndarray, np.ndarray]:
         run = ml_collections.ConfigDict(base_eval.to_dict())

@@ -21,7 +21,6 @@ not validated again, and the client's disk cache answers repeated requests witho
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import re
 from collections.abc import Callable, Sequence
@@ -33,7 +32,7 @@ from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs.capability import authoring
 from trace_jax.envs.capability.domains import world_domain
 from trace_jax.envs.capability.sandbox import Checks, ExportedEnvironment, Limits, ValidationReport, validate_module
-from trace_jax.files import write_json_atomic
+from trace_jax.files import read_json, write_json_atomic
 from trace_jax.llm.client import ChatClient
 from trace_jax.trace.analyst import CapabilityCard
 
@@ -151,7 +150,7 @@ def prompt(card: CapabilityCard, evidence: Sequence[str], domain: str) -> list[d
     lines = "\n".join(f"- {line}" for line in evidence) or "- (none)"
     request = REQUEST.format(name=card.name, domain=domain, description=card.description, lacking=card.lacking,
                              evidence=lines, tools=authoring.tool_listing(domain),
-                             example=example(domain).read_text().strip())
+                             example=example(domain).read_text(encoding="utf-8").strip())
     system = SYSTEM.format(business=world_domain(domain).business, guide=authoring.guide(domain))
     return [{"role": "system", "content": system}, {"role": "user", "content": request}]
 
@@ -160,12 +159,13 @@ def _attempt(source: str | None, folder: pathlib.Path, i: int, name: str, domain
              config: ml_collections.ConfigDict, checks: Checks) -> ValidationReport:
     """Attempt `i`'s report: read back when this very module was validated before, else from the sandbox."""
     report_path, source_path = folder / f"attempt_{i}.json", folder / f"attempt_{i}.py"
-    if report_path.exists() and (source is None or (source_path.exists() and source_path.read_text() == source)):
-        return ValidationReport.from_json(json.loads(report_path.read_text()))
+    same_source = source is None or (source_path.exists() and source_path.read_text(encoding="utf-8") == source)
+    if report_path.exists() and same_source:
+        return ValidationReport.from_json(read_json(report_path))
     if source is None:
         report = ValidationReport.failed(NO_CODE, checks)
     else:
-        source_path.write_text(source)
+        source_path.write_text(source, encoding="utf-8")
         limits = Limits(timeout_s=config.timeout_s, cpu_s=config.cpu_s, memory_mb=config.memory_mb)
         report = validate_module(source, name=name, domain=domain, checks=checks, limits=limits,
                                  export=folder / "scenarios.json", export_tasks=config.export_tasks)
@@ -183,7 +183,7 @@ def write_environment(card: CapabilityCard, evidence: Sequence[str], client: Cha
     folder = pathlib.Path(folder)
     summary_path = folder / "synthesis.json"
     if summary_path.exists():
-        done = Synthesis.from_json(json.loads(summary_path.read_text()))
+        done = Synthesis.from_json(read_json(summary_path))
         if done.accepted:
             logging.info("env writer %s: accepted before (%d attempts)", card.name, done.attempts)
             return done
@@ -206,7 +206,7 @@ def write_environment(card: CapabilityCard, evidence: Sequence[str], client: Cha
         logging.info("env writer %s: attempt %d/%d %s", card.name, i, config.max_attempts,
                      "passed" if report.passed else "failed: " + report.failure_report().replace("\n", " | ")[:300])
         if report.passed:
-            (folder / "module.py").write_text(source)
+            (folder / "module.py").write_text(source, encoding="utf-8")
             write_json_atomic(folder / "validation.json", report.to_json())
             break
         messages = [*messages, {"role": "assistant", "content": reply},

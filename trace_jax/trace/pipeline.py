@@ -26,7 +26,6 @@ the report run on process 0 (docs/multihost.md). Layout:
 
 from __future__ import annotations
 
-import json
 import pathlib
 import threading
 import time
@@ -46,7 +45,7 @@ from trace_jax.envs.capability.domains import DOMAINS
 from trace_jax.envs.capability.sandbox import ValidationReport
 from trace_jax.evaluation import Routes, check_base_run, evaluate, evaluate_together, recorded_episodes
 from trace_jax.evaluation import validate_config as validate_evaluation_config
-from trace_jax.files import write_json_atomic
+from trace_jax.files import read_json, write_json_atomic
 from trace_jax.llm.client import ChatClient, validate_llm_config
 from trace_jax.lora import NO_ADAPTER
 from trace_jax.models.model import load_model
@@ -171,7 +170,7 @@ class StageClock:
 
     def __init__(self, path: pathlib.Path, stage: str, every_s: float = CLOCK_EVERY_S):
         self.path, self.stage, self.every_s = path, stage, every_s
-        self._saved = json.loads(path.read_text()) if path.exists() else {}
+        self._saved = read_json(path) if path.exists() else {}
         self.before = float(self._saved.get(stage, 0.0))
         self._start = time.monotonic()
         self._stop = threading.Event()
@@ -202,7 +201,7 @@ class Stages:
     def __init__(self, workdir: pathlib.Path, names: tuple[str, ...]):
         self.workdir, self.names = workdir, names
         self.path = workdir / "stages.json"
-        self.done: dict = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.done: dict = read_json(self.path) if self.path.exists() else {}
 
     def run(self, name: str, run: Callable[[], dict]) -> dict:
         """Runs stage `name` unless it is done; returns its result."""
@@ -312,7 +311,7 @@ class Pipeline:
         if not target.base_run:
             runs.append((heldout_evaluation(self.config), heldout_dir))
         analysis, *played = evaluate_together(runs)
-        heldout = played[0] if played else json.loads((heldout_dir / "summary.json").read_text())
+        heldout = played[0] if played else read_json(heldout_dir / "summary.json")
         return {"analysis_success": analysis["success"], "heldout_success": heldout["success"],
                 "heldout_dir": str(heldout_dir)}
 
@@ -401,7 +400,7 @@ class Pipeline:
 
     def _cards(self) -> dict[str, dict]:
         """The analysis's candidate capabilities by name (description, what lacking looks like, evidence)."""
-        candidates = json.loads((self.workdir / "analysis" / "capabilities.json").read_text())["candidates"]
+        candidates = read_json(self.workdir / "analysis" / "capabilities.json")["candidates"]
         return {c["name"]: c for c in candidates}
 
     def _example(self, name: str) -> str:
@@ -409,7 +408,7 @@ class Pipeline:
         calls as name(args), contents cut short)."""
         environment = self.stages["environments"]["result"][name]
         folder = pathlib.Path(environment.get("folder", self.workdir / "environments" / name))
-        calibration = json.loads((folder / "calibration.json").read_text())
+        calibration = read_json(folder / "calibration.json")
         records = recorded_episodes(folder / f"difficulty_{calibration['difficulty']}" / "episodes.jsonl")
         success = next((r for r in records if r["success"]), None)
         if success is None:

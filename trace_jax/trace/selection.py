@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from trace_jax.files import read_json
+
 LISTS = ("lacking_failed", "present_failed", "na_failed", "lacking_passed", "present_passed", "na_passed")
 
 
@@ -175,7 +177,7 @@ def load_runs(folder: str | pathlib.Path) -> tuple[list[LabellingRun], list[str]
     runs, dropped = [], []
     for path in sorted(pathlib.Path(folder).glob("*.json")):
         try:
-            runs.append(LabellingRun.from_json(json.loads(path.read_text()), source=path.name))
+            runs.append(LabellingRun.from_json(read_json(path), source=path.name))
         except json.JSONDecodeError as error:
             dropped.append(f"{path.name}: invalid JSON ({error})")
         except InvalidRun as error:

@@ -20,6 +20,7 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
 from trace_jax.evaluation import recorded_episodes  # noqa: E402
+from trace_jax.files import read_json  # noqa: E402
 from trace_jax.lora import NO_ADAPTER  # noqa: E402
 from trace_jax.report import format_table, summarize  # noqa: E402
 from trace_jax.trace.calibration import calibration_table  # noqa: E402
@@ -92,7 +93,7 @@ def _training_curves(workdir: pathlib.Path, names: list[str]) -> dict[str, list[
     curves = {}
     for name in names:
         path = workdir / "adapters" / name / "metrics.jsonl"
-        lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.exists() else []
         curves[name] = [(line["step"], line["rollout/reward"]) for line in lines if "rollout/reward" in line]
     return curves
 
@@ -144,7 +145,7 @@ def write_report(workdir: pathlib.Path, stages: dict, config: ml_collections.Con
     """Writes report.md and plots/ from the stages' outputs; returns the pipeline's summary."""
     plots = workdir / "plots"
     plots.mkdir(exist_ok=True)
-    analysis = json.loads((workdir / "analysis" / "capabilities.json").read_text())
+    analysis = read_json(workdir / "analysis" / "capabilities.json")
     calibrations = [{"capability": name, **result} for name, result in stages["environments"]["result"].items()]
     adapters = stages["training"]["result"]
     routing, final = stages["routing"]["result"], stages["final"]["result"]
@@ -183,7 +184,7 @@ def write_report(workdir: pathlib.Path, stages: dict, config: ml_collections.Con
                   "of tasks."]
     lines += ["\n## Held-out success per family\n", _side_by_side(rows), "\n![held-out](plots/heldout.png)\n",
               "### TRACE\n", format_table(rows["TRACE"])]
-    (workdir / "report.md").write_text("\n".join(lines) + "\n")
+    (workdir / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return {"base_success": rows["base"][-1]["success"], "trace_success": rows["TRACE"][-1]["success"],
             "capabilities": analysis["selected"], "trained": list(adapters),
             "episodes": {"base": len(base_records), "trace": len(trace_records)},

@@ -54,7 +54,7 @@ from trace_jax.envs.capability.environment import (
     CapabilityEpisode,
     Scenario,
 )
-from trace_jax.files import write_json_atomic
+from trace_jax.files import read_json, write_json_atomic
 
 MODULE_FILE = "module.py"  # the module's name in the child's folder (and in its tracebacks)
 SHOWN = 3  # distinct exceptions and gold failures quoted in a report
@@ -152,11 +152,11 @@ def validate_module(source: str, *, name: str | None = None, domain: str = "reta
     world_domain(domain)  # an unknown domain fails here, naming the valid ones
     with tempfile.TemporaryDirectory(prefix="trace_jax_sandbox_") as tmp:
         folder = pathlib.Path(tmp)
-        (folder / MODULE_FILE).write_text(source)
+        (folder / MODULE_FILE).write_text(source, encoding="utf-8")
         spec = {"name": name, "domain": domain, "checks": dataclasses.asdict(checks), "cpu_s": limits.cpu_s,
                 "memory_mb": limits.memory_mb, "export_tasks": export_tasks, "out": "report.json",
                 "export": None if export is None else str(pathlib.Path(export).resolve())}
-        (folder / "spec.json").write_text(json.dumps(spec))
+        (folder / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
         with open(folder / "stderr.txt", "w+b") as stderr:
             process = subprocess.Popen([sys.executable, "-m", __name__, "spec.json"], cwd=folder, env=_child_env(),
                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
@@ -173,7 +173,7 @@ def validate_module(source: str, *, name: str | None = None, domain: str = "reta
             stderr.seek(max(0, stderr.seek(0, os.SEEK_END) - TRACE_CHARS))
             tail = stderr.read().decode(errors="replace")
         if (folder / "report.json").exists():
-            return ValidationReport.from_json(json.loads((folder / "report.json").read_text()))
+            return ValidationReport.from_json(read_json(folder / "report.json"))
         return ValidationReport.failed(_death(process.returncode, tail, limits), checks)
 
 
@@ -234,7 +234,7 @@ class ExportedEnvironment(CapabilityEnvironment):
                  num_tasks: int | None = None, cut_share: float = CUT_SHARE):
         """`num_tasks`: how many tasks `tasks(split)` gives by default (None: every exported one)."""
         self.path = pathlib.Path(path)
-        data = json.loads(self.path.read_text())
+        data = read_json(self.path)
         capability = Capability(name=data["name"], description=data["description"], generate=_exported_only,
                                 tools=tuple(tuple(t) for t in data["tools"]), domain=data["domain"])
         super().__init__(capability, seed=0, difficulty=difficulty, policy=policy,
@@ -368,7 +368,7 @@ def _limit(cpu_s: float, memory_mb: int) -> None:
     used = resource.getrusage(resource.RUSAGE_SELF)
     cpu = math.ceil(used.ru_utime + used.ru_stime + cpu_s)
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))  # SIGXCPU at the soft limit, SIGKILL at the hard one
-    status = pathlib.Path("/proc/self/status").read_text()
+    status = pathlib.Path("/proc/self/status").read_text(encoding="utf-8")
     vm_size_kb = int(next(line for line in status.splitlines() if line.startswith("VmSize:")).split()[1])
     memory = vm_size_kb * 1024 + memory_mb * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
@@ -380,7 +380,7 @@ def _load() -> types.ModuleType:
     module = types.ModuleType("written_capability")
     module.__file__ = MODULE_FILE
     sys.modules[module.__name__] = module  # as an import registers it (dataclasses look their module up)
-    exec(compile(pathlib.Path(MODULE_FILE).read_text(), MODULE_FILE, "exec"), module.__dict__)  # noqa: S102 - in the child
+    exec(compile(pathlib.Path(MODULE_FILE).read_text(encoding="utf-8"), MODULE_FILE, "exec"), module.__dict__)  # noqa: S102 - in the child
     return module
 
 
@@ -411,5 +411,5 @@ def _child(spec: dict) -> ValidationReport:
 
 
 if __name__ == "__main__":
-    _spec = json.loads(pathlib.Path(sys.argv[1]).read_text())
+    _spec = read_json(pathlib.Path(sys.argv[1]))
     write_json_atomic(pathlib.Path(_spec["out"]), _child(_spec).to_json())
