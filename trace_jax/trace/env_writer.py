@@ -159,8 +159,8 @@ def _attempt(source: str | None, folder: pathlib.Path, i: int, name: str, domain
              config: ml_collections.ConfigDict, checks: Checks) -> ValidationReport:
     """Attempt `i`'s report: read back when this very module was validated before, else from the sandbox."""
     report_path, source_path = folder / f"attempt_{i}.json", folder / f"attempt_{i}.py"
-    same_source = source is None or (source_path.exists() and source_path.read_text(encoding="utf-8") == source)
-    if report_path.exists() and same_source:
+    if report_path.exists() and (source is None or (source_path.exists()
+                                                    and source_path.read_text(encoding="utf-8") == source)):
         return ValidationReport.from_json(read_json(report_path))
     if source is None:
         report = ValidationReport.failed(NO_CODE, checks)
