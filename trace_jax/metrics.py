@@ -53,12 +53,17 @@ class MetricsWriter:
         self._jsonl.close()
 
 
+def logged_lines(workdir: str | pathlib.Path) -> list[dict]:
+    """The lines of `<workdir>/metrics.jsonl` as MetricsWriter wrote them ([] before it wrote one)."""
+    path = pathlib.Path(workdir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
+
+
 def logged_scalars(workdir: str | pathlib.Path, step: int) -> dict[str, float]:
     """Every scalar `<workdir>/metrics.jsonl` holds for `step` (a resumed run reads back what an earlier
     process of it logged)."""
-    path = pathlib.Path(workdir) / "metrics.jsonl"
-    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
-    return {name: value for line in lines if line["step"] == step for name, value in line.items() if name != "step"}
+    return {name: value for line in logged_lines(workdir) if line["step"] == step
+            for name, value in line.items() if name != "step"}
 
 
 def _duration(seconds: float) -> str:

@@ -9,7 +9,6 @@ intervals.
 from __future__ import annotations
 
 import collections
-import json
 import pathlib
 
 import matplotlib
@@ -22,6 +21,7 @@ import numpy as np  # noqa: E402
 from trace_jax.evaluation import recorded_episodes  # noqa: E402
 from trace_jax.files import read_json  # noqa: E402
 from trace_jax.lora import NO_ADAPTER  # noqa: E402
+from trace_jax.metrics import logged_lines  # noqa: E402
 from trace_jax.report import format_table, summarize  # noqa: E402
 from trace_jax.trace.calibration import calibration_table  # noqa: E402
 
@@ -92,8 +92,7 @@ def _plot_calibration(results: list[dict], settings: dict, path: pathlib.Path) -
 def _training_curves(workdir: pathlib.Path, names: list[str]) -> dict[str, list[tuple[int, float]]]:
     curves = {}
     for name in names:
-        path = workdir / "adapters" / name / "metrics.jsonl"
-        lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.exists() else []
+        lines = logged_lines(workdir / "adapters" / name)
         curves[name] = [(line["step"], line["rollout/reward"]) for line in lines if "rollout/reward" in line]
     return curves
 
