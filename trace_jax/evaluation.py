@@ -30,7 +30,7 @@ from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Tr
 from trace_jax.agent.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS, make_environment
-from trace_jax.files import read_json, write_jsonl_atomic
+from trace_jax.files import read_json, write_json_atomic, write_jsonl_atomic
 from trace_jax.metrics import Progress
 from trace_jax.models.embedded import resolve_model_dir
 from trace_jax.models.model import DTYPES, load_model, weights_fingerprint
@@ -430,7 +430,7 @@ def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.
     def write() -> None:
         for workdir, summary, table in zip(workdirs, summaries, tables):
             (workdir / "table.md").write_text(table + "\n", encoding="utf-8")
-            (workdir / "summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+            write_json_atomic(workdir / "summary.json", summary)
 
     distributed.on_main(write)  # what comes next may read the summaries
     return summaries

@@ -17,7 +17,6 @@ steps; the learner runs on the mesh of all their devices and process 0 writes th
 
 from __future__ import annotations
 
-import json
 import pathlib
 import time
 
@@ -31,6 +30,7 @@ from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine, Trajector
 from trace_jax.agent.scripted import GoldAgent, ScriptedUser
 from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import ENVIRONMENTS, make_environment
+from trace_jax.files import write_json_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
 from trace_jax.models.loading import save_hf_checkpoint
 from trace_jax.models.tokenizer import ChatTokenizer
@@ -174,5 +174,5 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     summary = {"steps": int(state.step), "trajectories": len(kept), "gold_played": len(played),
                "final_loss": metrics.get("learner/loss", logged_scalars(workdir, state.step).get("learner/loss")),
                "seconds": round(time.monotonic() - start_time, 1)}
-    distributed.on_main(lambda: (workdir / "summary.json").write_text(json.dumps(summary), encoding="utf-8"))
+    distributed.on_main(lambda: write_json_atomic(workdir / "summary.json", summary))
     return summary

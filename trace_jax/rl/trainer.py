@@ -36,7 +36,6 @@ saves and restores the checkpoints together, and process 0 alone writes the othe
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import pathlib
 import time
@@ -292,5 +291,5 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     summary = {**(source.summary(base, latest_eval) if base is not None else {}), "steps": int(state.step),
                "rollouts": int(state.step) * config.rollout.tasks_per_step * config.rollout.group_size,
                "seconds": round(elapsed(), 1)}  # over every process of the run, less work lost to a kill
-    distributed.on_main(lambda: (workdir / "summary.json").write_text(json.dumps(summary), encoding="utf-8"))
+    distributed.on_main(lambda: write_json_atomic(workdir / "summary.json", summary))
     return summary
