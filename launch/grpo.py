@@ -1,6 +1,8 @@
-"""Trains one LoRA adapter with GRPO on a single-turn verifiable task.
+"""Trains one LoRA adapter with GRPO on a single-turn verifiable task (`config.task`) or on an environment's
+multi-turn episodes (`config.env`).
 
   python -m launch.grpo --config=configs/grpo_embedded.py --workdir=/tmp/grpo [--config.train.steps=40]
+  python -m launch.grpo --config=configs/grpo_target_embedded.py --workdir=/tmp/grpo_target
 
 Logs progress with rate and ETA, writes TensorBoard metrics and checkpoints to the
 workdir (rerunning with the same workdir resumes), and ends by printing one JSON line:
