@@ -21,7 +21,7 @@ from trace_jax.baselines import gepa as gepa_baseline  # noqa: E402
 from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment  # noqa: E402
 from trace_jax.llm import ChatClient, llm_defaults  # noqa: E402
 from trace_jax.models.model import load_model  # noqa: E402
-from trace_jax.sampling import Sampler  # noqa: E402
+from trace_jax.sampling import Completion, Sampler  # noqa: E402
 
 KEY_PHRASE = "Make every call the ticket needs"
 HELPFUL = f"{KEY_PHRASE}, with the exact arguments, then state the outcome."
@@ -119,3 +119,29 @@ def test_the_base_model_reflects_deterministically_and_a_long_prompt_keeps_its_e
     assert lms[0](long).strip()  # uncut, the prompt would fill the context and leave no room for a reply
     ids = list(range(10))
     assert gepa_baseline.keep_ends(ids, 5) == [0, 1, 7, 8, 9] and gepa_baseline.keep_ends(ids, 10) == ids
+
+
+class EndsItsTurn:
+    """A sampler whose every reply is `reply` and the end-of-turn token it stops on, which the real sampler keeps
+    in the completion's tokens and text (a random tiny model almost never samples that token itself)."""
+
+    max_context = 256
+
+    def __init__(self, tokenizer, reply: str):
+        self.tokenizer, self.reply = tokenizer, reply
+
+    def generate(self, prompts, *, key, max_new_tokens, temperature, stop_token_ids):
+        ids = [*self.tokenizer.encode(self.reply), min(stop_token_ids)]
+        return [[Completion(ids, [0.0] * len(ids), "stop", self.tokenizer.decode(ids))] for _ in prompts]
+
+
+def test_the_base_models_reflection_is_its_reply_without_the_end_of_turn_token(tiny_chat_model):
+    """GEPA takes the reflection's reply as a new guidance text for the system prompt, where an end-of-turn token
+    would close the system turn early (seen with SmolLM2 as the reflection LM: "...<|im_end|>")."""
+    model = load_model(tiny_chat_model)
+    reply = "Read the order before you change it."
+    sampler = EndsItsTurn(model.tokenizer, reply)
+    assert sampler.generate([[1]], key=None, max_new_tokens=1, temperature=0.0,
+                            stop_token_ids=model.tokenizer.eos_token_ids)[0][0].text != reply  # the marker's text
+    lm = gepa_baseline.LocalReflectionLM(model, sampler, max_new_tokens=16, temperature=1.0, seed=3)
+    assert lm("Write a better instruction for the agent.") == reply

@@ -166,7 +166,9 @@ class LocalReflectionLM:
         completion = self.sampler.generate([ids], key=key, max_new_tokens=self.max_new_tokens,
                                            temperature=self.temperature,
                                            stop_token_ids=self.model.tokenizer.eos_token_ids)[0][0]
-        return completion.text
+        # The reply without the end-of-turn token it stopped on: in a proposed guidance that token would end
+        # the system prompt's turn early.
+        return self.model.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
 
 
 def _digest(value) -> int:
