@@ -28,7 +28,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from configs import experiment_tiny, trace_tiny
 from launch.bench_serve import start_server
 from multiprocess import failure_report, run_processes
-from trace_jax.baselines.experiment import Experiment
+from trace_jax.baselines.experiment import Experiment, scalar_name
 from trace_jax.baselines.experiment import validate_config as validate_experiment_config
 from trace_jax.baselines.gepa import joined_guidance
 from trace_jax.envs import make_environment
@@ -297,6 +297,16 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     assert [pathlib.Path(p["episodes_dir"]).name for p in played["GRPO on the target"][1:-1]] == \
         [f"step_{k}" if k == 1 else "heldout" for k in grpo_steps]
     assert len(_records(tmp_path / "scaling" / "grpo_target" / "step_1")) == heldout
+    # The same successes in TensorBoard against training rollouts, each point once although the table was
+    # written after every arm and by both runs.
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    logged = lambda name: [(e.step, round(e.value, 6)) for e in events.Scalars(name)]
+    for row in arms.values():
+        assert logged(scalar_name("heldout", row["arm"])) == [(row["rollouts"], round(row["success"], 6))], row
+    for arm, points in curves.items():
+        assert logged(scalar_name("scaling", arm)) == sorted({p["rollouts"]: round(p["success"], 6)
+                                                               for p in points}.items()), arm
     assert (tmp_path / "grpo_target" / "snapshots" / "step_1").is_dir()
     assert not (tmp_path / "mixed" / "snapshots").exists()  # no curve for the mixed arm
     assert [p["rollouts"] for p in curves["GEPA"]][1:-1] == [

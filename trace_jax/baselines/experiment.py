@@ -19,13 +19,16 @@ killed stage resumes from what its jobs wrote):
 The budget, in training episodes, is TRACE's own (the episodes its GRPO jobs played, summed over the
 capabilities) unless `budget` sets it. Every arm is evaluated by the evaluation job on the same held-out
 tasks (greedy); results.json and report.md hold success per arm, overall and per family, with 95% intervals,
-the rollouts each arm used and its wall time, and the scaling curve (a table in report.md, plots/scaling.png).
+the rollouts each arm used and its wall time, and the scaling curve (a table in report.md, plots/scaling.png);
+<workdir>/tensorboard holds the same successes as scalars against training rollouts (`heldout/<arm>`,
+`scaling/<arm>`), beside the TensorBoard logs its GRPO jobs write in their folders.
 """
 
 from __future__ import annotations
 
 import functools
 import pathlib
+import re
 import time
 
 import ml_collections
@@ -39,6 +42,7 @@ from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import make_environment
 from trace_jax.evaluation import Routes, evaluate, recorded_episodes
 from trace_jax.files import read_json, write_json_atomic
+from trace_jax.metrics import MetricsWriter, logged_lines
 from trace_jax.report import summarize
 from trace_jax.rl import trainer as grpo
 from trace_jax.trace.calibration import environment_config
@@ -133,6 +137,7 @@ class Experiment:
             (self.workdir / "report.md").write_text(report(results), encoding="utf-8")
             if results["scaling"]:
                 plot_scaling(results["scaling"], self.workdir / "plots" / "scaling.png")
+            _log_scalars(self.workdir, results)
         logging.info("report.md: %d arms%s", len(results["arms"]),
                      f"; still to run: {', '.join(results['pending'])}" if results["pending"] else "")
         return results
@@ -287,6 +292,31 @@ def _row(arm: str, records: list[dict], rollouts: int, seconds: float) -> dict:
     return {"arm": arm, "success": overall["success"], "ci_low": overall["ci_low"], "ci_high": overall["ci_high"],
             "episodes": overall["episodes"], "rollouts": int(rollouts), "seconds": round(float(seconds), 1),
             "families": {row["family"]: row["success"] for row in families}}
+
+
+def scalar_name(kind: str, arm: str) -> str:
+    """An arm's TensorBoard tag, `kind/arm` with every run of other characters than letters and digits as one
+    '_' (TensorBoard would rewrite them)."""
+    return f"{kind}/{re.sub(r'[^a-z0-9]+', '_', arm.lower()).strip('_')}"
+
+
+def _log_scalars(workdir: pathlib.Path, results: dict) -> None:
+    """The results' held-out successes as TensorBoard scalars against training rollouts: one point per arm and
+    each scaling curve. The table is rewritten after every arm, so only points not logged before are added."""
+    points = {}
+    for row in results["arms"]:
+        points.setdefault(row["rollouts"], {})[scalar_name("heldout", row["arm"])] = row["success"]
+    for arm, curve in results["scaling"].items():
+        for point in curve:  # two shares that round to one step give one point
+            points.setdefault(point["rollouts"], {})[scalar_name("scaling", arm)] = point["success"]
+    logged = {(line["step"], name) for line in logged_lines(workdir) for name in line if name != "step"}
+    new = {step: {n: v for n, v in scalars.items() if (step, n) not in logged} for step, scalars in points.items()}
+    new = {step: scalars for step, scalars in sorted(new.items()) if scalars}
+    if new:
+        writer = MetricsWriter(workdir)
+        for step, scalars in new.items():
+            writer.write(step, scalars)
+        writer.close()
 
 
 def report(results: dict) -> str:
