@@ -1,10 +1,12 @@
-"""pass^k and success intervals against brute force and published values; the per-family table."""
+"""pass^k and success intervals against brute force and published values; the per-family table; paired
+comparisons against scipy's exact binomial test."""
 
 import itertools
 
 import pytest
+from scipy.stats import binomtest
 
-from trace_jax.report import format_table, pass_hat_k, summarize, wilson_interval
+from trace_jax.report import format_table, mcnemar_p_value, paired, pass_hat_k, summarize, wilson_interval
 
 
 @pytest.mark.parametrize("successes, trials, k", [(0, 4, 1), (3, 4, 2), (4, 4, 4), (2, 5, 3), (5, 8, 2)])
@@ -38,3 +40,20 @@ def test_summary_rows_per_family_and_overall():
     assert overall["mean_reward"] == pytest.approx(0.5) and overall["pass_k"] == pytest.approx(1 / 3)
     table = format_table(rows)
     assert table.count("\n") == 4 and "| x | 4 | 2 | 0.750 | 75.0% [" in table
+
+
+@pytest.mark.parametrize("only_a, only_b", [(0, 0), (8, 0), (0, 8), (3, 3), (5, 2), (1, 6), (12, 4), (30, 41)])
+def test_the_exact_mcnemar_test_is_the_two_sided_binomial_test_on_the_discordant_tasks(only_a, only_b):
+    expected = binomtest(only_a, only_a + only_b, 0.5).pvalue if only_a + only_b else 1.0
+    assert mcnemar_p_value(only_a, only_b) == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_paired_comparison_counts_the_tasks_one_side_alone_solved_and_needs_the_same_tasks():
+    episode = lambda task, success: {"task_id": task, "success": success}
+    a = [episode("t1", True), episode("t2", True), episode("t3", False), episode("t4", True)]
+    b = [episode("t4", True), episode("t3", True), episode("t2", False), episode("t1", False)]  # another order
+    assert paired(a, b) == {"tasks": 4, "only_a": 2, "only_b": 1, "p_value": 1.0}
+    with pytest.raises(ValueError, match="same tasks"):
+        paired(a, b[:3])
+    with pytest.raises(ValueError, match="one episode per task"):
+        paired(a + [episode("t1", False)], b)

@@ -279,6 +279,12 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
         assert alone["reused_episodes"] == sum(i == index for i in routed.values()), name
     report = (tmp_path / "report.md").read_text()
     assert all(f"| {name} |" in report for name in arms) and "## Held-out success per family" in report
+    for name, row in arms.items():  # paired with TRACE: the discordant tickets make up the difference in successes
+        if name != "TRACE":
+            pair = row["vs_trace"]
+            assert pair["tasks"] == heldout and pair["only_a"] - pair["only_b"] == round(
+                (arms["TRACE"]["success"] - row["success"]) * heldout), name
+            assert f"| {name} | {pair['only_a']} | {pair['only_b']} | {pair['p_value']:.3g} |" in report, name
     # The scaling curve: each arm from the base agent to its finished run through its shares of the budget.
     # TRACE's one GRPO step per adapter rounds to step 0 or 1, so its points are the base and itself; GRPO on
     # the target (2 steps) is evaluated at its snapshot of step 1; GEPA with its seed texts (found at call 0).
@@ -537,3 +543,7 @@ def test_the_experiments_oracle_routing_is_chosen_on_train_tasks_and_scored_on_h
     oracle = rows["TRACE, oracle routing (chosen on 6 train tasks)"]
     assert (oracle["success"], oracle["families"], oracle["seconds"]) == (1 / 4, {"a": 0.5, "b": 0.0}, 15.0)
     assert rows["per family the best system on held-out (upper bound)"]["success"] == 2 / 4
+    # each arm paired with TRACE (which solved none): the tickets only the arm solved
+    assert rows["per family the best system on held-out (upper bound)"]["vs_trace"] == \
+        {"tasks": 4, "only_a": 0, "only_b": 2, "p_value": 0.5}
+    assert oracle["vs_trace"]["only_b"] == 1 and "vs_trace" not in rows["TRACE"]

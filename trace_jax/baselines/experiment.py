@@ -43,7 +43,7 @@ from trace_jax.envs import make_environment
 from trace_jax.evaluation import Routes, evaluate, recorded_episodes
 from trace_jax.files import read_json, write_json_atomic
 from trace_jax.metrics import MetricsWriter, logged_lines
-from trace_jax.report import summarize
+from trace_jax.report import paired, summarize
 from trace_jax.rl import trainer as grpo
 from trace_jax.trace.calibration import environment_config
 from trace_jax.trace.pipeline import (
@@ -232,11 +232,12 @@ class Experiment:
 
     def _results(self, trace: dict, budget: int, pending: list[str]) -> dict:
         """One row per arm done: held-out success overall (95% interval) and per family, rollouts, wall time;
-        the scaling curve once done; the stages still `pending`."""
-        base = _episodes(pathlib.Path(trace["base_dir"]))
-        rows = [_row("base", base, 0, trace["base_seconds"]),
-                _row("TRACE", _episodes(self.trace_dir / "heldout" / "trace"), trace["trace_rollouts"],
-                     trace["trace_seconds"])]
+        each arm paired with TRACE on the same tasks; the scaling curve once done; the stages still `pending`."""
+        base, routed_trace = _episodes(pathlib.Path(trace["base_dir"])), _episodes(self.trace_dir / "heldout" / "trace")
+        row = lambda arm, records, rollouts, seconds: {**_row(arm, records, rollouts, seconds),
+                                                       "vs_trace": paired(routed_trace, records)}
+        rows = [row("base", base, 0, trace["base_seconds"]),
+                _row("TRACE", routed_trace, trace["trace_rollouts"], trace["trace_seconds"])]
         adapters = list(trace["adapters"])
         if adapters:
             singles = {n: _episodes(self.trace_dir / "heldout" / n) for n in adapters}
@@ -247,26 +248,26 @@ class Experiment:
                                         for r in base]
             if "oracle" in self.stages.done:
                 done, split = self.stages.done["oracle"], self.config.trace.target.analysis_split
-                rows.append(_row(f"TRACE, oracle routing (chosen on {done['result']['tasks']} {split} tasks)",
-                                 routed(done["result"]["by_family"]), trace["trace_rollouts"],
-                                 trace["trace_seconds"] + done["seconds"]))
+                rows.append(row(f"TRACE, oracle routing (chosen on {done['result']['tasks']} {split} tasks)",
+                                routed(done["result"]["by_family"]), trace["trace_rollouts"],
+                                trace["trace_seconds"] + done["seconds"]))
             upper = oracle_routes(self.trace_dir, trace["base_dir"], adapters, trace["routing"])["by_family"]
-            rows.append(_row("per family the best system on held-out (upper bound)", routed(upper),
-                             trace["trace_rollouts"], trace["trace_seconds"]))
+            rows.append(row("per family the best system on held-out (upper bound)", routed(upper),
+                            trace["trace_rollouts"], trace["trace_seconds"]))
             best = max(adapters, key=lambda n: sum(r["success"] for r in singles[n]))
-            rows.append(_row(f"best single adapter ({best})", singles[best], trace["rollouts_by_capability"][best],
-                             trace["trace_seconds"]))
+            rows.append(row(f"best single adapter ({best})", singles[best], trace["rollouts_by_capability"][best],
+                            trace["trace_seconds"]))
         names = {"grpo_target": "GRPO on the target", "mixed": "one adapter, environments mixed", "gepa": "GEPA"}
         for arm in ("grpo_target", "mixed", "gepa"):
             if arm in self.stages.done:
                 done = self.stages.done[arm]
-                rows.append(_row(names[arm], _episodes(pathlib.Path(done["result"]["episodes_dir"])),
-                                 done["result"]["rollouts"], done["seconds"]))
+                rows.append(row(names[arm], _episodes(pathlib.Path(done["result"]["episodes_dir"])),
+                                done["result"]["rollouts"], done["seconds"]))
                 if abs(rows[-1]["rollouts"] - budget) > BUDGET_TOLERANCE * budget:
                     logging.warning("%s used %d rollouts against the budget of %d", names[arm],
                                     rows[-1]["rollouts"], budget)
         for k, run in self.stages.done.get("subsets", {}).get("result", {}).items():
-            rows.append(_row(f"TRACE, top {k} of {len(adapters)} capabilities", _episodes(pathlib.Path(
+            rows.append(row(f"TRACE, top {k} of {len(adapters)} capabilities", _episodes(pathlib.Path(
                 run["episodes_dir"])), run["rollouts"], self.stages.done["subsets"]["seconds"]))
         return {"budget": budget, "trace_rollouts": trace["trace_rollouts"], "arms": rows,
                 "scaling": self._curves(), "pending": pending}
@@ -320,7 +321,8 @@ def _log_scalars(workdir: pathlib.Path, results: dict) -> None:
 
 
 def report(results: dict) -> str:
-    """The comparison's tables: success per arm with its 95% interval, rollouts and wall time; then per family."""
+    """The comparison's tables: success per arm with its 95% interval, rollouts and wall time; per family; each
+    arm paired with TRACE (McNemar); the scaling curve."""
     lines = [f"# TRACE against its baselines (budget: {results['budget']} training episodes per arm)", "",
              *([f"Still to run: {', '.join(results['pending'])}.", ""] if results["pending"] else []),
              "| arm | held-out success [95% CI] | episodes | training rollouts | wall time |",
@@ -335,6 +337,12 @@ def report(results: dict) -> str:
     for row in results["arms"]:
         cells = [f"{100 * row['families'][f]:.0f}%" if f in row["families"] else "-" for f in families]
         lines.append(f"| {row['arm']} | " + " | ".join(cells) + " |")
+    lines += ["", "## Paired with TRACE on the same held-out tasks", "",
+              "| arm | tasks only TRACE solves | tasks only the arm solves | exact McNemar p |", "|---|---:|---:|---:|"]
+    for row in results["arms"]:
+        if "vs_trace" in row:
+            pair = row["vs_trace"]
+            lines.append(f"| {row['arm']} | {pair['only_a']} | {pair['only_b']} | {pair['p_value']:.3g} |")
     if results["scaling"]:
         lines += ["", "## Scaling: held-out success at shares of the budget (plots/scaling.png)", "",
                   *scaling_table(results["scaling"])]
