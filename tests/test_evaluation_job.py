@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 pytest.importorskip("tau2")
@@ -16,6 +17,12 @@ from trace_jax.evaluation import evaluate, evaluate_together, run_marker  # noqa
 
 def _records(workdir) -> list[dict]:
     return [json.loads(line) for line in (workdir / "episodes.jsonl").read_text().splitlines()]
+
+
+def _tensorboard_success(workdir) -> list[tuple[int, float]]:
+    events = EventAccumulator(str(workdir / "tensorboard"))
+    events.Reload()
+    return [(e.step, round(e.value, 6)) for e in events.Scalars("eval/success")]
 
 
 def test_a_killed_evaluation_resumes_and_another_config_starts_afresh(tmp_path):
@@ -38,6 +45,10 @@ def test_a_killed_evaluation_resumes_and_another_config_starts_afresh(tmp_path):
     config.num_tasks = 7
     assert evaluate(config, tmp_path, agent="gold")["num_episodes"] == 7 and len(_records(tmp_path)) == 7
     assert evaluate(config, tmp_path, agent="noop")["success"] == 0.0  # another agent: not gold's episodes
+    # TensorBoard: each finished run's success once, at step = its episodes (the resumed run's equals the first's).
+    assert _tensorboard_success(tmp_path) == [(14, round(full["success"], 6)), (7, 1.0), (7, 0.0)]
+    evaluate(config, tmp_path, agent="noop")
+    assert len(_tensorboard_success(tmp_path)) == 3  # a finished evaluation run again adds no point
 
 
 def test_the_episodes_a_killed_multiprocess_run_left_per_process_are_merged_and_not_played_again(tmp_path):

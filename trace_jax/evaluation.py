@@ -1,7 +1,8 @@
 """The evaluation job: play an environment's tasks with the model (or a scripted agent) and report.
 
 Writes to the workdir: `episodes.jsonl` (one line per episode: messages, end reason, reward and its
-components), `summary.json` and `table.md` (per family: success with a 95% interval, pass^1, pass^k). A killed
+components), `summary.json` and `table.md` (per family: success with a 95% interval, pass^1, pass^k), and the
+summary's scalars for TensorBoard (`tensorboard/`, `metrics.jsonl`: "eval/..." at step = episodes). A killed
 evaluation resumes from its episodes when run again with the same config and agent, and an evaluation given
 other evaluations' workdirs (`reuse`) takes from them every episode it would play again: the same policy (base
 weights and adapter) on the same task and trial under the same settings (an episode plays the same in any
@@ -31,7 +32,7 @@ from trace_jax.agent.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS, make_environment
 from trace_jax.files import read_json, write_json_atomic, write_jsonl_atomic
-from trace_jax.metrics import Progress
+from trace_jax.metrics import MetricsWriter, Progress, logged_lines
 from trace_jax.models.embedded import resolve_model_dir
 from trace_jax.models.model import DTYPES, load_model, weights_fingerprint
 from trace_jax.report import format_table, summarize
@@ -377,6 +378,27 @@ def summarize_run(records: list[dict], trials: int) -> tuple[dict, str]:
     return summary, format_table(rows)
 
 
+def summary_scalars(summary: dict) -> dict[str, float]:
+    """An evaluation summary's scalars: mean reward, success with its 95% interval, and success per family."""
+    scalars = {"eval/reward": summary["mean_reward"], "eval/success": summary["success"],
+               "eval/success_ci_low": summary["ci_low"], "eval/success_ci_high": summary["ci_high"]}
+    for row in summary["families"]:
+        scalars[f"eval/{row['family']}/success"] = row["success"]
+    return scalars
+
+
+def _log_summary(workdir: pathlib.Path, summary: dict) -> None:
+    """The summary's scalars in the workdir's TensorBoard log at step = its episodes, unless its last point already
+    holds them (a finished evaluation run again adds none)."""
+    point = {"step": summary["num_episodes"], **summary_scalars(summary)}
+    lines = logged_lines(workdir)
+    if lines and lines[-1] == point:
+        return
+    writer = MetricsWriter(workdir)
+    writer.write(point.pop("step"), point)
+    writer.close()
+
+
 def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, agent: str = "model",
              routes: Routes | None = None, reuse: Sequence[str | pathlib.Path] = ()) -> dict:
     """Runs the evaluation into `workdir` (with `routes`, each task under its own adapter, in place
@@ -431,6 +453,7 @@ def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.
         for workdir, summary, table in zip(workdirs, summaries, tables):
             (workdir / "table.md").write_text(table + "\n", encoding="utf-8")
             write_json_atomic(workdir / "summary.json", summary)
+            _log_summary(workdir, summary)
 
     distributed.on_main(write)  # what comes next may read the summaries
     return summaries

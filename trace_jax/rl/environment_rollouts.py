@@ -32,7 +32,8 @@ from trace_jax.agent.chat_codec import ChatCodec
 from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Trajectory
 from trace_jax.envs import make_environment
 from trace_jax.envs.base import TaskSpec
-from trace_jax.evaluation import EPISODE_LIMITS, check_base_run, play, recorded_episodes, summarize_run
+from trace_jax.evaluation import (EPISODE_LIMITS, check_base_run, play, recorded_episodes, summarize_run,
+                                  summary_scalars)
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, StepRollouts
 from trace_jax.sampling import Sampler
@@ -179,11 +180,7 @@ class EnvironmentRollouts:
         summary, table = summarize_run(records, trials=1)
         if distributed.is_main():
             (folder / f"step_{step}.md").write_text(table + "\n", encoding="utf-8")
-        metrics = {"eval/reward": summary["mean_reward"], "eval/success": summary["success"],
-                   "eval/success_ci_low": summary["ci_low"], "eval/success_ci_high": summary["ci_high"]}
-        for row in summary["families"]:
-            metrics[f"eval/{row['family']}/success"] = row["success"]
-        return metrics
+        return summary_scalars(summary)
 
     def summary(self, base: dict[str, float], final: dict[str, float]) -> dict:
         """The job summary's held-out entries: mean reward and success, before and after."""
