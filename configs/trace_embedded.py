@@ -39,6 +39,14 @@ def get_config() -> ml_collections.ConfigDict:
     config.training = ml_collections.ConfigDict({key: grpo[key].to_dict() if hasattr(grpo[key], "to_dict")
                                                  else grpo[key] for key in ("advantage", "lora", "rollout", "loss",
                                                                             "optimizer", "train", "eval", "mesh")})
+    # Half of each group hinted, as calibration plays them; hinted rows learned as on-policy ones (tis_cap None):
+    # under truncated importance sampling the tokens only a hint made likely (the name of a tool the agent never
+    # calls) weigh almost nothing (trace_jax/rl/trainer.py).
+    config.training.rollout.hint_share = config.calibration.hint_share
+    config.training.loss.tis_cap = None
+    # Groups of 8 (the paper's code: 16), constant ones re-sampled up to 3 times until half the groups vary; every
+    # episode counts toward the budget (trace_jax/rl/resampling.py).
+    config.training.rollout.update(group_size=8, resamples=3, min_informative=0.5)
     config.training.train.rollout_budget = None
     config.training.train.steps = 8  # per capability, the same for each
     # lr 1e-4, not grpo_target_embedded's 5e-4: at 5e-4 the warm-started agent's episodes grew into loops from

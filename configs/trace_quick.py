@@ -26,9 +26,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.target.update(analysis_tasks=7, heldout_tasks=7)
     config.target.rollout.max_turns = 4
     config.environments.max_trained = 1
-    config.calibration.update(seeds=4, samples=4, min_mean=0.2, max_mean=0.6, min_std=0.2, min_informative=0.5,
-                              cut_share=1.0)
-    config.training.rollout.update(tasks_per_step=2, group_size=4, max_turns=3)
+    config.calibration.update(seeds=4, samples=4, gates="released_code", cut_share=1.0)
+    config.training.rollout.update(tasks_per_step=2, group_size=4, max_turns=3, resamples=0)
     config.training.train.steps = 2
     config.training.eval.num_tasks = 0  # the adapter's own held-out evaluation: 458 of the stage's 1,337 s here
     config.final.per_adapter = False

@@ -22,9 +22,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.target.rollout.update(batch_size=8, max_turns=3, max_tokens_per_turn=48)
     config.environments.max_trained = 1
     config.analysis.update(runs=4, min_runs=1, delta=-1.0, coverage=0.0, interval_resamples=100)
-    config.calibration.update(seeds=2, samples=2, min_mean=0.0, max_mean=1.0, min_std=0.0, min_informative=0.0,
-                              policy=False)
-    config.training.rollout.update(tasks_per_step=1, group_size=2, batch_size=4, max_turns=2, max_tokens_per_turn=48)
+    config.calibration.update(seeds=2, samples=2, gates="none", policy=False)
+    config.training.rollout.update(tasks_per_step=1, group_size=2, batch_size=4, max_turns=2, max_tokens_per_turn=48,
+                                   resamples=0)
     config.training.lora.first_layer = 24
     config.training.train.update(steps=1, micro_batch_tokens=4096, remat=False)
     config.training.eval.update(num_tasks=1, batch_size=2)

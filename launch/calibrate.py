@@ -22,7 +22,7 @@ from ml_collections import config_flags
 from launch import multihost
 from trace_jax import distributed
 from trace_jax.envs.capability import CAPABILITIES
-from trace_jax.trace.calibration import calibrate_capability, calibration_table
+from trace_jax.trace.calibration import calibrate_builtin, calibration_table
 from trace_jax.trace.pipeline import calibration_evaluation, validate_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Pipeline config (configs/trace_*.py).", lock_config=True)
@@ -39,15 +39,14 @@ def main(argv: list[str]) -> None:
     config, workdir = _CONFIG.value, pathlib.Path(_WORKDIR.value)
     validate_config(config)
     base = calibration_evaluation(config)
-    results = [calibrate_capability(name, CAPABILITIES[name].max_difficulty, base, config.calibration, workdir / name)
-               for name in _CAPABILITIES.value]
+    results = [calibrate_builtin(name, base, config.calibration, workdir / name) for name in _CAPABILITIES.value]
     if not distributed.is_main():
         return
     table = calibration_table(results)
     (workdir / "calibration.md").write_text(table + "\n", encoding="utf-8")
     print(table, flush=True)
-    print(json.dumps({r["capability"]: {"calibrated": r["calibrated"], "difficulty": r["difficulty"]}
-                      for r in results}), flush=True)
+    print(json.dumps({r["capability"]: {"calibrated": r["calibrated"], "env": r["env"]} for r in results}),
+          flush=True)
 
 
 if __name__ == "__main__":

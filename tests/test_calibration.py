@@ -13,12 +13,16 @@ import pytest
 
 from trace_jax.trace.calibration import (
     calibrate,
+    calibrate_builtin,
     calibrate_capability,
     calibration_defaults,
     calibration_feedback,
     calibration_table,
     gate_failures,
     group_stats,
+    informative_groups,
+    level_stats,
+    walk_bounds,
 )
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -36,39 +40,85 @@ def test_group_stats_and_pass_at_k_are_the_hand_computed_values():
     assert gate_failures(stats, calibration_defaults()) == ["informative groups 0.33 < 0.6"]
 
 
+def test_a_group_is_informative_only_across_success_or_a_spread_of_half_the_reward():
+    rewards = np.array([[0.0, 0.2, 0.2, 0.2],  # 0 against 0.2: a spread GRPO would learn a wrong write from
+                        [0.0, 0.3, 0.4, 0.0],  # under 0.5 apart, no success
+                        [0.0, 0.5, 0.0, 0.0],  # 0.5 apart
+                        [0.6, 1.0, 0.6, 0.6],  # across success
+                        [1.0, 1.0, 1.0, 1.0]])
+    assert informative_groups(rewards, rewards == 1.0).tolist() == [False, False, True, True, False]
+    assert group_stats(rewards, rewards == 1.0)["informative"] == pytest.approx(2 / 5)
+
+
+def test_gates_apply_per_variant_and_the_released_codes_are_one_value_away():
+    """Two kinds of task averaging into the band: one always solved, one never; the level fails on both kinds,
+    though the mix alone would pass every gate."""
+    rewards = np.concatenate([np.ones((4, 8)), np.zeros((4, 8))])
+    rewards[[0, 4], 0] = [0.0, 1.0]  # one informative group of each kind
+    variants = ["cancel"] * 4 + ["return"] * 4
+    config = calibration_defaults()
+    stats = level_stats(rewards, rewards == 1.0, variants)
+    assert 0.3 <= stats["mean"] <= 0.6 and set(stats["variants"]) == {"cancel", "return"}
+    failures = gate_failures(stats, config)
+    assert any(f.startswith("cancel: mean reward 0.969 outside [0.3, 0.6]") for f in failures)
+    assert any(f.startswith("return: mean reward 0.031 outside [0.3, 0.6]") for f in failures)
+    assert "variants" not in level_stats(rewards, rewards == 1.0, ["cancel"] * 8)  # one kind: gated as a whole
+    loose = calibration_defaults()
+    loose.gates = "released_code"
+    one_kind = np.array([[1.0, 0.0, 0.0, 0.0]] * 4 + [[1.0, 1.0, 1.0, 0.0]] * 2 + [[0.0] * 4] * 2)
+    stats = group_stats(one_kind, one_kind == 1.0)
+    assert gate_failures(stats, config) == []  # the paper has no gate on all-zero groups
+    assert gate_failures(stats, loose) == ["all-zero groups 0.25 > 0.2"]
+
+
 def _measure(means: dict[float, float]):
-    """Rewards of mean about `means[d]`, 0 or 1 at random."""
+    """Rewards of mean about `means[d]`, 0 or 1 at random, all of one variant."""
     def measure(difficulty):
         p = means[difficulty]
-        rewards = (np.random.default_rng(int(difficulty * 100)).random((20, 8)) < p).astype(float)
-        return rewards, rewards == 1.0
+        rewards = (np.random.default_rng(int(difficulty * 100) % 2**32).random((20, 8)) < p).astype(float)
+        return rewards, rewards == 1.0, ["only"] * 20
     return measure
 
 
 def test_the_difficulty_walks_to_the_gates_or_the_environment_is_dropped():
     config = calibration_defaults()
-    config.min_informative = 0.5
-    walked = calibrate(_measure({0: 0.95, 1: 0.45, 2: 0.1}), config, max_difficulty=2)
+    bounds = (0, 2)
+    walked = calibrate(_measure({0: 0.95, 1: 0.45, 2: 0.1}), config, bounds)
     assert walked["calibrated"] and walked["difficulty"] == 1 and [t["difficulty"] for t in walked["tries"]] == [0, 1]
     config.start_difficulty = 2
-    down = calibrate(_measure({0: 0.95, 1: 0.45, 2: 0.1}), config, max_difficulty=2)
+    down = calibrate(_measure({0: 0.95, 1: 0.45, 2: 0.1}), config, bounds)
     assert down["difficulty"] == 1 and [t["difficulty"] for t in down["tries"]] == [2, 1]
     config.start_difficulty = 0
     # too easy, then too hard: the mix halfway between, then (with min_step 0.25) halfway again, never a loop
-    mixed = calibrate(_measure({0: 0.9, 1: 0.1, 0.5: 0.45}), config, max_difficulty=1)
+    mixed = calibrate(_measure({0: 0.9, 1: 0.1, 0.5: 0.45}), config, (0, 1))
     assert mixed["calibrated"] and [t["difficulty"] for t in mixed["tries"]] == [0, 1, 0.5]
-    flips = calibrate(_measure({0: 0.9, 1: 0.1, 0.5: 0.15}), config, max_difficulty=1)
+    flips = calibrate(_measure({0: 0.9, 1: 0.1, 0.5: 0.15}), config, (0, 1))
     assert not flips["calibrated"] and [t["difficulty"] for t in flips["tries"]] == [0, 1, 0.5]
-    assert flips["reason"].startswith("mean reward 0.1") and "outside [0.3, 0.6]" in flips["reason"]
+    assert flips["reason"].startswith("too hard: mean reward 0.1") and "outside [0.3, 0.6]" in flips["reason"]
     config.min_step = 0.25
-    finer = calibrate(_measure({0: 0.9, 1: 0.1, 0.5: 0.15, 0.25: 0.5}), config, max_difficulty=1)
+    finer = calibrate(_measure({0: 0.9, 1: 0.1, 0.5: 0.15, 0.25: 0.5}), config, (0, 1))
     assert finer["difficulty"] == 0.25 and [t["difficulty"] for t in finer["tries"]] == [0, 1, 0.5, 0.25]
     config.min_step, config.start_difficulty = 1, 2  # whole levels only; down from 2: 0 too easy stops it
-    whole = calibrate(_measure({2: 0.1, 1: 0.1, 0: 0.9}), config, max_difficulty=2)
+    whole = calibrate(_measure({2: 0.1, 1: 0.1, 0: 0.9}), config, bounds)
     assert not whole["calibrated"] and [t["difficulty"] for t in whole["tries"]] == [2, 1, 0]
     config.min_step = 0.5  # the same walk may mix 0 and 1
     assert [t["difficulty"] for t in calibrate(_measure({2: 0.1, 1: 0.1, 0: 0.9, 0.5: 0.2}), config,
-                                               max_difficulty=2)["tries"]] == [2, 1, 0, 0.5]
+                                               bounds)["tries"]] == [2, 1, 0, 0.5]
+
+
+def test_too_hard_at_level_0_walks_into_the_scaffolded_levels_and_drops_only_at_the_most_scaffolded():
+    config = calibration_defaults()
+    scaffolded = calibrate(_measure({0: 0.02, -1: 0.1, -2: 0.45}), config, (-2, 2))
+    assert scaffolded["calibrated"] and [t["difficulty"] for t in scaffolded["tries"]] == [0, -1, -2]
+    dropped = calibrate(_measure({0: 0.02, -1: 0.1, -2: 0.15}), config, (-2, 2))
+    assert not dropped["calibrated"] and [t["difficulty"] for t in dropped["tries"]] == [0, -1, -2]
+    assert dropped["reason"].startswith("too hard even at its most scaffolded level (-2): mean reward 0.09")
+    overshoot = calibrate(_measure({0: 0.02, -1: 0.9, -0.5: 0.4}), config, (-2, 2))  # back up between two levels
+    assert overshoot["difficulty"] == -0.5 and [t["difficulty"] for t in overshoot["tries"]] == [0, -1, -0.5]
+    easy = calibrate(_measure({0: 0.95, 1: 0.9}), config, (-1, 1))
+    assert easy["reason"].startswith("too easy even at its top level (1)")
+    assert walk_bounds(("prefill", "exact_hint"), 2, 0.5) == (-2, 2)
+    assert walk_bounds(("prefill", "exact_hint"), 2, 0.0) == (-1, 2)  # an exact hint needs hinted samples
 
 
 def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_calibrate(tmp_path):
@@ -79,23 +129,40 @@ def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_cal
                      user_temperature=0.0)))
     config = calibration_defaults()
     config.update(seeds=3, samples=2)
-    gold = calibrate_capability("multi_step", 2, base, config, tmp_path / "gold", agent="gold")
+    gold = calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "gold", agent="gold")
     assert not gold["calibrated"] and [t["difficulty"] for t in gold["tries"]] == [0, 1, 2]  # too easy everywhere
-    assert all(t["mean"] == 1.0 and t["episodes"] == 6 for t in gold["tries"])
+    assert all(t["mean"] == 1.0 and t["episodes"] == 6 for t in gold["tries"]) and gold["env"] is None
     records = [json.loads(line) for line in (tmp_path / "gold" / "difficulty_2" / "episodes.jsonl").open()]
     assert len(records) == 6 and {r["trial"] for r in records} == {0, 1}
+    assert [r["hint"] for r in records if r["task_id"] == records[0]["task_id"]] == [True, False]  # half hinted
     assert records[0]["task_id"].startswith("capability/multi_step/0/2/train/")
-    noop = calibrate_capability("multi_step", 2, base, config, tmp_path / "noop", agent="noop")
-    assert [t["difficulty"] for t in noop["tries"]] == [0] and noop["tries"][0]["mean"] == 0.0  # too hard at 0
-    assert calibrate_capability("multi_step", 2, base, config, tmp_path / "noop", agent="gold") == noop  # read back
-    table = calibration_table([gold, noop])
-    assert table.count("\n") == 1 + 4 and "| multi_step | 2 | 6 | 1.000 |" in table
+    noop = calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "noop", agent="noop")
+    assert [t["difficulty"] for t in noop["tries"]] == [0, -1, -2] and noop["tries"][-1]["mean"] == 0.0
+    assert noop["reason"].startswith("too hard even at its most scaffolded level (-2)")
+    assert calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "noop", agent="gold") == noop
+    for played in [tmp_path / "gold" / "calibration.json", *(tmp_path / "gold").rglob("episodes.jsonl")]:
+        played.unlink()  # what a checkout keeps of a committed walk: each try's groups.json
+    assert calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "gold", agent="noop") == gold
+    families = calibrate_builtin("tool_calling", base, config, tmp_path / "families", agent="gold")
+    assert families["families"] == {v: None for v in ("cancel", "return", "address", "default_address")}
+    assert [(t["variant"], t["difficulty"]) for t in families["tries"]] == [
+        (v, 0) for v in ("cancel", "return", "address", "default_address")]  # each too easy at its top level, 0
+    assert families["reason"].startswith("cancel: too easy even at its top level (0)")
+    tasks = {json.loads(line)["family"] for line in (tmp_path / "families" / "return" / "difficulty_0" /
+                                                     "episodes.jsonl").open()}
+    assert tasks == {"return"}
+    table = calibration_table([gold, noop, families])
+    assert table.count("\n") == 1 + 10 and "| multi_step | 2 | 6 | 1.000 |" in table
+    assert "| tool_calling[return] | 0 | 6 | 1.000 |" in table
     config.samples = 1
     with pytest.raises(ValueError, match="config.calibration.samples = 1 is invalid"):
-        calibrate_capability("multi_step", 2, base, config, tmp_path / "bad")
+        calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "bad")
     config.samples, config.cut_share = 2, -0.5
     with pytest.raises(ValueError, match="config.calibration.cut_share = -0.5 is invalid"):
-        calibrate_capability("multi_step", 2, base, config, tmp_path / "bad")
+        calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "bad")
+    config.cut_share, config.gates = 0.0, "strict"
+    with pytest.raises(ValueError, match='config.calibration.gates = .strict. is invalid; it must be "paper" or'):
+        calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "bad")
 
 
 def test_the_calibration_job_names_an_unknown_capability():

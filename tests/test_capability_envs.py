@@ -1,9 +1,11 @@
 """Built-in capability environments through the real rollout engine and τ²'s retail tools: the gold
-agent scores 1.0 and doing nothing 0.0 on every capability (200 seeds of its top difficulty, 40 of the
-others), each reward
-level is reached by the agent it describes, an agent without the capability fails where it is
-needed, tasks are deterministic per seed with disjoint splits, worlds hold no customer of τ²'s
-retail DB, and bad settings fail naming the key."""
+agent scores 1.0 and doing nothing 0.0 on every capability at every level, scaffolded and variant-pure
+ones included (200 seeds of its top difficulty, 40 of the others), the paper's reward is what agents
+doing part of the work, or a wrong write, earn, scaffolded levels pre-fill what they say, an agent
+without the capability fails where it is needed, tasks are deterministic per seed with disjoint
+splits, worlds hold no customer of τ²'s retail DB, and bad settings fail naming the key."""
+
+import json
 
 import jax
 import ml_collections
@@ -30,48 +32,90 @@ def _play(env, agent, tasks):
     return engine.run([Job(task, 0, -1) for task in tasks], key=jax.random.key(0))
 
 
-class _Scripted:
-    """Makes one call chosen from the episode's gold call by `edit`, then a text turn (or, with
-    `replies=False`, the same call again until the episode is cut off)."""
-
-    def __init__(self, edit, replies=True):
-        self.edit, self.replies, self._called = edit, replies, set()
-
-    def reply(self, episode):
-        if id(episode) in self._called and self.replies:
-            return "Done."
-        self._called.add(id(episode))
-        name, arguments = self.edit(dict(episode.gold().tool_calls[0]))
-        return format_tool_call(name, arguments)
-
-    def forget(self, episode):
-        self._called.discard(id(episode))
+def _gold_and_empty(env, seeds):
+    tasks = env.tasks("train", seeds - seeds // 4) + env.tasks("heldout", seeds // 4)
+    return ({t.outcome.reward for t in _play(env, GoldAgent(), tasks)},
+            {t.outcome.reward for t in _play(env, NoopAgent(), tasks)})
 
 
 @pytest.mark.parametrize("capability", sorted(CAPABILITIES))
-def test_gold_scores_one_and_nothing_scores_zero_at_every_difficulty(capability):
-    top = CAPABILITIES[capability].max_difficulty  # its tasks draw every variant of the lower difficulties too
-    for difficulty in range(top + 1):
-        env = _env(capability, difficulty=difficulty)
+def test_gold_scores_one_and_nothing_scores_zero_at_every_level(capability):
+    spec = CAPABILITIES[capability]
+    top = spec.max_difficulty  # its tasks draw every variant of the lower difficulties too
+    for difficulty in range(spec.min_difficulty, top + 1):
         seeds = SEEDS if difficulty == top else TASKS
-        tasks = env.tasks("train", seeds - seeds // 4) + env.tasks("heldout", seeds // 4)
-        assert {t.outcome.reward for t in _play(env, GoldAgent(), tasks)} == {1.0}, difficulty
-        assert {t.outcome.reward for t in _play(env, NoopAgent(), tasks)} == {0.0}, difficulty
+        assert _gold_and_empty(_env(capability, difficulty=difficulty), seeds) == ({1.0}, {0.0}), difficulty
+    for variant in spec.families:  # variant-pure levels: every kind on its own, each of its levels
+        for difficulty in range(spec.min_difficulty, 1):
+            env = _env(capability, difficulty=difficulty, variant=variant)
+            assert {t.family for t in env.tasks("train", TASKS)} == {variant}
+            assert _gold_and_empty(env, TASKS) == ({1.0}, {0.0}), (variant, difficulty)
 
 
-@pytest.mark.parametrize("cut_share", [None, 0.5, 1.0])  # None: the environment's default, τ²'s rule (0)
-def test_each_reward_level_is_reached_by_the_agent_it_describes(cut_share):
-    env = _env(difficulty=2) if cut_share is None else _env(difficulty=2, cut_share=cut_share)
-    tasks = env.tasks("train", 12)
-    wrong_order = lambda call: (call["name"], {**call["arguments"], "order_id": "#W0000000"})
-    other_tool = lambda call: ("get_order_details", {"order_id": call["arguments"]["order_id"]})
-    gold = lambda call: (call["name"], call["arguments"])
-    cut = 0.0 if cut_share is None else 0.8 * cut_share  # the right call, then the same call until the turn limit
-    for agent, level in [(_Scripted(wrong_order), 0.5), (_Scripted(other_tool), 0.2), (_Scripted(gold), 1.0),
-                         (_Scripted(gold, replies=False), cut)]:
+class _Planned:
+    """Makes the calls `plan(episode)` lists, one a turn, then a text turn (or, with `replies=False`, repeats
+    its first call, a read, until the episode is cut off)."""
+
+    def __init__(self, plan, replies=True, final="Done."):
+        self.plan, self.replies, self.final, self._made = plan, replies, final, {}
+
+    def reply(self, episode):
+        calls = self.plan(episode)
+        made = self._made.setdefault(id(episode), 0)
+        if made < len(calls) or not self.replies:
+            self._made[id(episode)] = made + 1
+            call = calls[made] if made < len(calls) else calls[0]
+            return format_tool_call(call["name"], call["arguments"])
+        return self.final(episode) if callable(self.final) else self.final
+
+    def forget(self, episode):
+        self._made.pop(id(episode), None)
+
+
+def _wrong_cancel(episode):
+    """A well-formed write the task does not call for: cancelling an order that is not the one to act on."""
+    order = next(o for o in episode.scenario.db.orders.values() if o.order_id not in json.dumps(episode.gold().tool_calls))
+    return {"name": "cancel_pending_order", "arguments": {"order_id": order.order_id, "reason": "no longer needed"}}
+
+
+@pytest.mark.parametrize("cut_share", [None, 0.5])  # None: the environment's default, τ²'s rule (0)
+def test_the_reward_is_the_papers_and_a_wrong_write_costs(cut_share):
+    """multi_step at difficulty 1: four gold calls and a fact. 1.0 for everything; 0.6 x the share of gold
+    calls made otherwise, less 0.1 per wrong write; an episode cut at the turn limit keeps `cut_share` of it."""
+    env = _env("multi_step", difficulty=1, **({} if cut_share is None else {"cut_share": cut_share}))
+    tasks = env.tasks("train", 8)
+    gold, facts = (lambda e: list(e.gold().tool_calls)), (lambda e: " ".join(e.gold().facts))
+    half = lambda e: gold(e)[:2]
+    for agent, reward in [(_Planned(gold, final=facts), 1.0),
+                          (_Planned(gold), 0.6),  # every call, but the reply states no fact
+                          (_Planned(half), 0.6 * 2 / 5),
+                          (_Planned(lambda e: half(e) + [_wrong_cancel(e)]), 0.6 * 2 / 5 - 0.1),
+                          (_Planned(lambda e: [_wrong_cancel(e)]), 0.0),  # clipped at 0: no better than nothing
+                          (_Planned(gold, replies=False), 0.6 * (cut_share or 0.0))]:  # cut at the turn limit
         played = _play(env, agent, tasks)
-        assert {t.outcome.reward for t in played} == {level}, (level, {t.outcome.reward for t in played})
-        assert all((t.end_reason == "agent_stop") == agent.replies for t in played)
+        assert {round(t.outcome.reward, 6) for t in played} == {round(reward, 6)}, reward
+        assert all(t.outcome.success == (reward == 1.0) for t in played)
+    assert 0.6 * 2 / 5 - 0.1 < 0.6 * 2 / 5  # the wrong write scored below the same partial episode without it
+
+
+def test_scaffolded_levels_prefill_the_calls_before_the_last_write():
+    """multi_step below 0: the look-ups and the first write are the agent's pre-filled turns with τ²'s results, so
+    the agent makes the last write (the return) alone; -2 adds the exact hint and changes nothing else."""
+    plain, prefilled, exact = (_env("multi_step", difficulty=d) for d in (0, -1, -2))
+    for level, env in ((-1, prefilled), (-2, exact)):
+        for task in env.tasks("train", TASKS):
+            scenario = env.scenario(task)
+            assert [c["name"] for c in scenario.gold_calls] == ["return_delivered_order_items"], level
+            assert [c["name"] for c in scenario.prefilled] == ["find_user_id_by_email", "get_order_details",
+                                                               "cancel_pending_order", "get_order_details"]
+            opening = env.episode(task).reset()
+            assert opening[-1]["role"] == "tool" and not opening[-1]["content"].startswith("Error")
+            assert (json.dumps(scenario.gold_calls[0]["arguments"]) in env.hint_for(task)) == (level == -2)
+    assert all(len(plain.scenario(t).gold_calls) == 4 for t in plain.tasks("train", TASKS))
+    refusals = _env("precondition", difficulty=-1)  # no write to make: the agent keeps its last call (the read)
+    for task in refusals.tasks("train", TASKS):
+        gold = [c["name"] for c in refusals.scenario(task).gold_calls]
+        assert gold == (["cancel_pending_order"] if task.family == "allowed" else ["get_order_details"])
 
 
 def _calls(calls):
@@ -135,8 +179,14 @@ def test_a_difficulty_between_two_levels_mixes_their_tasks_and_offers_both_level
 def test_bad_settings_fail_naming_the_key():
     with pytest.raises(ValueError, match="config.env.capability = 'telepathy'"):
         _env("telepathy")
-    with pytest.raises(ValueError, match="difficulty = 7 is out of range for tool_calling: 0 to 2"):
+    with pytest.raises(ValueError, match="difficulty = 7 is out of range for tool_calling: -1 to 3"):
         _env(difficulty=7)
+    with pytest.raises(ValueError, match="difficulty = -3 is out of range for multi_step: -2 to 2"):
+        _env("multi_step", difficulty=-3)
+    with pytest.raises(ValueError, match="difficulty = 1 is out of range for tool_calling: -1 to 0"):
+        _env(difficulty=1, variant="return")  # a family's levels end at its level 0
+    with pytest.raises(ValueError, match="variant = 'refund' is invalid for tool_calling; its families are cancel"):
+        _env(variant="refund")
     with pytest.raises(ValueError, match=r"cut_share = 1.5 is invalid; it must be a number in \[0, 1\]"):
         _env(cut_share=1.5)
     with pytest.raises(ValueError, match="unknown split"):

@@ -54,21 +54,39 @@ def _config(capability: str = "tool_calling", difficulty: int = 0, **rollout):
 
 
 @pytest.mark.parametrize("capability", sorted(CAPABILITIES))
-def test_a_hinted_episode_differs_from_its_twin_by_the_hint_after_the_system_prompt_alone(capability):
+def test_a_hinted_episode_differs_from_its_twin_by_the_task_hint_after_the_system_prompt_alone(capability):
     env = CapabilityEnvironment(CAPABILITIES[capability], difficulty=CAPABILITIES[capability].max_difficulty,
                                 policy=False)
-    assert 40 <= len(env.hint) <= 300 and env.hint.count(". ") <= 1  # one or two sentences
     for task in env.tasks("train", 3):
+        hint, gold = env.hint_for(task), env.scenario(task).gold_calls
+        assert hint.startswith(env.capability.hint) and all(f"call {c['name']} with" in hint for c in gold)
         plain, hinted = env.episode(task), env.episode(task, hint=True)
         opening, hinted_opening = plain.reset(), hinted.reset()
-        assert hinted_opening[0]["content"] == opening[0]["content"] + "\n\nHint: " + env.hint
+        assert hinted_opening[0]["content"] == opening[0]["content"] + "\n\nHint: " + hint
         assert hinted_opening[1:] == opening[1:] and hinted.tools == plain.tools
 
 
-def test_a_capability_without_a_hint_plays_no_hinted_episode():
-    env = CapabilityEnvironment(dataclasses.replace(CAPABILITIES["precondition"], hint=""), policy=False)
-    with pytest.raises(ValueError, match="the capability 'precondition' offers no hint"):
-        env.episode(env.tasks("train", 1)[0], hint=True)
+def test_a_hint_names_each_call_with_where_its_arguments_are_and_an_exact_hint_spells_them_out():
+    capability = CAPABILITIES["tool_calling"]
+    env = CapabilityEnvironment(capability, difficulty=0, variant="return", policy=False)
+    exact = CapabilityEnvironment(capability, difficulty=-1, variant="return", policy=False)
+    for task, exact_task in zip(env.tasks("train", 6), exact.tasks("train", 6)):
+        scenario = env.scenario(task)
+        to_gift_card = "gift card" in scenario.ticket
+        assert (f"call return_delivered_order_items with order_id from the ticket, item_ids from the result of "
+                f"get_order_details above, payment_method_id from the result of "
+                f"{'get_user_details' if to_gift_card else 'get_order_details'} above.") in env.hint_for(task)
+        (exact_call,) = exact.scenario(exact_task).gold_calls  # an exact hint pre-fills nothing more here
+        assert f"call return_delivered_order_items({json.dumps(exact_call['arguments'])})" in exact.hint_for(exact_task)
+    refusal = CapabilityEnvironment(CAPABILITIES["precondition"], difficulty=0, policy=False)
+    forbidden = next(t for t in refusal.tasks("train", 20) if t.family != "allowed")
+    assert "make no write" in refusal.hint_for(forbidden)
+    cancels = CapabilityEnvironment(capability, difficulty=0, variant="cancel", policy=False)
+    for task in cancels.tasks("train", 12):  # a reason the ticket words its own way is no value on the page
+        reason = cancels.scenario(task).gold_calls[0]["arguments"]["reason"]
+        worded = "reason from the ticket" if reason in cancels.scenario(task).ticket else \
+            "reason as the ticket's words mean it (one of the allowed values)"
+        assert worded in cancels.hint_for(task)
 
 
 def _spans(mask) -> list[tuple[int, int]]:
@@ -90,11 +108,12 @@ def test_the_hinted_row_is_the_unhinted_rendering_of_the_same_turns(tokenizer, t
     for hinted, plain in zip(played[::2], played[1::2]):
         assert hinted.outcome.reward == plain.outcome.reward == 1.0 and hinted.num_turns == plain.num_turns >= 5
         hinted_prompt, prompt = rollouts.first_prompts(hinted.job.task)
-        assert env.hint in tokenizer.decode(hinted.token_ids[: len(hinted_prompt)])
+        hint = env.hint_for(hinted.job.task)
+        assert hint in tokenizer.decode(hinted.token_ids[: len(hinted_prompt)])
         made_up = [-(i + 1) * 1e-4 if m else 0.0 for i, m in enumerate(hinted.loss_mask)]
         row = unhinted_sequence(dataclasses.replace(hinted, logprobs=made_up), hinted_prompt, prompt)
         assert row.hinted and list(row.tokens) == plain.token_ids and list(row.loss_mask) == plain.loss_mask
-        assert env.hint not in tokenizer.decode(row.tokens)
+        assert hint not in tokenizer.decode(row.tokens)
         shift = len(hinted_prompt) - len(prompt)
         assert shift == len(hinted.token_ids) - len(plain.token_ids) > 0
         sampled = np.flatnonzero(row.loss_mask)
@@ -192,6 +211,7 @@ def test_a_grpo_step_with_hints_learns_from_the_hinted_row_and_logs_the_hint_met
     print(f"\n[hints] one GRPO step: { {k: round(v, 4) for k, v in logged.items() if 'hint' in k or 'tis' in k} }")
     assert logged["rollout/hinted_share"] == 0.5 and {"rollout/hinted_reward", "rollout/unhinted_reward"} <= set(logged)
     assert 0.0 < logged["learner/hinted_is_weight"] <= TIS_CAP and 0.0 <= logged["learner/hinted_capped"] <= 1.0
+    assert "learner/hinted_logp_gain" in logged
     assert logged["learner/tis_weight"] != 1.0 and logged["learner/sampler_abs_diff"] > 1e-2  # the hinted row's
 
 
@@ -199,7 +219,6 @@ def test_a_grpo_step_with_hints_learns_from_the_hinted_row_and_logs_the_hint_met
     (dict(hint_share=1.5), "config.rollout.hint_share = 1.5 is invalid; it must be a number in [0, 1]"),
     (dict(hint_share=-0.25), "config.rollout.hint_share = -0.25 is invalid; it must be a number in [0, 1]"),
     (dict(hint_share=0.01), "config.rollout.hint_share = 0.01 is invalid: it hints no episode of a group of 16"),
-    (dict(hint_share=0.25, tis_cap=None), "config.loss.tis_cap = None is invalid with config.rollout.hint_share"),
     (dict(hint_share=0.25, tis_cap=0.5), "config.loss.tis_cap = 0.5 is invalid; it must be None or a number >= 1"),
 ])
 def test_bad_hint_settings_fail_at_start_naming_the_key(changes, message):
@@ -217,7 +236,7 @@ def test_a_share_on_an_environment_without_a_hint_fails_at_start(tokenizer, tmp_
     config.rollout.hint_share = 0.25
     validate_config(config)  # well-formed; only the environment can tell it offers no hint
     with pytest.raises(ValueError, match=re.escape("config.rollout.hint_share = 0.25 is invalid here: the environment "
-                                                   "of config.env (name = 'embedded_retail') offers no hint")):
+                                                   "of config.env (name = 'embedded_retail') offers no hints")):
         EnvironmentRollouts(config, tokenizer, 4, tmp_path)
 
 

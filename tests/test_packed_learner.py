@@ -1,6 +1,7 @@
 """The learner on multi-turn sequences packed by a token budget (tiny Qwen2, rank-4 adapter): packing
 changes neither gradients nor metrics, SFT's loss and gradient are the plain masked cross-entropy's, and
-rows sampled with a hint (rescored before the update) are learned with the truncated importance weight.
+rows sampled with a hint (rescored before the update) are learned with the truncated importance weight
+or, without a cap, as on-policy rows.
 
 Each sequence is a multi-turn conversation as the rollout engine records it: a shared head, then
 turns whose sampled spans are on the loss mask and whose observations are not.
@@ -202,10 +203,10 @@ def hinted(setup):
     return out
 
 
-def _rescored(setup, sequences):
+def _rescored(setup, sequences, loss=HINT_LOSS):
     cfg, params, adapters, _ = setup
     batch = pack_sequences(sequences, token_budget=ONE_MICRO_BATCH, min_shared_prefix=8)
-    rescore = make_rescore_fn(cfg, HINT_LOSS)
+    rescore = make_rescore_fn(cfg, loss)
     return batch, *rescore(params, adapters.weights, adapters.scale, batch, [s.hinted for s in sequences])
 
 
@@ -263,3 +264,35 @@ def test_the_loss_with_hints_is_the_clipped_surrogate_with_the_truncated_weight(
     print(f"\n[packed learner] loss with hints {float(metrics['loss']):.6f} (NumPy {expected:.6f})")
     assert abs(float(metrics["loss"]) - expected) <= 1e-5 * max(1.0, abs(expected))
     assert abs(float(metrics["tis_weight"]) - np.mean(all_weights)) <= 1e-5
+
+
+def test_on_policy_hinted_rows_have_the_gradient_of_rows_sampled_without_the_hint(setup, hinted):
+    """Without a cap a hinted row is learned as if the policy had sampled its tokens without the hint: the
+    learner's gradient on the rescored batch equals the gradient of a reference loss written out on the
+    unpacked rows (full forward, float32), where a hinted token's old logprob is the policy's own (ratio 1,
+    weight 1) and an unhinted token's the sampler's."""
+    cfg, params, adapters, _ = setup
+    _, batch, metrics = _rescored(setup, hinted, loss=LOSS)
+    assert set(metrics) == {"hinted_logp_gain"}  # no importance weight without a cap
+    grads, _ = make_grad_fn(cfg, LOSS)(params, adapters.weights, adapters.scale, batch)
+    width = max(len(s.tokens) for s in hinted)
+    tokens = jnp.asarray([list(s.tokens) + [0] * (width - len(s.tokens)) for s in hinted], jnp.int32)
+    masks = np.array([list(s.loss_mask[1:]) + [0] * (width - len(s.tokens)) for s in hinted], np.float32)
+    sampler = np.array([list(s.logprobs[1:]) + [0.0] * (width - len(s.tokens)) for s in hinted], np.float32)
+    on_policy = np.array([s.hinted for s in hinted])
+    advantages = jnp.asarray([s.advantage for s in hinted], jnp.float32)
+
+    def reference(weights):
+        row_lora = lora.for_rows(lora.Adapters(weights, adapters.scale), jnp.zeros(len(hinted), jnp.int32))
+        logits = decoder.forward(params, tokens[:, :-1], cfg, row_lora=row_lora)[0]
+        new = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[:, 1:, None], axis=-1)[..., 0]
+        old = jnp.where(on_policy[:, None], jax.lax.stop_gradient(new), sampler)
+        ratio = jnp.exp(new - old)
+        clipped = jnp.clip(ratio, 1 - LOSS.eps_low, 1 + LOSS.eps_high)
+        per_token = -jnp.minimum(ratio * advantages[:, None], clipped * advantages[:, None]) * masks
+        return jnp.mean(per_token.sum(axis=1) / masks.sum(axis=1))
+
+    expected = jax.grad(reference)(adapters.weights)
+    relative = tree_rel(grads, expected)
+    print(f"\n[packed learner] on-policy hinted rows: gradient relative error {relative:.2e}")
+    assert relative <= 1e-4

@@ -32,10 +32,10 @@ from trace_jax.baselines.experiment import Experiment, scalar_name
 from trace_jax.baselines.experiment import validate_config as validate_experiment_config
 from trace_jax.baselines.gepa import joined_guidance
 from trace_jax.envs import make_environment
-from trace_jax.envs.capability import CAPABILITIES, example_airline, example_retail
+from trace_jax.envs.capability import example_airline, example_retail
 from trace_jax.evaluation import recorded_episodes, run_marker
 from trace_jax.rl.trainer import snapshot_step
-from trace_jax.trace.calibration import calibrate_capability
+from trace_jax.trace.calibration import calibrate_builtin
 from trace_jax.trace.pipeline import (
     STAGES,
     Pipeline,
@@ -394,10 +394,11 @@ def test_two_processes_run_the_pipeline_as_one(tiny_run, tiny_chat_model, job_en
     name = summary["trained"][0]
     config = trace_tiny.get_config()
     config.update_from_flattened_dict(_model_overrides(tiny_chat_model))
-    one = calibrate_capability(name, CAPABILITIES[name].max_difficulty, calibration_evaluation(config),
-                               config.calibration, tmp_path / "one")
-    assert json.loads((workdir / "environments" / name / "calibration.json").read_text()) == one
-    assert _played(workdir / "environments" / name / "difficulty_0") == _played(tmp_path / "one" / "difficulty_0")
+    one = calibrate_builtin(name, calibration_evaluation(config), config.calibration, tmp_path / "one")
+    two = json.loads((workdir / "environments" / name / "calibration.json").read_text())
+    assert two["tries"] == one["tries"] and two["env"] == one["env"]
+    episodes = pathlib.Path(one["episodes_dir"]).relative_to(tmp_path / "one")
+    assert _played(workdir / "environments" / name / episodes) == _played(tmp_path / "one" / episodes)
     assert (workdir / "report.md").is_file() and not list(workdir.rglob("episodes.jsonl.process*"))
 
 

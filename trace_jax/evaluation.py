@@ -31,6 +31,7 @@ from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Tr
 from trace_jax.agent.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS, make_environment
+from trace_jax.envs.hints import hinted_trials, offers_hint
 from trace_jax.files import read_json, write_json_atomic, write_jsonl_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_lines
 from trace_jax.models.embedded import resolve_model_dir
@@ -67,6 +68,10 @@ def _checks() -> list[Check]:
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Fails at start, naming the key, on a missing or invalid setting."""
     check_config(config, _checks())
+    share = config.get("hint_share", 0.0)  # optional: calibration plays hinted trials as training does
+    if not (number(share) and 0 <= share <= 1):
+        raise ValueError(f"config.hint_share = {share!r} is invalid; it must be a number in [0, 1]: the share of "
+                         "each task's trials played with the task's hint (0: none)")
     tensor, devices = config.get("tensor", 1), jax.local_device_count()
     if not positive_int(tensor) or devices % tensor:
         raise ValueError(f"config.tensor = {tensor!r} is invalid; it must be a positive int that divides this "
@@ -435,8 +440,9 @@ def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.
         marker = run_marker(run, agent, routes)
         _keep_episodes_of_same_run(workdir, marker)
         # A task's trials adjacent: the later ones find its opening held by a row (`Session` copies it).
-        jobs = [Job(task, trial, adapter_of(task.task_id)) for task in env.tasks(run.split, run.num_tasks)
-                for trial in range(run.trials)]
+        hinted = hinted_trials(run.get("hint_share", 0.0), run.trials)
+        jobs = [Job(task, trial, adapter_of(task.task_id), hint=trial < hinted and offers_hint(env, task))
+                for task in env.tasks(run.split, run.num_tasks) for trial in range(run.trials)]
         if reuse:
             _take_reused(jobs, run.split, workdir, _jsonable(marker), reuse)
         plays.append((jobs, workdir / "episodes.jsonl"))

@@ -65,8 +65,8 @@ class RolloutConfig:
 @dataclasses.dataclass(frozen=True)
 class Job:
     """One episode to play: a task, its trial number (for pass^k), the agent's adapter and whether the
-    agent plays it with the environment's hint in its system prompt (`env.episode(task, hint=True)`,
-    which only environments offering a hint take: see `trace_jax.envs.capability.environment`)."""
+    agent plays it with the task's hint in its system prompt (`env.episode(task, hint=True)`, which only
+    environments offering hints take: `trace_jax.envs.hints.offers_hint`)."""
 
     task: base.TaskSpec
     trial: int = 0
@@ -98,7 +98,8 @@ class Trajectory:
     def record(self) -> dict[str, Any]:
         """A JSON-ready summary for episode logs (messages and outcome; no token arrays)."""
         return {"task_id": self.job.task.task_id, "family": self.job.task.family, "split": self.job.task.split,
-                "trial": self.job.trial, "adapter_idx": self.job.adapter_idx, "end_reason": self.end_reason,
+                "trial": self.job.trial, "hint": self.job.hint, "adapter_idx": self.job.adapter_idx,
+                "end_reason": self.end_reason,
                 "reward": self.outcome.reward, "success": self.outcome.success,
                 "components": self.outcome.components, "info": self.outcome.info, "num_turns": self.num_turns,
                 "num_errors": self.num_errors, "generated_tokens": self.generated_tokens,

@@ -45,7 +45,6 @@ from trace_jax.files import read_json, write_json_atomic
 from trace_jax.metrics import MetricsWriter, logged_lines
 from trace_jax.report import paired, summarize
 from trace_jax.rl import trainer as grpo
-from trace_jax.trace.calibration import environment_config
 from trace_jax.trace.pipeline import (
     Pipeline,
     Stages,
@@ -106,7 +105,7 @@ class Experiment:
         mixed = {"name": "mixed", "parts": list(trace["environments"].values()), "split": "train"}
         runs = {"oracle": lambda: self._oracle(trace),
                 "grpo_target": lambda: self._grpo("grpo_target", target, budget, hints=False, snapshots=True),
-                "mixed": lambda: self._grpo("mixed", mixed, budget, hints=trace["hints"], snapshots=False),
+                "mixed": lambda: self._grpo("mixed", mixed, budget, hints=True, snapshots=False),
                 "gepa": lambda: self._gepa(trace, budget),
                 "subsets": lambda: self._subsets(trace)}
         skipped = () if trace["environments"] else CAPABILITY_ARMS
@@ -161,9 +160,7 @@ class Experiment:
                 "trace_seconds": summary["seconds"], "base_seconds": pipeline.stages["base"]["seconds"],
                 "base_dir": pipeline.stages["base"]["result"]["heldout_dir"],
                 "routing": pipeline.stages["routing"]["result"]["by_task"],
-                "environments": {n: environment_config(n, environments[n]["difficulty"], self.config.trace.calibration,
-                                                       environments[n].get("scenarios")) for n in adapters},
-                "hints": not any(environments[n].get("scenarios") for n in adapters),  # written ones offer none
+                "environments": {n: environments[n]["env"] for n in adapters},
                 "descriptions": {c["name"]: c["description"] for c in cards if c["name"] in adapters}}
 
     def _oracle(self, trace: dict) -> dict:

@@ -28,8 +28,8 @@ except ImportError:  # τ² (which brings loguru) is an optional extra
 
 def make_environment(config: ml_collections.ConfigDict) -> Environment:
     """The environment `config.name` names: "embedded_retail" (with `seed`, `families`), "tau2" (with `domain`)
-    or "capability" (with `capability`, `seed`, `difficulty`, `policy`, optionally `cut_share`; a written
-    capability's `scenarios`: the file its validated module exported) or "mixed" (with `parts`: environment
+    or "capability" (with `capability`, `seed`, `difficulty`, `policy`, optionally `cut_share` and `variant`; a
+    written capability's `scenarios`: the file its validated module exported) or "mixed" (with `parts`: environment
     configs whose tasks it takes in turn, `trace_jax.envs.mixed`). An optional `guidance` text is appended to the
     agent's system prompt in every episode (`trace_jax.envs.guided`)."""
     guidance = config.get("guidance", "")
@@ -70,5 +70,6 @@ def _environment(config: ml_collections.ConfigDict) -> Environment:
         if config.get("capability") not in CAPABILITIES:
             raise ValueError(f"config.env.capability = {config.get('capability')!r} is invalid; it must be one of "
                              f"{', '.join(CAPABILITIES)}")
-        return CapabilityEnvironment(CAPABILITIES[config.capability], seed=config.seed, **settings)
+        return CapabilityEnvironment(CAPABILITIES[config.capability], seed=config.seed,
+                                     variant=config.get("variant"), **settings)
     raise ValueError(f"config.env.name = {config.name!r} is invalid; it must be one of {', '.join(ENVIRONMENTS)}")

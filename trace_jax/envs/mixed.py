@@ -31,13 +31,15 @@ class MixedEnvironment:
                     raise ValueError(f"task id {task.task_id!r} occurs in two parts of the mixed environment")
         return mixed if num is None else mixed[:num]
 
-    @property
-    def hint(self) -> str:
-        """The parts' hints, one a line (a hinted episode takes its own part's), or "" where a part offers none."""
-        hints = [getattr(part, "hint", "") for part in self.parts]
-        return "\n".join(hints) if all(hints) else ""
+    def hint_for(self, task: TaskSpec) -> str:
+        """The task's hint from the part it came from ("" where that part offers none)."""
+        hint_for = getattr(self._part(task), "hint_for", None)
+        return hint_for(task) if hint_for else ""
 
     def episode(self, task: TaskSpec, **options) -> Episode:
+        return self._part(task).episode(task, **options)
+
+    def _part(self, task: TaskSpec) -> Environment:
         if task.task_id not in self._owner:
             raise ValueError(f"task {task.task_id!r} did not come from this environment's tasks()")
-        return self._owner[task.task_id].episode(task, **options)
+        return self._owner[task.task_id]

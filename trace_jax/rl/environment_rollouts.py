@@ -5,8 +5,8 @@ A step plays each of the next `rollout.tasks_per_step` training tasks `rollout.g
 times at the rollout temperature (with `rollout.train_tasks`, the steps cycle through the split's
 first that many); every trajectory becomes one learner sequence (the exact ids the agent saw,
 the loss on its sampled turns, the sampler's logprobs). With `rollout.hint_share` > 0 (environments
-that offer a hint), the first hint_share x group_size episodes of each group (rounded half up) are
-played with the hint in the system prompt, and their learner sequences are the unhinted rendering:
+that offer hints), the first hint_share x group_size episodes of each group (rounded half up) are
+played with the task's hint in the system prompt, and their learner sequences are the unhinted rendering:
 the hint is removed before the gradient, and the learner recomputes their old logprobs
 (`learner.make_rescore_fn`). Held-out evaluation is the evaluation job's code path: greedy episodes
 of `eval.split`, written to `eval/step_<k>.jsonl` with their per-family table (success with 95%
@@ -32,6 +32,7 @@ from trace_jax.agent.chat_codec import ChatCodec
 from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Trajectory
 from trace_jax.envs import make_environment
 from trace_jax.envs.base import TaskSpec
+from trace_jax.envs.hints import hinted_trials, offers_hint
 from trace_jax.evaluation import (EPISODE_LIMITS, check_base_run, play, recorded_episodes, summarize_run,
                                   summary_scalars)
 from trace_jax.models.tokenizer import ChatTokenizer
@@ -61,8 +62,8 @@ def unhinted_sequence(trajectory: Trajectory, hinted_prompt: Sequence[int], prom
 
 
 def hinted_per_group(rollout: ml_collections.ConfigDict) -> int:
-    """How many episodes of each group are played with the hint: hint_share x group_size, rounded half up."""
-    return int(rollout.hint_share * rollout.group_size + 0.5)
+    """How many episodes of each group are played with the task's hint (`hints.hinted_trials`)."""
+    return hinted_trials(rollout.hint_share, rollout.group_size)
 
 
 def hint_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
@@ -101,9 +102,9 @@ class EnvironmentRollouts:
         self.config, self.tokenizer, self.workdir = config, tokenizer, workdir
         self.env = make_environment(config.env)
         self.hinted_per_group = hinted_per_group(config.rollout)
-        if self.hinted_per_group and not getattr(self.env, "hint", ""):
+        if self.hinted_per_group and not hasattr(self.env, "hint_for"):
             raise ValueError(f"config.rollout.hint_share = {config.rollout.hint_share} is invalid here: the "
-                             f"environment of config.env (name = {config.env.name!r}) offers no hint (the built-in "
+                             f"environment of config.env (name = {config.env.name!r}) offers no hints (the "
                              "capability environments do); set it to 0.0")
         pool = config.rollout.train_tasks
         available = self.env.tasks(config.env.split, num_train_tasks if pool is None else min(pool, num_train_tasks))
@@ -141,16 +142,19 @@ class EnvironmentRollouts:
         return RolloutEngine(self.env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=self.tokenizer,
                              config=rollout)
 
-    def sample(self, sampler: Sampler, first_task: int, key: jax.Array, adapter_idx: int) -> StepRollouts:
-        """`group_size` episodes of each of the next `tasks_per_step` training tasks (a group's episodes adjacent),
-        the first `hinted_per_group` of each played with the hint and learned from without it."""
+    def sample(self, sampler: Sampler, first_task: int, key: jax.Array, adapter_idx: int,
+               num_tasks: int | None = None) -> StepRollouts:
+        """`group_size` episodes of each of the next `num_tasks` (default `tasks_per_step`) training tasks (a
+        group's episodes adjacent), the first `hinted_per_group` of each played with the hint and learned from
+        without it."""
         rollout_cfg = self.config.rollout
-        tasks = self.train_tasks[first_task : first_task + rollout_cfg.tasks_per_step]
-        jobs = [Job(task, trial, adapter_idx, hint=trial < self.hinted_per_group) for task in tasks
-                for trial in range(rollout_cfg.group_size)]
+        tasks = self.train_tasks[first_task : first_task + (num_tasks or rollout_cfg.tasks_per_step)]
+        hinted = {task.task_id for task in tasks if self.hinted_per_group and offers_hint(self.env, task)}
+        jobs = [Job(task, trial, adapter_idx, hint=trial < self.hinted_per_group and task.task_id in hinted)
+                for task in tasks for trial in range(rollout_cfg.group_size)]
         engine = self._engine(sampler, self.train_rollout)
         trajectories = distributed.run_shared(lambda share: engine.run(share, key=key), jobs)
-        prompts = {task.task_id: self.first_prompts(task) for task in tasks} if self.hinted_per_group else {}
+        prompts = {task.task_id: self.first_prompts(task) for task in tasks if task.task_id in hinted}
         sequences = [unhinted_sequence(t, *prompts[t.job.task.task_id]) if t.job.hint else trajectory_sequence(t)
                      for t in trajectories]
         rewards = np.array([t.outcome.reward for t in trajectories], np.float64)

@@ -225,17 +225,19 @@ def split_micro_batches(batch: dict, n: int) -> list[dict]:
 def make_rescore_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, plan: ShardingPlan | None = None,
                     remat: bool = False, temperature: float = 1.0) -> Callable:
     """`rescore(params, adapter_weights, scale, batch, hinted) -> (batch, metrics)`: a packed GRPO batch
-    (`batching.pack_sequences`) made ready for truncated importance sampling, before the update.
+    (`batching.pack_sequences`) whose hinted rows are made ready for the update.
 
     Every micro-batch gets "sampler_logp", the sampler's logprobs (packed as its old_logp). The rows
     of the sequences `hinted` marks (indexed as the packed sequences are, `mb["sequence"]`) were sampled
     under a hinted context their tokens lack: their old_logp becomes the current policy's logprobs on
-    their own tokens, from one forward pass of their micro-batches; every other row keeps old_logp =
-    sampler_logp, an importance weight of exactly 1. metrics: the hinted loss tokens' mean weight
-    ("hinted_is_weight") and the share of them the cap cut ("hinted_capped"); none without hinted rows.
+    their own tokens, from one forward pass of their micro-batches (ratio 1 at the update); every other
+    row keeps old_logp = sampler_logp. How the loss then weighs a hinted token is `loss_cfg.tis_cap`'s:
+    None learns it as an on-policy token (weight 1, as the TRACE authors' code does: the tokens a hint made
+    possible count in full); a cap weighs it min(exp(old - sampler), cap), truncated importance sampling.
+    metrics, where there are hinted rows: how much likelier the hint made their tokens (mean sampler - old
+    logprob, "hinted_logp_gain") and, with a cap, the mean weight ("hinted_is_weight") and the share the cap
+    cut ("hinted_capped").
     """
-    if loss_cfg.tis_cap is None:
-        raise ValueError("rescoring hinted rows needs LossConfig.tis_cap: their weight corrects for the hint")
     constrain = plan.constrain if plan is not None else decoder.no_constraint
 
     @jax.jit
@@ -250,7 +252,7 @@ def make_rescore_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, plan: ShardingPla
         marked = np.flatnonzero(np.asarray(hinted, bool))
         shared = {k: batch[k] for k in PREFIX_KEYS if k in batch}
         inputs = ("tokens", "adapter_idx", "loss_positions", *(("prefix_of_row",) if shared else ()))
-        parts, hinted_is = [], []
+        parts, old, sampled = [], [], []
         for mb in batch["micro_batches"]:
             rows = np.isin(mb["sequence"], marked)
             mb = {**mb, "sampler_logp": mb["old_logp"]}
@@ -258,14 +260,17 @@ def make_rescore_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, plan: ShardingPla
                 logp = np.asarray(forward(params, weights, scale, {k: mb[k] for k in inputs}, shared))
                 mb["old_logp"] = np.where(rows[:, None], logp, mb["sampler_logp"])
                 learned = (mb["loss_mask"] > 0) & rows[:, None]
-                hinted_is.append(np.asarray(tis_weight(mb["old_logp"][learned], mb["sampler_logp"][learned],
-                                                            loss_cfg.tis_cap)))
+                old.append(mb["old_logp"][learned])
+                sampled.append(mb["sampler_logp"][learned])
             parts.append(mb)
         metrics = {}
-        if hinted_is:
-            is_weights = np.concatenate(hinted_is)
-            metrics = {"hinted_is_weight": float(is_weights.mean()),
-                       "hinted_capped": float(np.mean(is_weights >= np.float32(loss_cfg.tis_cap)))}
+        if old:
+            old, sampled = np.concatenate(old), np.concatenate(sampled)
+            metrics["hinted_logp_gain"] = float(np.mean(sampled - old))
+            if loss_cfg.tis_cap is not None:
+                is_weights = np.asarray(tis_weight(old, sampled, loss_cfg.tis_cap))
+                metrics.update(hinted_is_weight=float(is_weights.mean()),
+                               hinted_capped=float(np.mean(is_weights >= np.float32(loss_cfg.tis_cap))))
         return {**batch, "micro_batches": parts}, metrics
 
     return rescore

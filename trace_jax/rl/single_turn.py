@@ -82,10 +82,12 @@ class TaskSetRollouts:
         self.heldout = {split: self.task_set.make_tasks(split, config.eval.num_tasks, config.seed)
                         for split in config.eval.splits}
 
-    def sample(self, sampler: Sampler, first_task: int, key: jax.Array, adapter_idx: int) -> StepRollouts:
-        """`group_size` completions of each of the next `tasks_per_step` training tasks."""
+    def sample(self, sampler: Sampler, first_task: int, key: jax.Array, adapter_idx: int,
+               num_tasks: int | None = None) -> StepRollouts:
+        """`group_size` completions of each of the next `num_tasks` (default `tasks_per_step`) training
+        tasks."""
         rollout_cfg = self.config.rollout
-        tasks = self.train_tasks[first_task : first_task + rollout_cfg.tasks_per_step]
+        tasks = self.train_tasks[first_task : first_task + (num_tasks or rollout_cfg.tasks_per_step)]
         scored = rollout(sampler, self.tokenizer, self.task_set, tasks, key=key, group_size=rollout_cfg.group_size,
                          adapter_idx=adapter_idx, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
                          max_new_tokens=rollout_cfg.max_new_tokens, batch_size=rollout_cfg.batch_size)

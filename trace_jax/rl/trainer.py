@@ -12,11 +12,19 @@ Held-out tasks are evaluated greedily before training (the base reward), every `
 steps and at the end (see the rollout sources for what they report); `eval.num_tasks = 0` skips
 held-out evaluation (a stage that evaluates its adapters elsewhere saves the time).
 
-Hints (environments that offer one): `rollout.hint_share` of each group's episodes are played with
-the hint in the system prompt and learned from without it. Sampled from another policy than the
-one trained, those rows take the policy's own logprobs on the unhinted tokens as old logprobs
-(one forward pass before the update) and a truncated importance weight, min(exp(old - sampler),
-`loss.tis_cap`); the other rows are learned exactly as without hints.
+Hints (environments that offer them): `rollout.hint_share` of each group's episodes are played with
+the task's hint in the system prompt and learned from without it. Sampled from another context than
+the one trained, those rows take the policy's own logprobs on the unhinted tokens as old logprobs
+(one forward pass before the update). `loss.tis_cap` None learns them as on-policy rows (weight 1:
+what a hint made possible, the missing tool's name, counts in full); a cap weighs each hinted token
+min(exp(old - sampler), cap), truncated importance sampling (`learner.make_rescore_fn`). The other
+rows are learned exactly as without hints.
+
+Constant groups (all rewards equal, no gradient) may be re-sampled: with `rollout.resamples` > 0 they are
+replaced by groups of the next training tasks, up to that many rounds a step, until at least
+`rollout.min_informative` (default 0.5) of the step's groups vary (`trace_jax.rl.resampling`). Every episode
+played counts: `summary["rollouts"]` and `train.rollout_budget`, which then may end the run before its last
+planned step.
 
 Everything a resumed run needs is in the checkpoint (adapter, optimizer state, step,
 RNG key, task cursor, wall time so far), and step k's sampling key is folded from the run key and k, so a
@@ -55,6 +63,7 @@ from trace_jax.rl.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from trace_jax.rl.batching import pack_sequences, padded_tokens
 from trace_jax.rl.checkpoint import TrainState
 from trace_jax.rl.environment_rollouts import EnvironmentRollouts, hinted_per_group
+from trace_jax.rl.resampling import sample_informative
 from trace_jax.rl.job import ADAPTER, common_checks, export_adapter, start_run
 from trace_jax.rl.learner import make_rescore_fn, make_train_step
 from trace_jax.rl.losses import AGGREGATIONS, LossConfig
@@ -106,7 +115,8 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
             ("rollout.hint_share", lambda v: number(v) and 0.0 <= v <= 1.0,
              "a number in [0, 1]: the share of each group's episodes played with the environment's hint (0: none)"),
             ("loss.tis_cap", lambda v: v is None or (number(v) and v >= 1.0),
-             "None or a number >= 1: the cap of a hinted token's importance weight (an unhinted token's is 1)"),
+             "None (hinted rows learned as on-policy ones) or a number >= 1: the cap of a hinted token's "
+             "importance weight (an unhinted token's is 1)"),
         ]
     return checks + [
         ("task", lambda v: v in TASK_SETS, f"one of {sorted(TASK_SETS)} (or give config.env instead)"),
@@ -127,6 +137,14 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError("config.train.steps and config.train.rollout_budget: set exactly one (the other None)")
     if _hints(config):
         _check_hints(config)
+    optional = [("rollout.resamples", config.rollout.get("resamples", 0), lambda v: isinstance(v, int) and v >= 0,
+                 "an int >= 0: rounds of re-sampling a step's constant groups (0: none)"),
+                ("rollout.min_informative", config.rollout.get("min_informative", 0.5),
+                 lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]: the share of varying groups re-sampling "
+                 "stops at")]
+    for key, value, ok, expected in optional:
+        if not ok(value):
+            raise ValueError(f"config.{key} = {value!r} is invalid; it must be {expected}")
 
 
 def _hints(config: ml_collections.ConfigDict) -> bool:
@@ -135,16 +153,28 @@ def _hints(config: ml_collections.ConfigDict) -> bool:
 
 
 def _check_hints(config: ml_collections.ConfigDict) -> None:
-    """A share of hinted episodes must make at least one a group, and their correction needs loss.tis_cap."""
+    """A share of hinted episodes must make at least one a group."""
     share = config.rollout.hint_share
     if not hinted_per_group(config.rollout):
         raise ValueError(f"config.rollout.hint_share = {share} is invalid: it hints no episode of a group of "
                          f"{config.rollout.group_size} (rounded); set it to 0.0 or at least "
                          f"{0.5 / config.rollout.group_size:g}")
-    if config.loss.tis_cap is None:
-        raise ValueError(f"config.loss.tis_cap = None is invalid with config.rollout.hint_share = {share}: hinted "
-                         "episodes are sampled from another policy than the one trained, and their truncated "
-                         "importance weight needs a cap (e.g. 2.0)")
+
+
+def _resamples(config: ml_collections.ConfigDict) -> int:
+    """Rounds of re-sampling a step's constant groups (`trace_jax.rl.resampling`; 0: none)."""
+    return config.rollout.get("resamples", 0)
+
+
+def _episodes(state: TrainState, config: ml_collections.ConfigDict) -> int:
+    """Episodes played up to the checkpointed step, re-sampled ones included."""
+    default = state.step * config.rollout.tasks_per_step * config.rollout.group_size  # a run without re-sampling
+    return int(state.cursor.get("episodes", default))
+
+
+def budget_spent(config: ml_collections.ConfigDict, episodes: int) -> bool:
+    """Whether `episodes` played reach `train.rollout_budget` (never with a fixed `train.steps`)."""
+    return config.train.rollout_budget is not None and episodes >= config.train.rollout_budget
 
 
 def num_steps(config: ml_collections.ConfigDict) -> int:
@@ -165,7 +195,7 @@ def _snapshot_steps(config: ml_collections.ConfigDict, steps: int) -> set[int]:
 
 
 def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
-    """The policy loss; with hints, truncated importance sampling at `loss.tis_cap` (see the module docstring)."""
+    """The policy loss; with hints and `loss.tis_cap`, truncated importance sampling (the module docstring)."""
     max_len = config.rollout.max_new_tokens if "task" in config else None
     return LossConfig(aggregation=config.loss.aggregation, eps_low=config.loss.eps_low,
                       eps_high=config.loss.eps_high, kl_coef=config.loss.kl_coef, max_len=max_len,
@@ -212,7 +242,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     run = start_run(config, workdir, cursor={"next_task": 0})
     tokenizer = run.model.tokenizer
     steps = num_steps(config)
-    num_train_tasks = steps * config.rollout.tasks_per_step
+    num_train_tasks = steps * config.rollout.tasks_per_step * (1 + _resamples(config))  # room for re-sampling
     source = (EnvironmentRollouts(config, tokenizer, num_train_tasks, workdir) if "env" in config
               else TaskSetRollouts(config, tokenizer, num_train_tasks))
     state = run.state
@@ -240,7 +270,12 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     for step in range(state.step, steps):
         t0 = time.monotonic()
         cursor = state.cursor["next_task"]
-        rollouts = source.sample(sampler, cursor, jax.random.fold_in(state.rng, step), ADAPTER)
+        step_key = jax.random.fold_in(state.rng, step)
+        draw = lambda offset, num, attempt: source.sample(
+            sampler, cursor + offset, step_key if attempt == 0 else jax.random.fold_in(step_key, attempt), ADAPTER,
+            num_tasks=num)
+        rollouts, tasks_used, played = sample_informative(draw, config.rollout.tasks_per_step, _resamples(config),
+                                                          config.rollout.get("min_informative", 0.5))
         release_freed_memory()  # the rollouts' freed arenas, before the learner's (see runtime.py)
         t_sampled = time.monotonic()
         advantages, keep, advantage_stats = compute_advantages(config.advantage, rollouts.rewards, rollouts.group_ids)
@@ -267,7 +302,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         metrics.update({"time/sample_s": t_sampled - t0, "time/learn_s": t_learned - t_sampled,
                         "time/step_s": t_learned - t0, "rollout/rows": float(len(rollouts.sequences))})
         state = TrainState(step=step + 1, adapter_weights=weights, scale=state.scale, opt_state=opt_state,
-                           rng=state.rng, cursor={"next_task": cursor + config.rollout.tasks_per_step,
+                           rng=state.rng, cursor={"next_task": cursor + tasks_used,
+                                                  "episodes": _episodes(state, config) + played,
                                                   "elapsed_s": round(elapsed(), 1)})
         start_time = time.monotonic()  # the cursor now holds the time so far
         if rollouts.records and distributed.is_main():  # what the agent did, for reading a run after the fact
@@ -284,12 +320,14 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
             writer.write(step + 1, latest_eval)
             held_out = f"  held-out {latest_eval['eval/reward']:.3f}"
         progress.update(step + 1, f"reward {metrics['rollout/reward']:.3f}{held_out}")
+        if budget_spent(config, _episodes(state, config)):  # re-sampled episodes spend it before the last step
+            break
     run.checkpointer.close()
     run.state = state
     writer.close()
     export_adapter(run, workdir / "adapter")
     summary = {**(source.summary(base, latest_eval) if base is not None else {}), "steps": int(state.step),
-               "rollouts": int(state.step) * config.rollout.tasks_per_step * config.rollout.group_size,
+               "rollouts": _episodes(state, config),
                "seconds": round(elapsed(), 1)}  # over every process of the run, less work lost to a kill
     distributed.on_main(lambda: write_json_atomic(workdir / "summary.json", summary))
     return summary

@@ -1,15 +1,24 @@
-"""Stage 2's calibration gates: a capability environment is trained on only where the base agent sometimes
-succeeds and its groups have reward variance, as the paper requires.
+"""Stage 2's calibration gates: a capability environment is trained on only where the base agent's groups
+give GRPO something to learn from, as the paper requires.
 
 The base agent plays `seeds` training tasks `samples` times each at the rollout temperature
-(paper: 20 x 8 at 1.0) through the evaluation job, so the episodes are resumable and
-tabled like any evaluation. Gates (config keys; the paper's values by default): mean reward
-in [min_mean, max_mean], reward std >= min_std, a share >= min_informative of groups whose
-rewards are not all equal. pass@k is reported beside them. A generator walks its difficulty
-knob a level at a time (up when too easy, down when too hard); where one level is too easy and
-the next too hard, it tries the mix of the two halfway between (each task of either level:
-`CapabilityEnvironment`), and halves again while the halves are at least `min_step` apart. An
-environment that cannot pass is reported and dropped.
+(paper: 20 x 8 at 1.0) through the evaluation job, so the episodes are resumable and tabled like
+any evaluation; the first `hint_share` of each task's samples carry the task's hint, as training's
+groups do. Gates (`gates`: "paper", the default, "released_code", the authors' looser ones, or
+"none" for smoke runs; `GATES`): mean reward in a band, reward std, the share of informative groups and, for the released
+code, success in a band and few all-success or all-zero groups. A group is informative when its
+rewards differ across the success threshold (some succeed, some do not) or by at least
+`INFORMATIVE_SPREAD`: a group of 0 and 0.2 teaches nothing. Gates apply per variant: a level mixing
+kinds of task passes only if each kind does, as GRPO's groups are one task each. pass@k is reported
+beside them.
+
+The walk moves the difficulty a level at a time, up when too easy and down when too hard, below 0
+into the environment's scaffolded levels (pre-filled turns, exact hints); where one level is too easy
+and the next too hard, it tries the mix of the two halfway between, halving again while the halves
+are at least `min_step` apart. An environment is dropped only when it cannot pass anywhere, with the
+reason: too hard even at its most scaffolded level, too easy at its top level, or too uniform. A
+capability whose variants are separate kinds of work (`Capability.families`) is calibrated per
+family, and trained on the families that pass, mixed.
 """
 
 from __future__ import annotations
@@ -26,14 +35,30 @@ from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.evaluation import evaluate, recorded_episodes
 from trace_jax.files import read_json, write_json_atomic
 
+GROUPS = "groups.json"  # a try's [seeds, samples] rewards and successes and each seed's variant: a small file that
+# lets a walk resume from committed results without the episodes
+INFORMATIVE_SPREAD = 0.5  # a group whose rewards differ by this much is informative without a success
+# The gate values: the paper's (mean 0.3-0.6, std > 0.2, > 60% informative groups) and the authors' released
+# code's (mean reward and success in [0.2, 0.6], >= 50% informative, all-success and all-zero groups <= 20% each).
+GATES = {
+    "paper": dict(min_mean=0.3, max_mean=0.6, min_std=0.2, min_informative=0.6, min_success=0.0, max_success=1.0,
+                  max_all_success=1.0, max_all_zero=1.0),
+    "released_code": dict(min_mean=0.2, max_mean=0.6, min_std=0.0, min_informative=0.5, min_success=0.2,
+                          max_success=0.6, max_all_success=0.2, max_all_zero=0.2),
+    # every level passes: smoke runs of the pipeline whose agent is not meant to learn (configs/trace_tiny.py)
+    "none": dict(min_mean=0.0, max_mean=1.0, min_std=0.0, min_informative=0.0, min_success=0.0, max_success=1.0,
+                 max_all_success=1.0, max_all_zero=1.0),
+}
+
 
 def calibration_defaults() -> ml_collections.ConfigDict:
-    """The paper's calibration (the authors' code is looser: mean in [0.2, 0.6], >= 50% informative)."""
+    """The paper's calibration, with half of each group hinted."""
     from trace_jax.envs.capability.environment import CUT_SHARE
 
     return ml_collections.ConfigDict({
         "seeds": 20, "samples": 8, "temperature": 1.0,
-        "min_mean": 0.3, "max_mean": 0.6, "min_std": 0.2, "min_informative": 0.6,
+        "gates": "paper",  # or "released_code", or "none" (`GATES`)
+        "hint_share": 0.5,  # of each task's samples played with its hint (training's rollout.hint_share)
         "start_difficulty": 0,
         "min_step": 0.5,  # the finest difficulty step between levels (0.5: one mix of two levels; 1: none)
         "policy": True,  # τ²'s retail policy in the system prompt, as the target has it
@@ -46,12 +71,9 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
     return [("calibration.seeds", positive_int, "an int >= 1"),
             ("calibration.samples", lambda v: positive_int(v) and v >= 2, "an int >= 2 (a group needs two)"),
             ("calibration.temperature", lambda v: number(v) and v > 0, "a number > 0 (groups need sampling)"),
-            ("calibration.min_mean", *share),
-            ("calibration.max_mean", lambda v: number(v) and config.get("min_mean", 0) <= v <= 1,
-             "a number in [calibration.min_mean, 1]"),
-            ("calibration.min_std", lambda v: number(v) and v >= 0, "a number >= 0"),
-            ("calibration.min_informative", *share),
-            ("calibration.start_difficulty", lambda v: isinstance(v, int) and v >= 0, "an int >= 0"),
+            ("calibration.gates", lambda v: v in GATES, " or ".join(f'"{g}"' for g in GATES)),
+            ("calibration.hint_share", *share),
+            ("calibration.start_difficulty", lambda v: isinstance(v, int), "an int (below 0: a scaffolded level)"),
             ("calibration.min_step", lambda v: number(v) and 0 < v <= 1, "a number in (0, 1]"),
             ("calibration.policy", lambda v: isinstance(v, bool), "True or False"),
             ("calibration.cut_share", *share)]
@@ -62,9 +84,20 @@ def validate_calibration_config(config: ml_collections.ConfigDict) -> None:
     check_config(ml_collections.ConfigDict({"calibration": config}), _checks(config))
 
 
+def gates(config: ml_collections.ConfigDict) -> dict:
+    """The gate values `config.gates` names."""
+    return GATES[config.gates]
+
+
 def pass_at_k(successes: int, n: int, k: int) -> float:
     """The unbiased pass@k of one group: 1 - C(n - c, k) / C(n, k)."""
     return 1.0 - math.comb(n - successes, k) / math.comb(n, k)
+
+
+def informative_groups(rewards: np.ndarray, successes: np.ndarray) -> np.ndarray:
+    """Per group (row): whether its rewards differ across the success threshold or by >= INFORMATIVE_SPREAD."""
+    mixed = successes.any(axis=1) & ~successes.all(axis=1)
+    return mixed | (rewards.max(axis=1) - rewards.min(axis=1) >= INFORMATIVE_SPREAD - 1e-9)
 
 
 def group_stats(rewards: np.ndarray, successes: np.ndarray) -> dict:
@@ -73,44 +106,65 @@ def group_stats(rewards: np.ndarray, successes: np.ndarray) -> dict:
     wins = successes.sum(axis=1)
     stats = {"episodes": int(rewards.size), "mean": float(rewards.mean()), "std": float(rewards.std()),
              "success": float(successes.mean()),
-             "informative": float(np.mean(rewards.max(axis=1) > rewards.min(axis=1))),
+             "informative": float(np.mean(informative_groups(rewards, successes))),
              "all_success": float(np.mean(wins == n)), "all_zero": float(np.mean(rewards.max(axis=1) == 0))}
     for k in (2 ** i for i in range(int(math.log2(n)) + 1)):
         stats[f"pass@{k}"] = float(np.mean([pass_at_k(int(c), n, k) for c in wins]))
     return stats
 
 
+def level_stats(rewards: np.ndarray, successes: np.ndarray, variants: list[str]) -> dict:
+    """`group_stats` of a level's groups, and per variant (`variants[i]`: group i's) where they differ."""
+    stats = group_stats(rewards, successes)
+    kinds = sorted(set(variants))
+    if len(kinds) > 1:
+        rows = np.array(variants)
+        stats["variants"] = {v: group_stats(rewards[rows == v], successes[rows == v]) for v in kinds}
+    return stats
+
+
 def gate_failures(stats: dict, config: ml_collections.ConfigDict) -> list[str]:
-    """Why `stats` fail the gates (empty: they pass)."""
-    failures = []
-    if not config.min_mean <= stats["mean"] <= config.max_mean:
-        failures.append(f"mean reward {stats['mean']:.3f} outside [{config.min_mean}, {config.max_mean}]")
-    if not stats["std"] >= config.min_std:
-        failures.append(f"reward std {stats['std']:.3f} < {config.min_std}")
-    if not stats["informative"] >= config.min_informative:
-        failures.append(f"informative groups {stats['informative']:.2f} < {config.min_informative}")
+    """Why `stats` fail the gates (empty: they pass); a level of several variants fails where any variant does."""
+    if "variants" in stats:
+        return [f"{variant}: {failure}" for variant, part in stats["variants"].items()
+                for failure in gate_failures(part, config)]
+    g, failures = gates(config), []
+    if not g["min_mean"] <= stats["mean"] <= g["max_mean"]:
+        failures.append(f"mean reward {stats['mean']:.3f} outside [{g['min_mean']}, {g['max_mean']}]")
+    if not g["min_success"] <= stats["success"] <= g["max_success"]:
+        failures.append(f"success {stats['success']:.3f} outside [{g['min_success']}, {g['max_success']}]")
+    if not stats["std"] >= g["min_std"]:
+        failures.append(f"reward std {stats['std']:.3f} < {g['min_std']}")
+    if not stats["informative"] >= g["min_informative"]:
+        failures.append(f"informative groups {stats['informative']:.2f} < {g['min_informative']}")
+    if stats["all_success"] > g["max_all_success"]:
+        failures.append(f"all-success groups {stats['all_success']:.2f} > {g['max_all_success']}")
+    if stats["all_zero"] > g["max_all_zero"]:
+        failures.append(f"all-zero groups {stats['all_zero']:.2f} > {g['max_all_zero']}")
     return failures
 
 
-# difficulty -> ([seeds, samples] rewards, successes)
-Measure = Callable[[float], tuple[np.ndarray, np.ndarray]]
+# difficulty -> ([seeds, samples] rewards, successes, each seed's variant)
+Measure = Callable[[float], tuple[np.ndarray, np.ndarray, list[str]]]
 
 
 def _side(mean: float, config: ml_collections.ConfigDict) -> int:
     """+1 where a mean says harder (too easy), -1 easier (too hard), 0 where it is inside the gates."""
-    return 1 if mean > config.max_mean else -1 if mean < config.min_mean else 0
+    g = gates(config)
+    return 1 if mean > g["max_mean"] else -1 if mean < g["min_mean"] else 0
 
 
-def next_difficulty(tries: list[dict], config: ml_collections.ConfigDict, max_difficulty: int) -> float | None:
-    """Where the walk goes after its last try: a level further the way its mean points, or, where a try lies
-    within that level the other side of the gates, halfway to the nearest such try (while that half is >=
-    `min_step`); None where it may not move (the gates failed on spread, a bound, a try repeated)."""
+def next_difficulty(tries: list[dict], config: ml_collections.ConfigDict, bounds: tuple[int, int]) -> float | None:
+    """Where the walk goes after its last try: a level further the way its mean points (within `bounds`, the most
+    scaffolded and the top level), or, where a try lies within that level the other side of the gates, halfway to
+    the nearest such try (while that half is >= `min_step`); None where it may not move (the gates failed on
+    spread, a bound, a try repeated)."""
     last = tries[-1]
     step = _side(last["mean"], config)
     ahead = [t for t in tries if 0 < (t["difficulty"] - last["difficulty"]) * step <= 1]
     if not ahead:
         after = last["difficulty"] + step
-        return after if step and 0 <= after <= max_difficulty else None
+        return after if step and bounds[0] <= after <= bounds[1] else None
     nearest = min(ahead, key=lambda t: abs(t["difficulty"] - last["difficulty"]))
     half = (nearest["difficulty"] - last["difficulty"]) / 2
     if _side(nearest["mean"], config) != -step or abs(half) < config.min_step:
@@ -118,35 +172,52 @@ def next_difficulty(tries: list[dict], config: ml_collections.ConfigDict, max_di
     return last["difficulty"] + half
 
 
-def calibrate(measure: Measure, config: ml_collections.ConfigDict, max_difficulty: int) -> dict:
+def _drop_reason(tries: list[dict], config: ml_collections.ConfigDict, bounds: tuple[int, int]) -> str:
+    """Why the walk ended without a pass, from its last try."""
+    last = tries[-1]
+    where = {-1: f"too hard even at its most scaffolded level ({bounds[0]})" if last["difficulty"] == bounds[0]
+             else "too hard", 1: f"too easy even at its top level ({bounds[1]})" if last["difficulty"] == bounds[1]
+             else "too easy", 0: "inside the mean band but too uniform"}[_side(last["mean"], config)]
+    return f"{where}: " + "; ".join(last["failures"]) + f" at difficulty {last['difficulty']}"
+
+
+def calibrate(measure: Measure, config: ml_collections.ConfigDict, bounds: tuple[int, int]) -> dict:
     """Walks the difficulty knob from `start_difficulty` (`next_difficulty`) until the gates pass or it may not
-    move; returns every try and the difficulty chosen (None: the environment is dropped)."""
-    tries, difficulty = [], min(config.start_difficulty, max_difficulty)
+    move; returns every try and the difficulty chosen (None: the environment is dropped, with the reason)."""
+    tries, difficulty = [], min(max(config.start_difficulty, bounds[0]), bounds[1])
     while difficulty is not None:
-        stats = group_stats(*measure(difficulty))
+        stats = level_stats(*measure(difficulty))
         failures = gate_failures(stats, config)
         tries.append({"difficulty": difficulty, **stats, "failures": failures})
         if not failures:
             return {"calibrated": True, "difficulty": difficulty, "tries": tries}
-        difficulty = next_difficulty(tries, config, max_difficulty)
-    return {"calibrated": False, "difficulty": None, "tries": tries,
-            "reason": "; ".join(tries[-1]["failures"]) + " at every difficulty it could move to"}
+        difficulty = next_difficulty(tries, config, bounds)
+    return {"calibrated": False, "difficulty": None, "tries": tries, "reason": _drop_reason(tries, config, bounds)}
+
+
+def walk_bounds(scaffolds: tuple[str, ...], max_difficulty: int, hint_share: float) -> tuple[int, int]:
+    """The levels a walk may visit: every scaffolded one (an exact hint only where some samples are hinted, since
+    it changes nothing else) up to `max_difficulty`."""
+    usable = [s for s in scaffolds if hint_share > 0 or s != "exact_hint"]
+    return -len(usable), max_difficulty
 
 
 def calibration_feedback(result: dict, config: ml_collections.ConfigDict) -> str:
     """Why an environment could not be calibrated, in words for the LLM that wrote it (what to change)."""
+    g = gates(config)
     lines = [f"The module passed validation, but calibration against the agent to be trained failed: "
              f"{config.seeds} tasks x {config.samples} episodes at temperature {config.temperature} must give a "
-             f"mean reward in [{config.min_mean}, {config.max_mean}], a reward std >= {config.min_std} and >= "
-             f"{config.min_informative:.0%} of task groups with differing rewards."]
+             f"mean reward in [{g['min_mean']}, {g['max_mean']}], a reward std >= {g['min_std']} and >= "
+             f"{g['min_informative']:.0%} of task groups whose rewards differ across success or by >= "
+             f"{INFORMATIVE_SPREAD}."]
     lines += [f"difficulty {t['difficulty']}: mean reward {t['mean']:.3f}, std {t['std']:.3f}, informative "
               f"groups {t['informative']:.0%}, success {t['success']:.0%}: {'; '.join(t['failures'])}"
               for t in result["tries"]]
     mean = result["tries"][-1]["mean"]
-    if mean > config.max_mean:
+    if mean > g["max_mean"]:
         lines.append("The tasks are too easy for the agent: make them harder (more to find, more steps, subtler "
                      "traps).")
-    elif mean < config.min_mean:
+    elif mean < g["min_mean"]:
         lines.append("The tasks are too hard for the agent: make them easier (fewer steps, more of the work "
                      "pre-filled, clearer tickets).")
     else:
@@ -155,61 +226,128 @@ def calibration_feedback(result: dict, config: ml_collections.ConfigDict) -> str
 
 
 def environment_config(capability: str, difficulty: float, config: ml_collections.ConfigDict,
-                       scenarios: str | None = None) -> dict:
-    """The `env` block of a capability environment, built-in or (with `scenarios`, its exported tasks) written
-    by the LLM (seed 0: calibration, training and the pipeline's examples all draw from its train split)."""
+                       scenarios: str | None = None, variant: str | None = None) -> dict:
+    """The `env` block of a capability environment, built-in (of one `variant`, or every kind) or (with
+    `scenarios`, its exported tasks) written by the LLM (seed 0: calibration, training and the pipeline's examples
+    all draw from its train split)."""
     env = dict(name="capability", capability=capability, seed=0, difficulty=difficulty, policy=config.policy,
                cut_share=config.cut_share)
+    if variant is not None:
+        env["variant"] = variant
     return {**env, "scenarios": scenarios} if scenarios else env
 
 
-def rewards_by_group(records: list[dict], seeds: int, samples: int) -> tuple[np.ndarray, np.ndarray]:
-    """[seeds, samples] rewards and successes of an evaluation's records (tasks in order, trials in order)."""
+def rewards_by_group(records: list[dict], seeds: int, samples: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """[seeds, samples] rewards and successes of an evaluation's records (tasks in order, trials in order), and
+    each task's variant (its family)."""
     tasks = sorted({r["task_id"] for r in records}, key=lambda t: int(t.rsplit("/", 1)[1]))
     index = {t: i for i, t in enumerate(tasks)}
     rewards, successes = np.zeros((seeds, samples)), np.zeros((seeds, samples), bool)
+    variants = [""] * seeds
     for r in records:
         rewards[index[r["task_id"]], r["trial"]] = r["reward"]
         successes[index[r["task_id"]], r["trial"]] = r["success"]
-    return rewards, successes
+        variants[index[r["task_id"]]] = r["family"]
+    return rewards, successes, variants
 
 
-def calibrate_capability(capability: str, max_difficulty: int, base_eval: ml_collections.ConfigDict,
+def calibrate_capability(capability: str, bounds: tuple[int, int], base_eval: ml_collections.ConfigDict,
                          config: ml_collections.ConfigDict, folder: pathlib.Path, agent: str = "model",
-                         scenarios: str | None = None) -> dict:
+                         scenarios: str | None = None, families: tuple[str, ...] = ()) -> dict:
     """Calibrates one capability environment (built-in, or written with its exported `scenarios`) against the
-    base agent of `base_eval` (an evaluation job's config; `agent` as the evaluation job takes it); each
-    difficulty's episodes go to `folder/difficulty_<d>/` and the result to `folder/calibration.json` (read
-    back when it exists)."""
+    base agent of `base_eval` (an evaluation job's config; `agent` as the evaluation job takes it) between the
+    levels `bounds` (`walk_bounds`); with `families`, each variant on its own in `folder/<variant>/`. Each
+    difficulty's episodes go to `folder/difficulty_<d>/` with their groups' rewards (`GROUPS`, read back instead of
+    playing the try again), and the result to `folder/calibration.json` (read back when it exists): the tries, and
+    `env`, the environment config to train on (None: dropped)."""
     validate_calibration_config(config)
+    if families:
+        return _calibrate_families(capability, bounds, base_eval, config, folder, agent, families)
+    return _calibrate_walk(capability, bounds, base_eval, config, folder, agent, scenarios)
+
+
+def calibrate_builtin(name: str, base_eval: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
+                      folder: pathlib.Path, agent: str = "model") -> dict:
+    """`calibrate_capability` of the built-in capability `name`: every level it has, per family where it has
+    them."""
+    from trace_jax.envs.capability import CAPABILITIES
+
+    capability = CAPABILITIES[name]
+    bounds = walk_bounds(capability.scaffolds, capability.max_difficulty, config.hint_share)
+    return calibrate_capability(name, bounds, base_eval, config, folder, agent, families=capability.families)
+
+
+def _calibrate_walk(capability: str, bounds: tuple[int, int], base_eval: ml_collections.ConfigDict,
+                    config: ml_collections.ConfigDict, folder: pathlib.Path, agent: str, scenarios: str | None = None,
+                    variant: str | None = None) -> dict:
+    """One environment's walk (`calibrate_capability`), of one `variant` or every kind."""
     result_path = folder / "calibration.json"
     if result_path.exists():
         return read_json(result_path)
 
-    def measure(difficulty: float) -> tuple[np.ndarray, np.ndarray]:
-        run = ml_collections.ConfigDict(base_eval.to_dict())
-        run.env = environment_config(capability, difficulty, config, scenarios)
-        run.update(split="train", num_tasks=config.seeds, trials=config.samples)
-        run.rollout.temperature = config.temperature
+    def measure(difficulty: float) -> tuple[np.ndarray, np.ndarray, list[str]]:
         workdir = folder / f"difficulty_{difficulty}"
+        if (workdir / GROUPS).exists():  # measured before: its groups are all the walk needs
+            groups = read_json(workdir / GROUPS)
+            return np.array(groups["rewards"]), np.array(groups["successes"], bool), groups["variants"]
+        run = ml_collections.ConfigDict(base_eval.to_dict())
+        run.env = environment_config(capability, difficulty, config, scenarios, variant)
+        run.update(split="train", num_tasks=config.seeds, trials=config.samples, hint_share=config.hint_share)
+        run.rollout.temperature = config.temperature
         evaluate(run, workdir, agent=agent)
-        return rewards_by_group(recorded_episodes(workdir / "episodes.jsonl"), config.seeds, config.samples)
+        rewards, successes, variants = rewards_by_group(recorded_episodes(workdir / "episodes.jsonl"), config.seeds,
+                                                        config.samples)
+        groups = {"rewards": rewards.tolist(), "successes": successes.tolist(), "variants": variants}
+        distributed.on_main(lambda: write_json_atomic(workdir / GROUPS, groups))
+        return rewards, successes, variants
 
-    result = {"capability": capability, **calibrate(measure, config, max_difficulty)}
+    walked = calibrate(measure, config, bounds)
+    chosen = walked["difficulty"]
+    result = {"capability": capability, **walked,
+              "env": None if chosen is None else environment_config(capability, chosen, config, scenarios, variant),
+              "episodes_dir": None if chosen is None else str(folder / f"difficulty_{chosen}")}
     distributed.on_main(lambda: write_json_atomic(result_path, result))  # every process computed the same
     return result
 
 
+def _calibrate_families(capability: str, bounds: tuple[int, int], base_eval: ml_collections.ConfigDict,
+                        config: ml_collections.ConfigDict, folder: pathlib.Path, agent: str,
+                        families: tuple[str, ...]) -> dict:
+    """Each family of `capability` calibrated on its own (its levels end at 0: `CapabilityEnvironment`); the
+    environment to train on mixes the families that passed, each at its own level (`folder/calibration.json`)."""
+    result_path = folder / "calibration.json"
+    if result_path.exists():
+        return read_json(result_path)
+    parts = {}
+    for variant in families:
+        parts[variant] = _calibrate_walk(capability, (bounds[0], 0), base_eval, config, folder / variant, agent,
+                                         variant=variant)
+    passed = [p for p in parts.values() if p["calibrated"]]
+    env = (None if not passed else passed[0]["env"] if len(passed) == 1
+           else {"name": "mixed", "parts": [p["env"] for p in passed]})
+    result = {"capability": capability, "calibrated": bool(passed), "difficulty": None, "env": env,
+              "families": {v: p["difficulty"] for v, p in parts.items()},
+              "episodes_dir": passed[0]["episodes_dir"] if passed else None,
+              "tries": [{**t, "variant": v} for v, p in parts.items() for t in p["tries"]]}
+    if not passed:
+        result["reason"] = "; ".join(f"{v}: {p['reason']}" for v, p in parts.items())
+    distributed.on_main(lambda: write_json_atomic(result_path, result))
+    return result
+
+
 def calibration_table(results: list[dict]) -> str:
-    """Every try of every environment: the gate statistics, pass@k and the verdict."""
+    """Every try of every environment (a family's as capability[variant]): the gate statistics, pass@k and the
+    verdict."""
     passes = sorted({k for r in results for t in r["tries"] for k in t if k.startswith("pass@")},
                     key=lambda k: int(k[5:]))
-    lines = ["| capability | difficulty | episodes | mean | std | informative | all 0 | all 1 | "
-             + " | ".join(passes) + " | verdict |", "|---" * (9 + len(passes)) + "|"]
+    lines = ["| capability | difficulty | episodes | mean | std | success | informative | all 0 | all 1 | "
+             + " | ".join(passes) + " | verdict |", "|---" * (10 + len(passes)) + "|"]
     for result in results:
         for t in result["tries"]:
+            name = result["capability"] + (f"[{t['variant']}]" if "variant" in t else "")
             verdict = "pass" if not t["failures"] else "; ".join(t["failures"])
-            lines.append(f"| {result['capability']} | {t['difficulty']} | {t['episodes']} | {t['mean']:.3f} | "
-                         f"{t['std']:.3f} | {t['informative']:.2f} | {t['all_zero']:.2f} | {t['all_success']:.2f} | "
-                         + " | ".join(f"{t.get(k, float('nan')):.2f}" for k in passes) + f" | {verdict} |")
+            lines.append(f"| {name} | {t['difficulty']} | {t['episodes']} | {t['mean']:.3f} | {t['std']:.3f} | "
+                         f"{t['success']:.2f} | {t['informative']:.2f} | {t['all_zero']:.2f} | "
+                         f"{t['all_success']:.2f} | " + " | ".join(f"{t.get(k, float('nan')):.2f}" for k in passes)
+                         + f" | {verdict} |")
     return "\n".join(lines)

@@ -42,6 +42,7 @@ from trace_jax.envs import make_environment
 from trace_jax.envs.base import Environment, Gold, TaskSpec
 from trace_jax.envs.capability import CAPABILITIES
 from trace_jax.envs.capability.domains import DOMAINS
+from trace_jax.envs.capability.environment import SCAFFOLDS
 from trace_jax.envs.capability.sandbox import ValidationReport
 from trace_jax.evaluation import Routes, check_base_run, evaluate, evaluate_together, recorded_episodes
 from trace_jax.evaluation import validate_config as validate_evaluation_config
@@ -53,10 +54,12 @@ from trace_jax.rl import trainer as grpo
 from trace_jax.trace.analysis import analyze, make_analyst, validate_analysis_config
 from trace_jax.trace.analyst import CapabilityCard
 from trace_jax.trace.calibration import (
+    calibrate_builtin,
     calibrate_capability,
     calibration_feedback,
     environment_config,
     validate_calibration_config,
+    walk_bounds,
 )
 from trace_jax.trace.env_writer import validate_env_writer_config, write_environment
 from trace_jax.trace.routing import CALIBRATIONS, RouteOption, Router
@@ -94,7 +97,11 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError(message.replace("config.env.", "config.target.env.")) from None
     validate_analysis_config(config.analysis)
     validate_calibration_config(config.calibration)
-    grpo.validate_config(training_config(config, "tool_calling", 0))
+    grpo.validate_config(training_config(config, {"env": environment_config("tool_calling", 0, config.calibration)}))
+    if config.calibration.hint_share != config.training.rollout.hint_share:
+        raise ValueError(f"config.calibration.hint_share = {config.calibration.hint_share} is invalid: calibration "
+                         "must hint the share of each group that training does, config.training.rollout.hint_share = "
+                         f"{config.training.rollout.hint_share}")
     if config.environments.source != "builtin":
         validate_env_writer_config(config.env_writer)
     writes = config.environments.source == "llm" or (config.environments.source == "auto"
@@ -132,16 +139,15 @@ def analysis_evaluation(config: ml_collections.ConfigDict, adapter: str = "",
     return _evaluation_config(config, target.analysis_split, num_tasks or target.analysis_tasks, adapter)
 
 
-def training_config(config: ml_collections.ConfigDict, capability: str, difficulty: float,
-                    scenarios: str | None = None) -> ml_collections.ConfigDict:
-    """The GRPO job's config for one capability's environment (equal iterations for every capability)."""
-    env = {**environment_config(capability, difficulty, config.calibration, scenarios), "split": "train"}
-    return grpo_config(config, env, hints=not scenarios)  # an LLM-written environment offers no hint
+def training_config(config: ml_collections.ConfigDict, calibrated: dict) -> ml_collections.ConfigDict:
+    """The GRPO job's config for one capability's calibrated environment (`calibrated["env"]`, the
+    calibration's result; equal iterations for every capability)."""
+    return grpo_config(config, {**calibrated["env"], "split": "train"}, hints=True)
 
 
 def grpo_config(config: ml_collections.ConfigDict, env: dict, hints: bool) -> ml_collections.ConfigDict:
     """The GRPO job's config from the pipeline's `training` block, model and seed, on `env` (`hints`: keep the
-    block's hinted share, for environments that offer a hint)."""
+    block's hinted share, for environments that offer hints)."""
     training = ml_collections.ConfigDict(config.training.to_dict())
     training.update(model=config.model, dtype=config.dtype, seed=config.seed, log_every_s=config.log_every_s)
     training.env = env
@@ -338,8 +344,7 @@ class Pipeline:
             if source == "llm" or (source == "auto" and not builtin):
                 return self._written(name, folder, base, domain)
             if builtin:
-                return {**calibrate_capability(name, CAPABILITIES[name].max_difficulty, base,
-                                               self.config.calibration, folder), "folder": str(folder)}
+                return {**calibrate_builtin(name, base, self.config.calibration, folder), "folder": str(folder)}
             return {"calibrated": False, "difficulty": None, "tries": [], "reason":
                     f"no built-in {domain} generator for this capability (environments.source = 'auto' writes one)"}
 
@@ -357,7 +362,8 @@ class Pipeline:
 
         def calibrated(attempt: int, report: ValidationReport, scenarios: pathlib.Path) -> dict:
             at = written / f"calibration_{attempt}"
-            return {**calibrate_capability(name, len(report.gold_success) - 1, base, self.config.calibration, at,
+            bounds = walk_bounds(SCAFFOLDS, len(report.gold_success) - 1, self.config.calibration.hint_share)
+            return {**calibrate_capability(name, bounds, base, self.config.calibration, at,
                                            scenarios=str(scenarios)), "scenarios": str(scenarios), "folder": str(at)}
 
         def judge(attempt: int, report: ValidationReport, scenarios: pathlib.Path) -> str | None:
@@ -377,7 +383,7 @@ class Pipeline:
         for name, result in environments.items():
             if result["calibrated"]:
                 folder = self.workdir / "adapters" / name
-                grpo.train(training_config(self.config, name, result["difficulty"], result.get("scenarios")), folder)
+                grpo.train(training_config(self.config, result), folder)
                 adapters[name] = str(folder / "adapter")
         return adapters
 
@@ -407,9 +413,7 @@ class Pipeline:
         """One successful episode of the capability's environment from its calibration, compacted (tool
         calls as name(args), contents cut short)."""
         environment = self.stages["environments"]["result"][name]
-        folder = pathlib.Path(environment.get("folder", self.workdir / "environments" / name))
-        calibration = read_json(folder / "calibration.json")
-        records = recorded_episodes(folder / f"difficulty_{calibration['difficulty']}" / "episodes.jsonl")
+        records = recorded_episodes(pathlib.Path(environment["episodes_dir"]) / "episodes.jsonl")
         success = next((r for r in records if r["success"]), None)
         if success is None:
             return "(no successful episode in calibration)"

@@ -23,7 +23,7 @@ from trace_jax.files import read_json  # noqa: E402
 from trace_jax.lora import NO_ADAPTER  # noqa: E402
 from trace_jax.metrics import logged_lines  # noqa: E402
 from trace_jax.report import format_table, summarize  # noqa: E402
-from trace_jax.trace.calibration import calibration_table  # noqa: E402
+from trace_jax.trace.calibration import GATES, calibration_table  # noqa: E402
 
 
 def _records(folder: str | pathlib.Path) -> list[dict]:
@@ -76,11 +76,15 @@ def _plot_selection(candidates: list[dict], settings: dict, path: pathlib.Path) 
 
 def _plot_calibration(results: list[dict], settings: dict, path: pathlib.Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    ax.axhspan(settings["min_mean"], settings["max_mean"], color="tab:green", alpha=0.15, label="gate band")
+    band = GATES[settings["gates"]]
+    ax.axhspan(band["min_mean"], band["max_mean"], color="tab:green", alpha=0.15, label="gate band")
     for result in results:
-        tries = result["tries"]
-        ax.plot([t["difficulty"] for t in tries], [t["mean"] for t in tries], marker="o", label=result["capability"])
-    ax.set_xlabel("difficulty (in the order tried)")
+        walks: dict[str, list[dict]] = {}
+        for t in result["tries"]:  # a capability with families walks once per family
+            walks.setdefault(result["capability"] + (f"[{t['variant']}]" if "variant" in t else ""), []).append(t)
+        for name, tries in walks.items():
+            ax.plot([t["difficulty"] for t in tries], [t["mean"] for t in tries], marker="o", label=name)
+    ax.set_xlabel("difficulty (in the order tried; below 0 scaffolded)")
     ax.set_ylabel("base agent's mean reward")
     ax.set_ylim(0, 1)
     ax.legend()

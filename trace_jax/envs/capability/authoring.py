@@ -47,11 +47,12 @@ request has only the look-ups as gold and a fact saying why (for example the ord
 
 THE REWARD is computed by the environment's code from the scenario, never by the module (do not define
 one): the agent's calls run through τ²'s real tools of the domain on a copy of `db`, then
-  0.2  at least one well-formed call to an offered tool;
-  0.5  every gold tool called by name;
-  0.8  every gold call made with exactly the gold arguments, no other write attempted, and the final
-       database equals the one replaying prefilled + gold_calls gives;
-  1.0  all that, and the final message states every fact.
+  1.0  every gold call made with its arguments (lists compared as sets), no other write attempted, the
+       final database equal to the one replaying prefilled + gold_calls gives, and the final message
+       stating every fact;
+  else 0.6 x the share of gold calls made - 0.1 per write no gold call matches, clipped to [0, 1].
+The environment adds scaffolded levels below difficulty 0 itself (earlier gold calls pre-filled, hints
+that name the calls and where their arguments are): generate only difficulties 0 and up.
 An episode cut at a limit (too many turns or errors) before the agent's final message earns 0 by default.
 Extra read calls are allowed. The module is accepted when the gold solution (the gold calls one per
 turn, then a message stating the facts) scores 1.0 on at least 95% of the seeds, an agent that does

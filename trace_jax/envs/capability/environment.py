@@ -1,6 +1,6 @@
 """Capability environments (TRACE stage 2): seeded tasks of a τ² domain (retail, airline: `domains`) that
 each exercise one capability, on synthetic worlds, with τ²'s tools and policy of the domain and a
-multi-level reward computed by code.
+reward computed by code.
 
 A generator turns (random draw, difficulty) into a `Scenario`: a synthetic world, a
 ticket, the calls already made before the agent's first turn (a pre-filled conversation:
@@ -8,33 +8,40 @@ authentication and look-ups done, so the agent's work is the capability itself),
 calls the agent still has to make and the facts its reply must state. The agent sees the
 pre-filled turns exactly as it would have written them (`<tool_call>` blocks) with τ²'s
 real results. Splits draw from disjoint seed streams; every task is a pure function of
-(capability, seed, difficulty, split, index).
+(capability, seed, difficulty, variant, split, index).
 
-The reward has levels, so GRPO groups have variance while the agent is weak:
-  0.2  at least one well-formed call to an offered tool;
-  0.5  every gold tool called by name;
-  0.8  every gold call made with exactly the gold arguments, no other write attempted (even
-       one the system rejects: trying a forbidden write is the failure), and the DB equals
-       the gold replay's;
-  1.0  all that, and the episode ended normally (the agent's final reply) with every
-       required fact stated in a text turn (τ²'s COMMUNICATE check).
-An episode cut at a limit (turns, errors, a turn's length) keeps only `cut_share` of its call
-level: τ² fails such an episode, and when the calls paid in full however the episode ended, GRPO
-taught the embedded agent to keep calling tools after the right write instead of replying
-(docs/trace_pipeline.md). A share of 1 keeps the calls' levels where most episodes are cut (the
-tiny CI agent, the quick config's 3-turn episodes); only 1.0 needs the ending either way.
+Levels. Difficulty 0 up to `max_difficulty` are the generator's. Below 0 are scaffolded levels, for an
+agent that never succeeds at level 0: each applies one more of the capability's `scaffolds` to the level-0
+task (`scaffold`):
+  "prefill"     the gold calls before the last write (or before the last call, where none writes) are
+                pre-filled as the agent's own turns, so the agent does the last write(s);
+  "exact_hint"  a hinted episode's hint spells the remaining calls out with their arguments, and the facts.
+`variant` restricts an environment to one kind of the generator's tasks (its `Scenario.variant`: tool_calling's
+cancel / return / address / default_address), so a level cannot pass on work the agent already does
+(`Capability.families` lists the kinds meant as separate level families). A variant's family has the levels
+up to 0: its level 0 is the generator's top difficulty (where every kind is drawn), each task drawn again from
+its key until it is of that kind, with the top difficulty's tools.
 
-A built-in capability carries a `hint`: a sentence or two of guidance. A hinted episode
-(`episode(task, hint=True)`) has it appended to its system prompt ("Hint: ..."), nothing
-else changed; the GRPO job plays a share of its training episodes so (`rollout.hint_share`)
-and learns from them as if unhinted (`trace_jax.rl.environment_rollouts`). Evaluation never hints.
+The reward (the paper's): 1.0 when every gold call was made with its key arguments (lists compared as sets),
+no other write was attempted (even one the system rejects: trying a forbidden write is the failure), the DB
+equals the gold replay's, the episode ended normally and its text turns state every required fact (τ²'s
+COMMUNICATE check); otherwise 0.6 x the share of gold calls made minus 0.1 per wrong write, clipped to [0, 1].
+A wrong write so always costs: it earns less than the same episode without it. An episode cut at a limit
+(turns, errors, a turn's length) keeps only `cut_share` of that (τ²'s rule: 0).
+
+Hints. A hinted episode (`episode(task, hint=True)`: a share of training and calibration episodes) has the task's
+hint appended to its system prompt ("Hint: ..."), nothing else changed: the capability's general guidance, then
+each remaining gold call by tool with where each argument's value is on the page (`trace_jax.envs.hints`), or at
+an "exact_hint" level the calls themselves. Evaluation never hints.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
+from collections import Counter
 from collections.abc import Callable
 
 from tau2.data_model.message import AssistantMessage
@@ -46,11 +53,15 @@ from trace_jax.agent.tool_calls import format_tool_call
 from trace_jax.envs.base import NORMAL_ENDS, Call, Gold, Message, Outcome, TaskSpec
 from trace_jax.envs.capability.domains import WorldDomain, world_domain
 from trace_jax.envs.embedded_retail import SoloTicketEpisode
+from trace_jax.envs.hints import Source, task_hint
 from trace_jax.envs.tau2_bridge import execute
 
 SPLITS = ("train", "heldout")
-LEVELS = {"format": 0.2, "tool": 0.5, "arguments": 0.8, "COMMUNICATE": 1.0}  # see the module docstring
-CUT_SHARE = 0.0  # the share of its level an episode cut at a limit keeps, by default: τ²'s rule (it fails)
+SCAFFOLDS = ("prefill", "exact_hint")  # see the module docstring, in the order levels below 0 add them
+DONE_CREDIT = 0.6  # the reward of all gold calls made, short of success; a share of them earns its share
+WRONG_WRITE_COST = 0.1  # taken off per write the task does not call for
+CUT_SHARE = 0.0  # the share of its reward an episode cut at a limit keeps, by default: τ²'s rule (it fails)
+MAX_VARIANT_DRAWS = 200  # draws of a task's key before a variant is taken to be out of the generator's reach
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,19 +82,73 @@ Generator = Callable[[random.Random, int, dict], Scenario]
 
 @dataclasses.dataclass(frozen=True)
 class Capability:
-    """A capability environment: its domain, its generator and the tools it offers at each difficulty
-    (τ²'s schemas of those names, the same for every task of one difficulty)."""
+    """A capability environment: its domain, its generator, the tools it offers at each difficulty (τ²'s
+    schemas of those names, the same for every task of one difficulty) and the scaffolds of its levels below 0."""
 
     name: str
     description: str
     generate: Generator
     tools: tuple[tuple[str, ...], ...]  # by difficulty
-    hint: str = ""  # guidance a hinted training episode appends to its system prompt ("": none offered)
+    hint: str = ""  # general guidance that opens every hint of the capability's tasks
     domain: str = "retail"  # a name in `domains.DOMAINS`
+    scaffolds: tuple[str, ...] = SCAFFOLDS  # those that change its tasks, in order: level -k has the first k
+    families: tuple[str, ...] = ()  # variants that are separate kinds of work, each calibrated on its own
+
+    def __post_init__(self):
+        unknown = [s for s in self.scaffolds if s not in SCAFFOLDS]
+        if unknown or len(set(self.scaffolds)) != len(self.scaffolds):
+            raise ValueError(f"capability {self.name!r}: scaffolds {self.scaffolds} must be distinct names of "
+                             f"{', '.join(SCAFFOLDS)}")
 
     @property
     def max_difficulty(self) -> int:
         return len(self.tools) - 1
+
+    @property
+    def min_difficulty(self) -> int:
+        """The most scaffolded level."""
+        return -len(self.scaffolds)
+
+
+def _is_write(call: Call, write_tools: frozenset[str]) -> bool:
+    return call["name"] in write_tools
+
+
+def scaffold(scenario: Scenario, scaffolds: tuple[str, ...], write_tools: frozenset[str]) -> Scenario:
+    """`scenario` with the task-changing `scaffolds` applied ("exact_hint" changes only the hint): "prefill" moves
+    the gold calls before the last write (before the last call, where none writes) into the pre-filled turns."""
+    if "prefill" not in scaffolds:
+        return scenario
+    gold = scenario.gold_calls
+    writes = [i for i, c in enumerate(gold) if _is_write(c, write_tools)]
+    cut = writes[-1] if writes else max(len(gold) - 1, 0)
+    return dataclasses.replace(scenario, prefilled=scenario.prefilled + gold[:cut], gold_calls=gold[cut:])
+
+
+def _canonical(call: Call) -> str:
+    """A call's name and key arguments, lists compared as sets (the order of item ids is no argument)."""
+    arguments = {k: sorted(v, key=json.dumps) if isinstance(v, list) else v for k, v in call["arguments"].items()}
+    return json.dumps([call["name"], arguments], sort_keys=True)
+
+
+def call_credit(gold: tuple[Call, ...], made: list[Call], write_tools: frozenset[str]) -> tuple[int, int]:
+    """(gold calls made, writes made that no gold call matches), each gold call matched at most once."""
+    left = Counter(_canonical(c) for c in gold)
+    done = wrong = 0
+    for call in made:
+        key = _canonical(call)
+        if left[key] > 0:
+            left[key] -= 1
+            done += 1
+        elif _is_write(call, write_tools):
+            wrong += 1
+    return done, wrong
+
+
+def partial_reward(done: int, gold: int, wrong: int) -> float:
+    """The paper's reward short of success: 0.6 x the share of gold calls made - 0.1 per wrong write, in [0, 1]."""
+    share = done / gold if gold else 0.0
+    return min(1.0, max(0.0, DONE_CREDIT * share - WRONG_WRITE_COST * wrong))
 
 
 class CapabilityEpisode(SoloTicketEpisode):
@@ -125,38 +190,36 @@ class CapabilityEpisode(SoloTicketEpisode):
         return Gold(tool_calls=self.scenario.gold_calls, facts=self.scenario.facts)
 
     def evaluate(self) -> Outcome:
-        """The multi-level reward of the module docstring, with each level's check as a component."""
+        """The paper's reward (module docstring), with each check as a component."""
         if self.end_reason is None:
             raise RuntimeError(f"episode {self.task.task_id} has not ended")
         gold = self.scenario.gold_calls
-        agent_calls = [{"name": c["name"], "arguments": c["arguments"]}
-                       for m in self.messages[self._opening:] for c in m.get("tool_calls") or ()]
+        made = [{"name": c["name"], "arguments": c["arguments"]}
+                for m in self.messages[self._opening:] for c in m.get("tool_calls") or ()]
         write_tools = self.domain.state.write_tools
-        stray = [c for c in agent_calls if c["name"] in write_tools and c not in gold]
+        done, wrong = call_credit(gold, made, write_tools)
         replay = self.domain.environment(self.scenario.db)
         for i, call in enumerate(self.scenario.prefilled + gold):
             execute(replay, {"id": f"gold_{i}", **call})
+        db = self._environment.get_db_hash() == replay.get_db_hash()
         texts = [AssistantMessage(role="assistant", content=m["content"]) for m in self.messages[self._opening:]
                  if m["role"] == "assistant" and m.get("content") and not m.get("tool_calls")]
         missing = [c.info for c in CommunicateEvaluator.evaluate_communicate_info(texts, list(self.scenario.facts))
                    if not c.met]
-        checks = {"format": bool(agent_calls),
-                  "tool": {c["name"] for c in gold} <= {c["name"] for c in agent_calls},
-                  "arguments": (all(c in agent_calls for c in gold) and not stray
-                                and self._environment.get_db_hash() == replay.get_db_hash()),
-                  "COMMUNICATE": self.end_reason in NORMAL_ENDS and not missing}
-        reward = 0.0
-        for level, value in LEVELS.items():  # levels build on each other
-            if not checks[level]:
-                break
-            reward = value
-        if self.end_reason not in NORMAL_ENDS:
+        normal = self.end_reason in NORMAL_ENDS
+        success = done == len(gold) and not wrong and db and normal and not missing
+        reward = 1.0 if success else partial_reward(done, len(gold), wrong)
+        if not normal:
             reward *= self.cut_share
+        gold_keys = {_canonical(c) for c in gold}
         info = {"end_reason": self.end_reason, "failed_communicate": missing,
-                "missing_calls": [f"{c['name']}({c['arguments']})" for c in gold if c not in agent_calls],
-                "stray_writes": [f"{c['name']}({c['arguments']})" for c in stray]}
-        return Outcome(reward=reward, success=reward >= 1.0, components={k: float(v) for k, v in checks.items()},
-                       info=info)
+                "missing_calls": [f"{c['name']}({c['arguments']})" for c in gold
+                                  if _canonical(c) not in {_canonical(m) for m in made}],
+                "wrong_writes": [f"{c['name']}({c['arguments']})" for c in made
+                                 if _is_write(c, write_tools) and _canonical(c) not in gold_keys]}
+        components = {"calls": done / len(gold) if gold else 1.0, "wrong_writes": float(wrong), "DB": float(db),
+                      "COMMUNICATE": float(normal and not missing)}
+        return Outcome(reward=reward, success=success, components=components, info=info)
 
 
 class CapabilityEnvironment:
@@ -165,27 +228,32 @@ class CapabilityEnvironment:
     name = "capability"
 
     def __init__(self, capability: Capability, seed: int = 0, difficulty: float = 0, policy: bool = True,
-                 num_tasks: int = 200, cut_share: float = CUT_SHARE):
-        """`difficulty` in [0, capability.max_difficulty]: a level, or between two levels a mix of them (each
-        task of the upper one with probability difficulty - lower, drawn from the task's key; the tools of
-        both offered: calibration's finer knob); `policy` puts τ²'s policy of the domain in the system prompt
-        (as the target has it) or only the solo instruction (a short head, for CPU-sized runs); `cut_share` in
-        [0, 1]: the share of its level an episode cut at a limit keeps (module docstring)."""
-        if not (isinstance(difficulty, (int, float)) and 0 <= difficulty <= capability.max_difficulty):
-            raise ValueError(f"difficulty = {difficulty!r} is out of range for {capability.name}: "
-                             f"0 to {capability.max_difficulty}")
+                 num_tasks: int = 200, cut_share: float = CUT_SHARE, variant: str | None = None):
+        """`difficulty` in [capability.min_difficulty, capability.max_difficulty]: a level (below 0 a scaffolded
+        one: module docstring), or between two levels a mix of them (each task of the upper one with probability
+        difficulty - lower, drawn from the task's key; the tools of both offered: calibration's finer knob);
+        `policy` puts τ²'s policy of the domain in the system prompt (as the target has it) or only the solo
+        instruction (a short head, for CPU-sized runs); `cut_share` in [0, 1]: the share of its reward an
+        episode cut at a limit keeps; `variant`: only tasks of that kind (None: every kind)."""
+        low, high = capability.min_difficulty, 0 if variant is not None else capability.max_difficulty
+        if not (isinstance(difficulty, (int, float)) and low <= difficulty <= high):
+            raise ValueError(f"difficulty = {difficulty!r} is out of range for {capability.name}: {low} to {high}")
         if not (isinstance(cut_share, (int, float)) and 0 <= cut_share <= 1):
             raise ValueError(f"cut_share = {cut_share!r} is invalid; it must be a number in [0, 1]")
+        if variant is not None and capability.families and variant not in capability.families:
+            raise ValueError(f"variant = {variant!r} is invalid for {capability.name}; its families are "
+                             f"{', '.join(capability.families)}")
         difficulty = int(difficulty) if float(difficulty).is_integer() else float(difficulty)  # 1.0 is level 1
         self.capability, self.seed, self.difficulty, self.num_tasks = capability, seed, difficulty, num_tasks
+        self.variant = variant
         self.levels = (math.floor(difficulty), math.ceil(difficulty))
         self.cut_share = cut_share
         self.domain = world_domain(capability.domain)
         self._catalogue = self.domain.catalogue()
-        offered = set(capability.tools[self.levels[0]]) | set(capability.tools[self.levels[1]])
+        offered = {tool for level in self.levels for tool in capability.tools[self._generator_difficulty(level)]}
         self.tools = [t for t in self.domain.state.tool_schemas if t["function"]["name"] in offered]
         self.system_prompt = self.domain.system_prompt(policy)
-        self._scenarios: dict[str, tuple[TaskSpec, Scenario]] = {}
+        self._scenarios: dict[str, tuple[TaskSpec, Scenario, int]] = {}
 
     def tasks(self, split: str, num: int | None = None) -> list[TaskSpec]:
         """The first `num` tasks of `split` (`num_tasks` when None)."""
@@ -195,28 +263,52 @@ class CapabilityEnvironment:
 
     def scenario(self, spec: TaskSpec) -> Scenario:
         """The scenario behind `spec` (from an earlier `tasks` call)."""
+        return self._entry(spec)[1]
+
+    def _entry(self, spec: TaskSpec) -> tuple[TaskSpec, Scenario, int]:
         if spec.task_id not in self._scenarios:
             raise ValueError(f"task {spec.task_id!r} did not come from this environment's tasks()")
-        return self._scenarios[spec.task_id][1]
+        return self._scenarios[spec.task_id]
 
-    @property
-    def hint(self) -> str:
-        """The capability's hint ("" when it offers none): see the module docstring."""
-        return self.capability.hint
+    def hint_for(self, spec: TaskSpec) -> str:
+        """The hint of task `spec` (module docstring): its remaining gold calls with where their arguments come
+        from, or at an "exact_hint" level the calls themselves, after the capability's general guidance."""
+        _, scenario, level = self._entry(spec)
+        environment = self.domain.environment(scenario.db)
+        sources = [Source("the ticket", scenario.ticket)]
+        for i, call in enumerate(scenario.prefilled):
+            result = execute(environment, {"id": f"hint_{i}", **call})
+            sources.append(Source(f"the result of {call['name']} above", result["content"]))
+        per_call = []
+        for i, call in enumerate(scenario.gold_calls):
+            per_call.append(list(sources))
+            result = execute(environment, {"id": f"hint_gold_{i}", **call})
+            sources.append(Source(f"the result of your {call['name']} call", result["content"]))
+        exact = "exact_hint" in self._scaffolds(level)
+        return task_hint(scenario.gold_calls, per_call, scenario.facts, self.domain.state.write_tools, exact=exact,
+                         guidance=self.capability.hint)
 
     def episode(self, task: TaskSpec, hint: bool = False) -> CapabilityEpisode:
-        """A fresh episode of `task`; `hint` appends the capability's hint to its system prompt."""
-        if hint and not self.hint:
-            raise ValueError(f"the capability {self.capability.name!r} offers no hint")
-        prompt = f"{self.system_prompt}\n\nHint: {self.hint}" if hint else self.system_prompt
+        """A fresh episode of `task`; `hint` appends the task's hint to its system prompt."""
+        prompt = f"{self.system_prompt}\n\nHint: {self.hint_for(task)}" if hint else self.system_prompt
         return CapabilityEpisode(task, self.scenario(task), prompt, self.tools, self.cut_share, self.domain)
 
-    def _task(self, split: str, index: int) -> tuple[TaskSpec, Scenario]:
-        key = f"{self.capability.name}/{self.seed}/{self.difficulty}/{split}/{index}"
+    def _generator_difficulty(self, level: int) -> int:
+        """The generator's difficulty behind a level: the level itself, 0 below it, the top one for a variant."""
+        return self.capability.max_difficulty if self.variant is not None else max(level, 0)
+
+    def _scaffolds(self, level: int) -> tuple[str, ...]:
+        return self.capability.scaffolds[: max(-level, 0)]
+
+    def _task(self, split: str, index: int) -> tuple[TaskSpec, Scenario, int]:
+        variant = f"/{self.variant}" if self.variant else ""
+        key = f"{self.capability.name}/{self.seed}/{self.difficulty}{variant}/{split}/{index}"
         task_id = f"{self.name}/{key}"
         if task_id not in self._scenarios:
-            scenario = self._draw(split, index, key)
-            self._scenarios[task_id] = (TaskSpec(task_id, split, scenario.variant), scenario)
+            level = self.level(key)
+            drawn = self._draw(split, index, key, self._generator_difficulty(level))
+            scenario = scaffold(drawn, self._scaffolds(level), self.domain.state.write_tools)
+            self._scenarios[task_id] = (TaskSpec(task_id, split, scenario.variant), scenario, level)
         return self._scenarios[task_id]
 
     def level(self, key: str) -> int:
@@ -225,6 +317,13 @@ class CapabilityEnvironment:
         lower, upper = self.levels
         return upper if random.Random(f"{key}/level").random() < self.difficulty - lower else lower
 
-    def _draw(self, split: str, index: int, key: str) -> Scenario:
-        """Task `index` of `split`: the generator's scenario for the task's key at the task's level."""
-        return self.capability.generate(random.Random(key), self.level(key), self._catalogue)
+    def _draw(self, split: str, index: int, key: str, level: int) -> Scenario:
+        """Task `index` of `split`: the generator's scenario for the task's key at difficulty `level`, drawn again
+        from the key until it is of this environment's variant."""
+        for attempt in range(MAX_VARIANT_DRAWS):
+            scenario = self.capability.generate(random.Random(key if attempt == 0 else f"{key}/{attempt}"), level,
+                                                self._catalogue)
+            if self.variant is None or scenario.variant == self.variant:
+                return scenario
+        raise ValueError(f"{self.capability.name} drew no task of variant {self.variant!r} at difficulty {level} in "
+                         f"{MAX_VARIANT_DRAWS} draws: the generator does not make it at that difficulty")

@@ -242,8 +242,7 @@ class ExportedEnvironment(CapabilityEnvironment):
         self._entries = data["catalogue"]
         self._pools = {split: data["scenarios"][split] for split in SPLITS}  # by level
 
-    def _draw(self, split: str, index: int, key: str) -> Scenario:
-        level = self.level(key)
+    def _draw(self, split: str, index: int, key: str, level: int) -> Scenario:
         pool = self._pools[split][level]
         if index >= len(pool):
             raise ValueError(f"{self.path} holds {len(pool)} {split} tasks of difficulty {level}; "
