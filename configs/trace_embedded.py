@@ -18,6 +18,7 @@ from configs import embedded_retail, grpo_target_embedded
 from trace_jax.llm import llm_defaults
 from trace_jax.trace.analysis import analysis_defaults
 from trace_jax.trace.calibration import calibration_defaults
+from trace_jax.trace.diagnostics import diagnostics_defaults
 from trace_jax.trace.env_writer import env_writer_defaults
 
 
@@ -57,6 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
     # "batch": a 135M router otherwise puts every ticket on label A (trace_jax/trace/routing.py)
     config.routing = ml_collections.ConfigDict(dict(max_messages=10, batch_size=8, calibration="batch"))
     config.final = ml_collections.ConfigDict(dict(per_adapter=True))
+    config.diagnostics = diagnostics_defaults()  # sampled pass@8 on the targeted families, before and after
     # "builtin": the programmatic analyst's capabilities all have generators; "auto"/"llm" write with config.llm
     # max_trained: CPU, two adapters (the paper trained four); a capability that fails calibration gives its
     # place to the next selected one by coverage

@@ -28,5 +28,6 @@ def get_config() -> ml_collections.ConfigDict:
     config.training.lora.first_layer = 24
     config.training.train.update(steps=1, micro_batch_tokens=4096, remat=False)
     config.training.eval.update(num_tasks=1, batch_size=2)
+    config.diagnostics.update(samples=2, per_family=1)
     config.final.per_adapter = False
     return config

@@ -68,6 +68,11 @@ def _checks() -> list[Check]:
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Fails at start, naming the key, on a missing or invalid setting."""
     check_config(config, _checks())
+    families, per_family = config.get("families", ()), config.get("per_family")
+    if not (isinstance(families, (tuple, list)) and all(isinstance(f, str) for f in families)):
+        raise ValueError(f"config.families = {families!r} is invalid; it must be a tuple of family names (empty: all)")
+    if per_family is not None and not positive_int(per_family):
+        raise ValueError(f"config.per_family = {per_family!r} is invalid; it must be None (all) or a positive int")
     share = config.get("hint_share", 0.0)  # optional: calibration plays hinted trials as training does
     if not (number(share) and 0 <= share <= 1):
         raise ValueError(f"config.hint_share = {share!r} is invalid; it must be a number in [0, 1]: the share of "
@@ -412,6 +417,17 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, age
     return evaluate_together([(config, workdir)], agent=agent, routes=routes, reuse=reuse)[0]
 
 
+def _of_families(tasks: list, config: ml_collections.ConfigDict):
+    """`tasks` of the families `config.families` names (every task when empty), the first `config.per_family`
+    of each."""
+    families, per_family = config.get("families", ()), config.get("per_family")
+    taken: Counter = Counter()
+    for task in tasks:
+        if (not families or task.family in families) and (per_family is None or taken[task.family] < per_family):
+            taken[task.family] += 1
+            yield task
+
+
 TOGETHER_KEYS = ("split", "num_tasks")  # what evaluations played in one batch may differ in
 
 
@@ -442,7 +458,7 @@ def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.
         # A task's trials adjacent: the later ones find its opening held by a row (`Session` copies it).
         hinted = hinted_trials(run.get("hint_share", 0.0), run.trials)
         jobs = [Job(task, trial, adapter_of(task.task_id), hint=trial < hinted and offers_hint(env, task))
-                for task in env.tasks(run.split, run.num_tasks) for trial in range(run.trials)]
+                for task in _of_families(env.tasks(run.split, run.num_tasks), run) for trial in range(run.trials)]
         if reuse:
             _take_reused(jobs, run.split, workdir, _jsonable(marker), reuse)
         plays.append((jobs, workdir / "episodes.jsonl"))

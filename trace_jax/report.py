@@ -21,6 +21,11 @@ def pass_hat_k(successes: int, trials: int, k: int) -> float:
     return math.comb(successes, k) / math.comb(trials, k)
 
 
+def pass_at_k(successes: int, n: int, k: int) -> float:
+    """One task's unbiased pass@k (some of k drawn trials succeeds): 1 - C(n - successes, k) / C(n, k)."""
+    return 1.0 - math.comb(n - successes, k) / math.comb(n, k)
+
+
 def wilson_interval(successes: int, n: int, z: float = Z_95) -> tuple[float, float]:
     """The Wilson score interval for a success rate (sound at 0% and 100%, unlike the normal one)."""
     if n == 0:

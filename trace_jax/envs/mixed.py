@@ -39,6 +39,12 @@ class MixedEnvironment:
     def episode(self, task: TaskSpec, **options) -> Episode:
         return self._part(task).episode(task, **options)
 
+    def part_index(self, task_id: str) -> int:
+        """Which part (its index) the task `task_id` came from."""
+        if task_id not in self._owner:
+            raise ValueError(f"task {task_id!r} did not come from this environment's tasks()")
+        return next(i for i, part in enumerate(self.parts) if part is self._owner[task_id])
+
     def _part(self, task: TaskSpec) -> Environment:
         if task.task_id not in self._owner:
             raise ValueError(f"task {task.task_id!r} did not come from this environment's tasks()")

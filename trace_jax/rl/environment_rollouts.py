@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 
 from trace_jax import distributed, lora
 from trace_jax.agent.chat_codec import ChatCodec
@@ -37,6 +38,7 @@ from trace_jax.evaluation import (EPISODE_LIMITS, check_base_run, play, recorded
                                   summary_scalars)
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, StepRollouts
+from trace_jax.rl.curriculum import CurriculumConfig, climb, env_parts, start_state, with_levels
 from trace_jax.sampling import Sampler
 
 
@@ -106,12 +108,17 @@ class EnvironmentRollouts:
             raise ValueError(f"config.rollout.hint_share = {config.rollout.hint_share} is invalid here: the "
                              f"environment of config.env (name = {config.env.name!r}) offers no hints (the "
                              "capability environments do); set it to 0.0")
-        pool = config.rollout.train_tasks
-        available = self.env.tasks(config.env.split, num_train_tasks if pool is None else min(pool, num_train_tasks))
-        if not available:
-            raise ValueError(f"config.env.split = {config.env.split!r} has no tasks")
-        self.train_tasks = [available[i % len(available)] for i in range(num_train_tasks)]  # finite sets cycle
+        self.num_train_tasks = num_train_tasks
+        self.eval_env = self.env  # the held-out tasks stay the starting level's while a curriculum climbs
         self.heldout = self.env.tasks(config.eval.split, config.eval.num_tasks)
+        self._set_train_tasks()
+        self.curriculum = CurriculumConfig(**config.get("curriculum", {}))
+        self.curriculum_state, self._tops = None, []
+        if self.curriculum.patience:
+            parts = env_parts(config.env)
+            self.curriculum_state = start_state([p["difficulty"] for p in parts])
+            built = [make_environment(ml_collections.ConfigDict(p)) for p in parts]
+            self._tops = [0 if e.variant is not None else e.capability.max_difficulty for e in built]
         limits = {k: config.rollout[k] for k in ("batch_size", "max_turns", "max_tokens_per_turn", "max_errors")}
         self.train_rollout = RolloutConfig(**limits, temperature=config.rollout.temperature, top_p=config.rollout.top_p)
         self.eval_rollout = dataclasses.replace(self.train_rollout, batch_size=config.eval.batch_size, temperature=0.0,
@@ -138,8 +145,43 @@ class EnvironmentRollouts:
         records = [r for r in recorded_episodes(self.base_run / "episodes.jsonl") if r["task_id"] in wanted]
         episodes_path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
 
-    def _engine(self, sampler: Sampler, rollout: RolloutConfig) -> RolloutEngine:
-        return RolloutEngine(self.env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=self.tokenizer,
+    def _set_train_tasks(self) -> None:
+        """The training tasks of the current environment, `num_train_tasks` of them (a finite set cycles)."""
+        pool, num = self.config.rollout.train_tasks, self.num_train_tasks
+        available = self.env.tasks(self.config.env.split, num if pool is None else min(pool, num))
+        if not available:
+            raise ValueError(f"config.env.split = {self.config.env.split!r} has no tasks")
+        self.train_tasks = [available[i % len(available)] for i in range(num)]
+
+    def restore(self, cursor: dict) -> None:
+        """Takes up the curriculum where a checkpoint's `cursor` left it."""
+        if self.curriculum_state is not None and "curriculum" in cursor:
+            self._move_to(cursor["curriculum"])
+
+    def _move_to(self, state: dict) -> None:
+        if state["levels"] != self.curriculum_state["levels"]:
+            self.env = make_environment(with_levels(self.config.env, state["levels"]))
+            self._set_train_tasks()
+        self.curriculum_state = state
+
+    def follow(self, rollouts: StepRollouts) -> dict[str, float]:
+        """The curriculum's step (`trace_jax.rl.curriculum`) on a step's training rewards, each part's from its own
+        tasks' episodes; "curriculum/level_<i>" metrics (none when off)."""
+        if self.curriculum_state is None:
+            return {}
+        part_of = getattr(self.env, "part_index", lambda task_id: 0)
+        rewards: list[list[float]] = [[] for _ in self._tops]
+        for record in rollouts.records:
+            rewards[part_of(record["task_id"])].append(record["reward"])
+        state, moved = climb(self.curriculum_state, [float(np.mean(r)) if r else None for r in rewards], self._tops,
+                             self.curriculum)
+        self._move_to(state)
+        for i in moved:
+            logging.info("curriculum: part %d moved to difficulty %s", i, state["levels"][i])
+        return {f"curriculum/level_{i}": float(level) for i, level in enumerate(state["levels"])}
+
+    def _engine(self, sampler: Sampler, rollout: RolloutConfig, env=None) -> RolloutEngine:
+        return RolloutEngine(env or self.env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=self.tokenizer,
                              config=rollout)
 
     def sample(self, sampler: Sampler, first_task: int, key: jax.Array, adapter_idx: int,
@@ -179,7 +221,7 @@ class EnvironmentRollouts:
         episodes_path = folder / f"step_{step}.jsonl"
         if self.base_run and adapter_idx == lora.NO_ADAPTER:
             distributed.on_main(lambda: self._seed_base_eval(episodes_path))
-        records = play(self._engine(sampler, self.eval_rollout), jobs, key=jax.random.key(0),
+        records = play(self._engine(sampler, self.eval_rollout, self.eval_env), jobs, key=jax.random.key(0),
                        episodes_path=episodes_path, log_every_s=self.config.log_every_s)
         summary, table = summarize_run(records, trials=1)
         if distributed.is_main():

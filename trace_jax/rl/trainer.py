@@ -26,6 +26,10 @@ replaced by groups of the next training tasks, up to that many rounds a step, un
 played counts: `summary["rollouts"]` and `train.rollout_budget`, which then may end the run before its last
 planned step.
 
+With `curriculum.patience` > 0, a capability environment (or each part of a mix) moves a level harder once
+its training reward has stayed above `curriculum.upper` for that many steps (`trace_jax.rl.curriculum`);
+held-out evaluation keeps the starting level's tasks.
+
 Everything a resumed run needs is in the checkpoint (adapter, optimizer state, step,
 RNG key, task cursor, wall time so far), and step k's sampling key is folded from the run key and k, so a
 run killed after any checkpoint and restarted on the same workdir continues exactly as if
@@ -63,6 +67,7 @@ from trace_jax.rl.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from trace_jax.rl.batching import pack_sequences, padded_tokens
 from trace_jax.rl.checkpoint import TrainState
 from trace_jax.rl.environment_rollouts import EnvironmentRollouts, hinted_per_group
+from trace_jax.rl.curriculum import CurriculumConfig, env_parts
 from trace_jax.rl.resampling import sample_informative
 from trace_jax.rl.job import ADAPTER, common_checks, export_adapter, start_run
 from trace_jax.rl.learner import make_rescore_fn, make_train_step
@@ -145,6 +150,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     for key, value, ok, expected in optional:
         if not ok(value):
             raise ValueError(f"config.{key} = {value!r} is invalid; it must be {expected}")
+    curriculum = CurriculumConfig(**config.get("curriculum", {}))  # optional; names its key when wrong
+    if curriculum.patience:
+        env_parts(config.env)
 
 
 def _hints(config: ml_collections.ConfigDict) -> bool:
@@ -246,6 +254,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     source = (EnvironmentRollouts(config, tokenizer, num_train_tasks, workdir) if "env" in config
               else TaskSetRollouts(config, tokenizer, num_train_tasks))
     state = run.state
+    if "env" in config:
+        source.restore(state.cursor)
     elapsed = lambda: state.cursor.get("elapsed_s", 0.0) + time.monotonic() - start_time
     sampler = Sampler(run.model.cfg, run.sampler_params, adapters=run.sampler_adapters(), plan=run.sampler_plan,
                       detokenize=tokenizer.decode, min_shared_prefix=config.rollout.min_shared_prefix)
@@ -276,10 +286,11 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
             num_tasks=num)
         rollouts, tasks_used, played = sample_informative(draw, config.rollout.tasks_per_step, _resamples(config),
                                                           config.rollout.get("min_informative", 0.5))
+        climbed = source.follow(rollouts) if "env" in config else {}  # the curriculum, after the step's rollouts
         release_freed_memory()  # the rollouts' freed arenas, before the learner's (see runtime.py)
         t_sampled = time.monotonic()
         advantages, keep, advantage_stats = compute_advantages(config.advantage, rollouts.rewards, rollouts.group_ids)
-        metrics = {**rollouts.metrics, **{f"advantage/{k}": v for k, v in advantage_stats.items()}}
+        metrics = {**rollouts.metrics, **climbed, **{f"advantage/{k}": v for k, v in advantage_stats.items()}}
         kept = [dataclasses.replace(rollouts.sequences[i], advantage=float(advantages[i]))
                 for i in np.flatnonzero(keep) if rollouts.sequences[i].last_learned() >= 0]
         if kept:  # a batch of only constant-reward groups carries no signal: no update
@@ -304,6 +315,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         state = TrainState(step=step + 1, adapter_weights=weights, scale=state.scale, opt_state=opt_state,
                            rng=state.rng, cursor={"next_task": cursor + tasks_used,
                                                   "episodes": _episodes(state, config) + played,
+                                                  **({"curriculum": source.curriculum_state}
+                                                     if getattr(source, "curriculum_state", None) else {}),
                                                   "elapsed_s": round(elapsed(), 1)})
         start_time = time.monotonic()  # the cursor now holds the time so far
         if rollouts.records and distributed.is_main():  # what the agent did, for reading a run after the fact

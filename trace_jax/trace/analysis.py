@@ -10,6 +10,7 @@ a killed analysis resumes where it stopped and a finished one is not redone.
 from __future__ import annotations
 
 import pathlib
+from collections import Counter
 from collections.abc import Sequence
 
 import ml_collections
@@ -142,6 +143,7 @@ def analyze(trajectories: Sequence[ScoredTrajectory], analyst: Analyst, config: 
         row.update(delta_interval=spans[row["name"]]["delta"], cov_interval=spans[row["name"]]["cov"],
                    **by_name[row["name"]].to_json())
         row["examples"] = _examples(labellings[0], trajectories, row["name"])
+        row["lacking_families"] = _lacking_families(labellings[0], trajectories, row["name"])
     result = {"selected": [row["name"] for row in rows if row["selected"]], "candidates": rows,
               "failed": sum(not t.success for t in trajectories), "passed": sum(t.success for t in trajectories),
               "runs": len(runs), "dropped_labellings": dropped, "settings": config.to_dict()}
@@ -154,6 +156,12 @@ def _examples(labelling: Labelling, trajectories: Sequence[ScoredTrajectory], na
     """The first failed trajectories labelled LACKING, with the evidence."""
     lacking = [t for t in trajectories if not t.success and labelling[name][t.id].label == LACKING]
     return [{"id": t.id, "family": t.family, "evidence": labelling[name][t.id].evidence} for t in lacking[:EXAMPLES]]
+
+
+def _lacking_families(labelling: Labelling, trajectories: Sequence[ScoredTrajectory], name: str) -> dict[str, int]:
+    """How many failed trajectories of each task family lack the capability: the families it is meant to fix."""
+    counts = Counter(t.family for t in trajectories if not t.success and labelling[name][t.id].label == LACKING)
+    return dict(counts.most_common())
 
 
 def report(result: dict) -> str:

@@ -34,6 +34,7 @@ from trace_jax import distributed
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.evaluation import evaluate, recorded_episodes
 from trace_jax.files import read_json, write_json_atomic
+from trace_jax.report import pass_at_k
 
 GROUPS = "groups.json"  # a try's [seeds, samples] rewards and successes and each seed's variant: a small file that
 # lets a walk resume from committed results without the episodes
@@ -87,11 +88,6 @@ def validate_calibration_config(config: ml_collections.ConfigDict) -> None:
 def gates(config: ml_collections.ConfigDict) -> dict:
     """The gate values `config.gates` names."""
     return GATES[config.gates]
-
-
-def pass_at_k(successes: int, n: int, k: int) -> float:
-    """The unbiased pass@k of one group: 1 - C(n - c, k) / C(n, k)."""
-    return 1.0 - math.comb(n - successes, k) / math.comb(n, k)
 
 
 def informative_groups(rewards: np.ndarray, successes: np.ndarray) -> np.ndarray:

@@ -61,12 +61,13 @@ from trace_jax.trace.calibration import (
     validate_calibration_config,
     walk_bounds,
 )
+from trace_jax.trace.diagnostics import run_diagnostics, validate_diagnostics_config
 from trace_jax.trace.env_writer import validate_env_writer_config, write_environment
 from trace_jax.trace.routing import CALIBRATIONS, RouteOption, Router
 from trace_jax.trace.trace_report import oracle_routes, write_report
 from trace_jax.trace.trajectories import compact, from_record, load_trajectories
 
-STAGES = ("base", "analysis", "environments", "training", "routing", "final", "report")
+STAGES = ("base", "analysis", "environments", "training", "routing", "final", "diagnostics", "report")
 EXAMPLE_CHARS = 600  # a routing example's length
 CLOCK_EVERY_S = 30.0  # how often a running stage's wall time is saved: a kill loses at most this much of it
 SOURCES = ("builtin", "auto", "llm")  # environments.source: built-in generators only, built-in else written, written
@@ -97,6 +98,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError(message.replace("config.env.", "config.target.env.")) from None
     validate_analysis_config(config.analysis)
     validate_calibration_config(config.calibration)
+    validate_diagnostics_config(config.diagnostics)
     grpo.validate_config(training_config(config, {"env": environment_config("tool_calling", 0, config.calibration)}))
     if config.calibration.hint_share != config.training.rollout.hint_share:
         raise ValueError(f"config.calibration.hint_share = {config.calibration.hint_share} is invalid: calibration "
@@ -303,6 +305,7 @@ class Pipeline:
                  "training": lambda: self._training(done("environments")),
                  "routing": lambda: self._routing(done("training")),
                  "final": lambda: self._final(done("training"), done("routing")),
+                 "diagnostics": lambda: self._diagnostics(done("training")),
                  "report": lambda: distributed.on_main(lambda: write_report(self.workdir, self.stages, self.config))}
         for stage in STAGES[:STAGES.index(name) + 1]:
             result = self._stages.run(stage, steps[stage])
@@ -419,6 +422,13 @@ class Pipeline:
             return "(no successful episode in calibration)"
         turns = compact(from_record(success, Gold((), ()), tools=[]), message_chars=120)["messages"]
         return " | ".join(f"{m['role']}: {m.get('tool_calls') or m['content']}" for m in turns)[:EXAMPLE_CHARS]
+
+    def _diagnostics(self, adapters: dict) -> dict:
+        """Each adapter's sampled pass@k on the held-out tickets of the families its capability targets, against
+        the base agent's (`trace_jax.trace.diagnostics`)."""
+        lacking = {c["name"]: c.get("lacking_families", {}) for c in self._cards().values()}
+        return run_diagnostics(heldout_evaluation(self.config), self.config.diagnostics, lacking, adapters,
+                               self.workdir / "diagnostics")
 
     def _final(self, adapters: dict, routing: dict) -> dict:
         """The routed held-out evaluation and, with `final.per_adapter`, each adapter alone (the oracle's input),

@@ -24,6 +24,7 @@ from trace_jax.lora import NO_ADAPTER  # noqa: E402
 from trace_jax.metrics import logged_lines  # noqa: E402
 from trace_jax.report import format_table, summarize  # noqa: E402
 from trace_jax.trace.calibration import GATES, calibration_table  # noqa: E402
+from trace_jax.trace.diagnostics import diagnostics_table  # noqa: E402
 
 
 def _records(folder: str | pathlib.Path) -> list[dict]:
@@ -179,6 +180,7 @@ def write_report(workdir: pathlib.Path, stages: dict, config: ml_collections.Con
              *(f"- {name}: `{folder}`" for name, folder in adapters.items()), "\n![training](plots/training.png)\n",
              "## 4. Routing\n", "| label | held-out tasks |", "|---|---:|",
              *(f"| {label} | {n} |" for label, n in distribution.items())]
+    diagnostics = stages.get("diagnostics", {}).get("result", {})
     if final["oracle"]:
         oracle = final["oracle"]
         lines += [f"\nOracle (the best system per family on these held-out tasks, an upper bound for routing: "
@@ -186,9 +188,13 @@ def write_report(workdir: pathlib.Path, stages: dict, config: ml_collections.Con
                   f"{100 * oracle['success']:.1f}%; the router agrees with it on {100 * oracle['accuracy']:.1f}% "
                   "of tasks."]
     lines += ["\n## Held-out success per family\n", _side_by_side(rows), "\n![held-out](plots/heldout.png)\n",
-              "### TRACE\n", format_table(rows["TRACE"])]
+              "### TRACE\n", format_table(rows["TRACE"]),
+              "\n## 5. Partial learning: sampled pass@k on the families each capability targets\n",
+              diagnostics_table(diagnostics)]
     (workdir / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     return {"base_success": rows["base"][-1]["success"], "trace_success": rows["TRACE"][-1]["success"],
             "capabilities": analysis["selected"], "trained": list(adapters),
             "episodes": {"base": len(base_records), "trace": len(trace_records)},
-            "routing": distribution, "oracle": final["oracle"], "per_adapter_success": final["success"]}
+            "routing": distribution, "oracle": final["oracle"], "per_adapter_success": final["success"],
+            "diagnostics": {n: {k: r[k]["pass@1"] for k in ("base", "adapter")} for n, r in diagnostics.items()
+                            if r.get("families")}}

@@ -1,0 +1,68 @@
+"""A curriculum that follows the agent: when the training reward of a capability environment's level stays above
+the calibration's upper gate for `patience` steps in a row, the environment moves one level harder (from a
+scaffolded level toward 0 and past it, up to its top level). Calibration picks a level once, before training;
+the agent then outgrows it, and a level it always solves gives GRPO constant groups.
+
+A training environment is one capability environment or a mix of them (a capability's families): each part
+climbs on its own, from the rewards of its own tasks. The state (each part's level and streak) is a small
+JSON-ready dict the GRPO job keeps in its checkpoint, so a resumed run climbs on as if never stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+
+@dataclasses.dataclass(frozen=True)
+class CurriculumConfig:
+    """`patience` steps in a row above `upper` (mean training reward of a part's episodes) move a part up a
+    level; `patience` 0 turns the curriculum off."""
+
+    patience: int = 0
+    upper: float = 0.6
+
+    def __post_init__(self):
+        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0:
+            raise ValueError(f"config.curriculum.patience = {self.patience!r} is invalid; it must be an int >= 0 "
+                             "(0: off)")
+        if not isinstance(self.upper, (int, float)) or not 0 <= self.upper <= 1:
+            raise ValueError(f"config.curriculum.upper = {self.upper!r} is invalid; it must be a number in [0, 1]")
+
+
+def start_state(levels: list[float]) -> dict:
+    """The state of parts starting at `levels`."""
+    return {"levels": list(levels), "streaks": [0] * len(levels)}
+
+
+def climb(state: dict, rewards: list[float | None], tops: list[int], config: CurriculumConfig) -> tuple[dict, list[int]]:
+    """The state after a step whose parts' mean training rewards were `rewards` (None: no episode of that part
+    this step, which keeps its streak), and the parts that moved up; a part at its top level (`tops`) stays."""
+    levels, streaks, moved = list(state["levels"]), list(state["streaks"]), []
+    for i, reward in enumerate(rewards):
+        if reward is None:
+            continue
+        streaks[i] = streaks[i] + 1 if reward > config.upper else 0
+        if config.patience and streaks[i] >= config.patience and levels[i] < tops[i]:
+            levels[i], streaks[i] = min(levels[i] + 1, tops[i]), 0
+            moved.append(i)
+    return {"levels": levels, "streaks": streaks}, moved
+
+
+def env_parts(env: ml_collections.ConfigDict) -> list[dict]:
+    """The capability environment configs a training environment is made of (itself, or a mix's parts)."""
+    parts = [p.to_dict() if hasattr(p, "to_dict") else dict(p) for p in env.parts] if env.name == "mixed" \
+        else [env.to_dict()]
+    if any(p.get("name") != "capability" for p in parts):
+        raise ValueError("config.curriculum.patience > 0 needs a capability environment (or a mix of them) in "
+                         f"config.env, not {env.name!r}")
+    return parts
+
+
+def with_levels(env: ml_collections.ConfigDict, levels: list[float]) -> ml_collections.ConfigDict:
+    """`env` (one capability environment or a mix of them) with its parts at `levels`."""
+    parts = [{**part, "difficulty": level} for part, level in zip(env_parts(env), levels)]
+    if env.name == "mixed":
+        return ml_collections.ConfigDict({**env.to_dict(), "parts": parts})
+    return ml_collections.ConfigDict({**env.to_dict(), **parts[0]})

@@ -1,0 +1,112 @@
+"""Diagnostics that see partial learning: before and after each adapter, sampled pass@k on the target's held-out
+tickets of the families its capability is meant to fix.
+
+Greedy held-out success moves only once an adapter solves a ticket outright; an agent that has begun to learn a
+missing write solves some of k samples first. The families a capability targets are those holding at least
+`min_share` of the failed analysis trajectories labelled as lacking it (`analysis.lacking_families`). Each is
+played `samples` times at `temperature` on its first `per_family` held-out tickets, by the base agent and by the
+adapter alone (the evaluation job: resumable, episodes kept under `diagnostics/<capability>/`).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections import defaultdict
+
+import ml_collections
+import numpy as np
+
+from trace_jax.config_checks import Check, check_config, number, positive_int
+from trace_jax.evaluation import evaluate, recorded_episodes
+from trace_jax.report import pass_at_k
+
+
+def diagnostics_defaults() -> ml_collections.ConfigDict:
+    """k = 8 samples at temperature 1 on 8 tickets of each targeted family (samples 0: off)."""
+    return ml_collections.ConfigDict(dict(samples=8, per_family=8, temperature=1.0, min_share=0.1))
+
+
+def diagnostics_checks() -> list[Check]:
+    return [("diagnostics.samples", lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0: no diagnostics)"),
+            ("diagnostics.per_family", lambda v: v is None or positive_int(v), "None (all) or a positive int"),
+            ("diagnostics.temperature", lambda v: number(v) and v > 0, "a number > 0 (samples must differ)"),
+            ("diagnostics.min_share", lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]")]
+
+
+def validate_diagnostics_config(config: ml_collections.ConfigDict) -> None:
+    """Fails at start naming the key that is missing or wrong (`config` is the `diagnostics` block)."""
+    check_config(ml_collections.ConfigDict({"diagnostics": config}), diagnostics_checks())
+
+
+def targeted_families(lacking: dict[str, int], min_share: float) -> list[str]:
+    """The families holding at least `min_share` of a capability's failed trajectories that lack it."""
+    total = sum(lacking.values())
+    return [family for family, n in lacking.items() if total and n / total >= min_share]
+
+
+def sampled_evaluation(heldout: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
+                       families: list[str]) -> ml_collections.ConfigDict:
+    """The held-out evaluation `heldout` (an evaluation job's config) on `families`, sampled `config.samples`
+    times a ticket at `config.temperature`."""
+    run = ml_collections.ConfigDict(heldout.to_dict())
+    run.update(families=tuple(families), per_family=config.per_family, trials=config.samples)
+    run.rollout.temperature = config.temperature
+    return run
+
+
+def pass_rates(records: list[dict], k: int) -> dict:
+    """pass@1 and pass@k over the tickets of `records` (each played k times), overall and by family."""
+    per_task: dict[str, list[bool]] = defaultdict(list)
+    family_of = {}
+    for record in records:
+        per_task[record["task_id"]].append(bool(record["success"]))
+        family_of[record["task_id"]] = record["family"]
+
+    def rates(tasks: list[str]) -> dict:
+        return {f"pass@{j}": float(np.mean([pass_at_k(sum(per_task[t]), len(per_task[t]), j) for t in tasks]))
+                for j in (1, k)}
+
+    families = sorted(set(family_of.values()))
+    return {"tickets": len(per_task), **rates(list(per_task)),
+            "by_family": {f: rates([t for t in per_task if family_of[t] == f]) for f in families}}
+
+
+def run_diagnostics(heldout: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
+                    lacking: dict[str, dict[str, int]], adapters: dict[str, str], folder: pathlib.Path) -> dict:
+    """Per adapter (capability -> PEFT folder): its targeted families and the base agent's and the adapter's
+    pass rates there (`heldout`: the pipeline's held-out evaluation of the base agent; `lacking`: per capability,
+    its lacking failures by family)."""
+    validate_diagnostics_config(config)
+    if not config.samples:
+        return {}
+    results = {}
+    for name, adapter in adapters.items():
+        families = targeted_families(lacking.get(name, {}), config.min_share)
+        if not families:
+            results[name] = {"families": [], "reason": "no failed analysis trajectory lacks it"}
+            continue
+        base_dirs = sorted(p for p in folder.glob("*/base") if p.is_dir())  # the same tickets under no adapter
+        played = {}
+        for system, path in (("base", ""), ("adapter", adapter)):
+            run = sampled_evaluation(heldout, config, families)
+            run.adapter = path
+            workdir = folder / name / system
+            evaluate(run, workdir, reuse=base_dirs if system == "base" else ())
+            played[system] = pass_rates(recorded_episodes(workdir / "episodes.jsonl"), config.samples)
+        results[name] = {"families": families, "samples": config.samples, **played}
+    return results
+
+
+def diagnostics_table(results: dict) -> str:
+    """One row per adapter: its targeted families, tickets, pass@1 and pass@k before -> after."""
+    rows = [(name, r) for name, r in results.items() if r.get("families")]
+    if not rows:
+        return "(none)"
+    k = rows[0][1]["samples"]
+    lines = [f"| capability | targeted families | tickets | pass@1 base -> adapter | pass@{k} base -> adapter |",
+             "|---|---|---:|---|---|"]
+    for name, r in rows:
+        lines.append(f"| {name} | {', '.join(r['families'])} | {r['base']['tickets']} | "
+                     f"{r['base']['pass@1']:.3f} -> {r['adapter']['pass@1']:.3f} | "
+                     f"{r['base'][f'pass@{k}']:.3f} -> {r['adapter'][f'pass@{k}']:.3f} |")
+    return "\n".join(lines)
