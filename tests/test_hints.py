@@ -16,6 +16,7 @@ import json
 import re
 
 import jax
+import ml_collections
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -200,8 +201,8 @@ def test_a_grpo_step_with_hints_learns_from_the_hinted_row_and_logs_the_hint_met
     config.model, config.lora.first_layer = str(model.path), 0
     config.train.update(steps=1, micro_batch_tokens=64)  # and no held-out evaluation (configs/grpo_env_tiny.py)
     sample = EnvironmentRollouts.sample
-    monkeypatch.setattr(EnvironmentRollouts, "sample", lambda self, *args: dataclasses.replace(
-        sample(self, *args), rewards=np.array([1.0, 0.0])))
+    monkeypatch.setattr(EnvironmentRollouts, "sample", lambda self, *args, **kwargs: dataclasses.replace(
+        sample(self, *args, **kwargs), rewards=np.array([1.0, 0.0])))
     assert train(config, tmp_path)["steps"] == 1
     logged = {}
     for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
@@ -219,7 +220,7 @@ def test_a_grpo_step_with_hints_learns_from_the_hinted_row_and_logs_the_hint_met
     (dict(hint_share=1.5), "config.rollout.hint_share = 1.5 is invalid; it must be a number in [0, 1]"),
     (dict(hint_share=-0.25), "config.rollout.hint_share = -0.25 is invalid; it must be a number in [0, 1]"),
     (dict(hint_share=0.01), "config.rollout.hint_share = 0.01 is invalid: it hints no episode of a group of 16"),
-    (dict(hint_share=0.25, tis_cap=0.5), "config.loss.tis_cap = 0.5 is invalid; it must be None or a number >= 1"),
+    (dict(hint_share=0.25, tis_cap=0.5), "config.loss.tis_cap = 0.5 is invalid; it must be None (hinted rows"),
 ])
 def test_bad_hint_settings_fail_at_start_naming_the_key(changes, message):
     config = grpo_env_tiny.get_config()
@@ -231,13 +232,27 @@ def test_bad_hint_settings_fail_at_start_naming_the_key(changes, message):
         validate_config(config)
 
 
-def test_a_share_on_an_environment_without_a_hint_fails_at_start(tokenizer, tmp_path):
+def test_a_share_on_an_environment_without_hints_fails_at_start(tokenizer, tmp_path):
     config = grpo_target_embedded.get_config()
+    config.env = ml_collections.ConfigDict(dict(name="tau2", domain="retail", split="train"))  # τ²'s own tasks
     config.rollout.hint_share = 0.25
-    validate_config(config)  # well-formed; only the environment can tell it offers no hint
+    validate_config(config)  # well-formed; only the environment can tell it offers no hints
     with pytest.raises(ValueError, match=re.escape("config.rollout.hint_share = 0.25 is invalid here: the environment "
-                                                   "of config.env (name = 'embedded_retail') offers no hints")):
+                                                   "of config.env (name = 'tau2') offers no hints")):
         EnvironmentRollouts(config, tokenizer, 4, tmp_path)
+
+
+def test_the_targets_tickets_offer_hints_naming_each_gold_call_and_its_arguments_sources():
+    from trace_jax.envs.embedded_retail import EmbeddedRetail
+
+    env = EmbeddedRetail(families=["return_delivered"])
+    for task in env.tasks("train", 3):
+        hint, gold = env.hint_for(task), env.retail_task(task).gold.tool_calls
+        assert [c["name"] for c in gold][1:] == ["get_order_details", "return_delivered_order_items"]
+        assert f"call {gold[0]['name']} with" in hint
+        assert ("call return_delivered_order_items with order_id from the ticket, item_ids from the result of your "
+                "get_order_details call") in hint
+        assert env.episode(task, hint=True).reset()[0]["content"].endswith("\n\nHint: " + hint)
 
 
 def test_only_a_job_with_hints_weighs_its_tokens():

@@ -8,6 +8,8 @@ killed stage resumes from what its jobs wrote):
   oracle       oracle routing chosen on train tasks: the base agent and each adapter alone on the first
                `oracle.num_tasks` of TRACE's analysis tasks, per family the system with the most successes
   grpo_target  GRPO on the target's `grpo_target.split` with the budget, then held-out
+  grpo_target_hinted  the same with TRACE's hints in TRACE's share of each group (the target's tickets offer
+               hints too, `trace_jax.envs.hints`), so that a difference is not hints against none
   mixed        GRPO on every calibrated capability environment mixed (one adapter), the budget, then held-out
   gepa         GEPA per capability with an equal share of the budget, the texts joined into the target's
                system prompt, then held-out (`trace_jax.baselines.gepa`)
@@ -59,7 +61,7 @@ from trace_jax.trace.pipeline import validate_config as validate_pipeline_config
 from trace_jax.trace.routing import RouteOption
 from trace_jax.trace.trace_report import best_by_family, oracle_routes
 
-ARMS = ("oracle", "grpo_target", "mixed", "gepa", "subsets")
+ARMS = ("oracle", "grpo_target", "grpo_target_hinted", "mixed", "gepa", "subsets")
 CAPABILITY_ARMS = ("oracle", "mixed", "gepa", "subsets")  # arms on TRACE's capability environments or adapters
 STAGES = ("trace", *ARMS, "scaling")
 BUDGET_TOLERANCE = 0.05  # the baselines' budgets are within 5% of TRACE's (else a warning)
@@ -105,6 +107,9 @@ class Experiment:
         mixed = {"name": "mixed", "parts": list(trace["environments"].values()), "split": "train"}
         runs = {"oracle": lambda: self._oracle(trace),
                 "grpo_target": lambda: self._grpo("grpo_target", target, budget, hints=False, snapshots=True),
+                # the same hints in the same share as TRACE's training: a win is then not hints against none
+                "grpo_target_hinted": lambda: self._grpo("grpo_target_hinted", target, budget, hints=True,
+                                                         snapshots=False),
                 "mixed": lambda: self._grpo("mixed", mixed, budget, hints=True, snapshots=False),
                 "gepa": lambda: self._gepa(trace, budget),
                 "subsets": lambda: self._subsets(trace)}
@@ -254,8 +259,9 @@ class Experiment:
             best = max(adapters, key=lambda n: sum(r["success"] for r in singles[n]))
             rows.append(row(f"best single adapter ({best})", singles[best], trace["rollouts_by_capability"][best],
                             trace["trace_seconds"]))
-        names = {"grpo_target": "GRPO on the target", "mixed": "one adapter, environments mixed", "gepa": "GEPA"}
-        for arm in ("grpo_target", "mixed", "gepa"):
+        names = {"grpo_target": "GRPO on the target", "grpo_target_hinted": "GRPO on the target, hinted as TRACE",
+                 "mixed": "one adapter, environments mixed", "gepa": "GEPA"}
+        for arm in names:
             if arm in self.stages.done:
                 done = self.stages.done[arm]
                 rows.append(row(names[arm], _episodes(pathlib.Path(done["result"]["episodes_dir"])),

@@ -30,6 +30,7 @@ from tau2.environment.environment import Environment
 
 from trace_jax.envs.base import END_AGENT_STOP, Gold, Message, Outcome, StepResult, TaskSpec
 from trace_jax.envs.embedded_retail_families import FAMILIES, SPLITS, Draft, Pool
+from trace_jax.envs.hints import replay_sources, task_hint
 from trace_jax.envs.tau2_bridge import DomainState, domain_state, execute, score
 
 TOOL_NAMES = ("find_user_id_by_email", "find_user_id_by_name_zip", "get_user_details", "get_order_details",
@@ -189,8 +190,17 @@ class EmbeddedRetail:
             raise ValueError(f"task {spec.task_id!r} did not come from this environment's tasks()")
         return self._tasks[spec.task_id]
 
-    def episode(self, task: TaskSpec) -> RetailEpisode:
-        return RetailEpisode(self.retail_task(task), self.state, self.system_prompt, self.tools)
+    def hint_for(self, spec: TaskSpec) -> str:
+        """The ticket's hint (`trace_jax.envs.hints`): each gold call by tool, with where each argument's value is
+        (the ticket, or the result of an earlier call), for the hinted share of a GRPO run's episodes."""
+        task = self.retail_task(spec)
+        sources = replay_sources(self.state.fresh_environment(), task.ticket, (), task.gold.tool_calls)
+        return task_hint(task.gold.tool_calls, sources, task.gold.facts, self.state.write_tools)
+
+    def episode(self, task: TaskSpec, hint: bool = False) -> RetailEpisode:
+        """A fresh episode of `task`; `hint` appends the ticket's hint to its system prompt."""
+        prompt = f"{self.system_prompt}\n\nHint: {self.hint_for(task)}" if hint else self.system_prompt
+        return RetailEpisode(self.retail_task(task), self.state, prompt, self.tools)
 
     def _task(self, split: str, index: int) -> RetailTask:
         """Task `index` of `split`: family by turns, drawn from a Random seeded by (seed, split, family, turn)."""

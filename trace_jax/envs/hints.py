@@ -78,6 +78,24 @@ def task_hint(calls: Sequence[Call], sources: Sequence[Sequence[Source]], facts:
     return " ".join(parts)
 
 
+def replay_sources(environment, ticket: str, prefilled: Sequence[Call], calls: Sequence[Call]) -> list[list[Source]]:
+    """What each of `calls` can take its values from: the ticket, the results of the `prefilled` calls (shown
+    above the agent's first turn) and of the calls before it, each replayed in order on `environment` (a τ²
+    environment holding the task's world, changed by the replay)."""
+    from trace_jax.envs.tau2_bridge import execute  # τ² is an optional extra, needed only where hints are built
+
+    sources = [Source("the ticket", ticket)]
+    for i, call in enumerate(prefilled):
+        sources.append(Source(f"the result of {call['name']} above",
+                              execute(environment, {"id": f"hint_{i}", **call})["content"]))
+    per_call = []
+    for i, call in enumerate(calls):
+        per_call.append(list(sources))
+        sources.append(Source(f"the result of your {call['name']} call",
+                              execute(environment, {"id": f"hint_gold_{i}", **call})["content"]))
+    return per_call
+
+
 def hinted_trials(share: float, trials: int) -> int:
     """How many of a task's `trials` episodes (a GRPO group, a calibration's samples) carry the hint: the first
     share x trials, rounded half up."""

@@ -53,7 +53,7 @@ from trace_jax.agent.tool_calls import format_tool_call
 from trace_jax.envs.base import NORMAL_ENDS, Call, Gold, Message, Outcome, TaskSpec
 from trace_jax.envs.capability.domains import WorldDomain, world_domain
 from trace_jax.envs.embedded_retail import SoloTicketEpisode
-from trace_jax.envs.hints import Source, task_hint
+from trace_jax.envs.hints import replay_sources, task_hint
 from trace_jax.envs.tau2_bridge import execute
 
 SPLITS = ("train", "heldout")
@@ -274,16 +274,8 @@ class CapabilityEnvironment:
         """The hint of task `spec` (module docstring): its remaining gold calls with where their arguments come
         from, or at an "exact_hint" level the calls themselves, after the capability's general guidance."""
         _, scenario, level = self._entry(spec)
-        environment = self.domain.environment(scenario.db)
-        sources = [Source("the ticket", scenario.ticket)]
-        for i, call in enumerate(scenario.prefilled):
-            result = execute(environment, {"id": f"hint_{i}", **call})
-            sources.append(Source(f"the result of {call['name']} above", result["content"]))
-        per_call = []
-        for i, call in enumerate(scenario.gold_calls):
-            per_call.append(list(sources))
-            result = execute(environment, {"id": f"hint_gold_{i}", **call})
-            sources.append(Source(f"the result of your {call['name']} call", result["content"]))
+        per_call = replay_sources(self.domain.environment(scenario.db), scenario.ticket, scenario.prefilled,
+                                  scenario.gold_calls)
         exact = "exact_hint" in self._scaffolds(level)
         return task_hint(scenario.gold_calls, per_call, scenario.facts, self.domain.state.write_tools, exact=exact,
                          guidance=self.capability.hint)
