@@ -1,12 +1,17 @@
 """TRACE against its baselines on the embedded default (CPU): configs/trace_embedded.py's run, then GRPO on
-the embedded retail train tickets, one adapter on the calibrated capability environments mixed, and GEPA
-with the base model as its reflection LM, each with TRACE's training budget (its GRPO episodes, summed over
-capabilities: 8 steps x 4 tickets x 4 per capability), all evaluated on the same 200 held-out tickets.
-Oracle routing (per family the best of the base agent and each adapter alone) is chosen on the 140 train
-tickets of TRACE's analysis.
+the embedded retail train tickets (without hints, and with TRACE's hints in TRACE's share of each group), one
+adapter on the calibrated capability environments mixed, and GEPA with the base model as its reflection LM,
+each with TRACE's training budget (the episodes its GRPO jobs played, re-sampled ones included, summed over
+capabilities: 8 steps x 4 tickets x 8 per capability before re-sampling), all evaluated on the same 200
+held-out tickets. Oracle routing (per family the best of the base agent and each adapter alone) is chosen on
+the 140 train tickets of TRACE's analysis.
 
   python -m launch.experiment --config=configs/experiment_embedded.py --workdir=runs/experiment_embedded \
       [--config.trace_run=runs/trace_embedded]
+
+A second training seed: the same command into another workdir with --config.trace.seed=1 (the greedy base
+agent, the analysis and the held-out tickets do not depend on it; calibration's and every GRPO job's sampling
+do), keeping the arms to compare (--config.arms=grpo_target,grpo_target_hinted).
 """
 
 import ml_collections
