@@ -190,6 +190,13 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
     assert sum(summary["routing"].values()) == heldout and summary["oracle"] is None  # final.per_adapter is off
     report = (tmp_path / "report.md").read_text()
     assert "## Held-out success per family" in report and "| order_facts | 0 |" in report  # calibration row
+    kinds = stages["environments"]["result"]["tool_calling"]  # calibrated per family, trained on them mixed
+    assert list(kinds["families"]) == ["cancel", "return", "address", "default_address"]
+    assert [part["variant"] for part in kinds["env"]["parts"]] == list(kinds["families"])
+    assert "| tool_calling[return] | 0 | 4 |" in report
+    diagnostics = stages["diagnostics"]["result"]  # sampled pass@k on each capability's targeted families
+    assert set(diagnostics) == set(summary["trained"]) and "## 5. Partial learning" in report
+    assert all(not r["families"] or {"pass@1", "pass@2"} <= set(r["adapter"]) for r in diagnostics.values())
     assert "| all |" in out.stdout  # the held-out table is printed
     assert f"conversation {heldout}/{heldout} (100%)" in out.stderr  # the routing stage's progress
     assert {k: v for k, v in again.items() if k != "this_run_seconds"} == \
@@ -200,9 +207,9 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
 def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budget(tiny_run, tiny_chat_model,
                                                                                  job_env, tmp_path):
     """configs/experiment_tiny.py on the tiny pipeline's run: every adapter alone, oracle routing chosen on the
-    analysis tickets, GRPO on the target, one adapter on both capability environments mixed and GEPA, each with
-    TRACE's budget, and TRACE routed to its first capability only, all on the same held-out tickets; a rerun
-    repeats nothing."""
+    analysis tickets, GRPO on the target (without and with TRACE's hints), one adapter on both capability
+    environments mixed and GEPA, each with TRACE's budget, and TRACE routed to its first capability only, all on
+    the same held-out tickets; a rerun repeats nothing."""
     trace_dir = tiny_run[0]
     overrides = [f"--config.trace_run={trace_dir}", *(f"--config.trace.{o[len('--config.'):]}" for o in
                                                        [*LLM_PATH, *_model(tiny_chat_model)])]
@@ -217,8 +224,9 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["pending"] == []
     log = outputs[0].stderr  # the table so far, rewritten after each arm (a long experiment's partial results)
-    assert "report.md: 4 arms; still to run: oracle, grpo_target, mixed, gepa, subsets, scaling" in log
-    assert "report.md: 5 arms; still to run: grpo_target, mixed, gepa, subsets, scaling" in log
+    assert ("report.md: 4 arms; still to run: oracle, grpo_target, grpo_target_hinted, mixed, gepa, subsets, "
+            "scaling") in log
+    assert "report.md: 5 arms; still to run: grpo_target, grpo_target_hinted, mixed, gepa, subsets, scaling" in log
     trained = tiny_run[1]["trained"]
     budget = sum(json.loads((trace_dir / "adapters" / n / "summary.json").read_text())["rollouts"] for n in trained)
     assert results["budget"] == summary["budget"] == budget > 0
@@ -228,12 +236,13 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     assert names[:4] == ["base", "TRACE", f"TRACE, oracle routing (chosen on {analysis} train tasks)",
                          "per family the best system on held-out (upper bound)"]
     assert names[4].startswith("best single adapter (")
-    assert names[5:] == ["GRPO on the target", "one adapter, environments mixed", "GEPA",
-                         "TRACE, top 1 of 2 capabilities"]
+    assert names[5:] == ["GRPO on the target", "GRPO on the target, hinted as TRACE",
+                         "one adapter, environments mixed", "GEPA", "TRACE, top 1 of 2 capabilities"]
     assert set(summary["success"]) == set(arms)
     heldout = CONFIG.target.heldout_tasks
     assert all(row["episodes"] == heldout for row in arms.values())
-    for name in ("GRPO on the target", "one adapter, environments mixed", "GEPA"):  # the budget, as counted
+    for name in ("GRPO on the target", "GRPO on the target, hinted as TRACE", "one adapter, environments mixed",
+                 "GEPA"):  # the budget, as counted
         assert abs(arms[name]["rollouts"] - budget) <= 0.05 * budget, name
     stages = json.loads((trace_dir / "stages.json").read_text())
     first = stages["analysis"]["result"]["selected"][0]
@@ -243,6 +252,9 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     assert len(top_1) == heldout and {e["adapter_idx"] for e in top_1} <= {-1, 0}  # the first adapter or none
     taken = json.loads((tmp_path / "subsets" / "top_1" / "summary.json").read_text())["reused_episodes"]
     assert taken == heldout  # the first adapter's episodes alone and the base agent's: nothing played
+    hinted = [json.loads(line) for path in sorted((tmp_path / "grpo_target_hinted" / "rollouts").glob("*.jsonl"))
+              for line in path.read_text().splitlines()]
+    assert any(r["hint"] for r in hinted) and not all(r["hint"] for r in hinted)  # TRACE's share of each group
     mixed = [json.loads(line)["task_id"] for path in sorted((tmp_path / "mixed" / "rollouts").glob("step_*.jsonl"))
              for line in path.read_text().splitlines()]
     print(f"[experiment] the mixed arm's episodes: {mixed}")
