@@ -74,7 +74,8 @@ class _Planned:
 
 def _wrong_cancel(episode):
     """A well-formed write the task does not call for: cancelling an order that is not the one to act on."""
-    order = next(o for o in episode.scenario.db.orders.values() if o.order_id not in json.dumps(episode.gold().tool_calls))
+    gold = json.dumps(episode.gold().tool_calls)
+    order = next(o for o in episode.scenario.db.orders.values() if o.order_id not in gold)
     return {"name": "cancel_pending_order", "arguments": {"order_id": order.order_id, "reason": "no longer needed"}}
 
 

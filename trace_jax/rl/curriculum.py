@@ -36,7 +36,8 @@ def start_state(levels: list[float]) -> dict:
     return {"levels": list(levels), "streaks": [0] * len(levels)}
 
 
-def climb(state: dict, rewards: list[float | None], tops: list[int], config: CurriculumConfig) -> tuple[dict, list[int]]:
+def climb(state: dict, rewards: list[float | None], tops: list[int],
+          config: CurriculumConfig) -> tuple[dict, list[int]]:
     """The state after a step whose parts' mean training rewards were `rewards` (None: no episode of that part
     this step, which keeps its streak), and the parts that moved up; a part at its top level (`tops`) stays."""
     levels, streaks, moved = list(state["levels"]), list(state["streaks"]), []

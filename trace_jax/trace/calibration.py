@@ -4,13 +4,13 @@ give GRPO something to learn from, as the paper requires.
 The base agent plays `seeds` training tasks `samples` times each at the rollout temperature
 (paper: 20 x 8 at 1.0) through the evaluation job, so the episodes are resumable and tabled like
 any evaluation; the first `hint_share` of each task's samples carry the task's hint, as training's
-groups do. Gates (`gates`: "paper", the default, "released_code", the authors' looser ones, or
-"none" for smoke runs; `GATES`): mean reward in a band, reward std, the share of informative groups and, for the released
-code, success in a band and few all-success or all-zero groups. A group is informative when its
-rewards differ across the success threshold (some succeed, some do not) or by at least
-`INFORMATIVE_SPREAD`: a group of 0 and 0.2 teaches nothing. Gates apply per variant: a level mixing
-kinds of task passes only if each kind does, as GRPO's groups are one task each. pass@k is reported
-beside them.
+groups do. Gates (`gates`, `GATES`): "paper" (the default), "released_code" (the authors' looser
+ones) or "none" (smoke runs): mean reward in a band, reward std, the share of informative groups
+and, for the released code, success in a band and few all-success or all-zero groups. A group is
+informative when its rewards differ across the success threshold (some succeed, some do not) or
+by at least `INFORMATIVE_SPREAD`: a group of 0 and 0.2 teaches nothing. Gates apply per variant:
+a level mixing kinds of task passes only if each kind does, as GRPO's groups are one task each.
+pass@k is reported beside them.
 
 The walk moves the difficulty a level at a time, up when too easy and down when too hard, below 0
 into the environment's scaffolded levels (pre-filled turns, exact hints); where one level is too easy

@@ -259,6 +259,11 @@ def route_tasks(config: ml_collections.ConfigDict, target: Environment, tasks: l
     return router.route([target.episode(t).reset() for t in tasks])
 
 
+def _dropped(reason: str) -> dict:
+    """The environments stage's result for a capability it could not calibrate, and why."""
+    return {"calibrated": False, "difficulty": None, "env": None, "tries": [], "reason": reason}
+
+
 def calibrate_in_order(selected: list[str], max_trained: int, calibrate: Callable[[str], dict]) -> dict:
     """Each capability's calibration, in selection (coverage) order, until `max_trained` passed (0: all): a
     capability dropped by calibration gives its place to the next one."""
@@ -341,15 +346,15 @@ class Pipeline:
         def calibrate(name: str) -> dict:
             folder = self.workdir / "environments" / name
             if domain not in DOMAINS:
-                return {"calibrated": False, "difficulty": None, "tries": [], "reason": "capability environments "
-                        f"are built in τ²'s {' or '.join(DOMAINS)} domain, not {domain}"}
+                return _dropped(f"capability environments are built in τ²'s {' or '.join(DOMAINS)} domain, "
+                                f"not {domain}")
             builtin = domain == "retail" and name in CAPABILITIES  # the built-in generators are retail's
             if source == "llm" or (source == "auto" and not builtin):
                 return self._written(name, folder, base, domain)
             if builtin:
                 return {**calibrate_builtin(name, base, self.config.calibration, folder), "folder": str(folder)}
-            return {"calibrated": False, "difficulty": None, "tries": [], "reason":
-                    f"no built-in {domain} generator for this capability (environments.source = 'auto' writes one)"}
+            return _dropped(f"no built-in {domain} generator for this capability (environments.source = 'auto' "
+                            "writes one)")
 
         return calibrate_in_order(selected, self.config.environments.max_trained, calibrate)
 
@@ -376,8 +381,7 @@ class Pipeline:
         synthesis = write_environment(CapabilityCard(name, card["description"], card["lacking"]), evidence, client,
                                       written, self.config.env_writer, judge=judge, domain=domain)
         if not synthesis.accepted:
-            return {"calibrated": False, "difficulty": None, "tries": [], "reason": "no LLM-written module passed "
-                    f"validation and calibration in {synthesis.attempts} attempts"}
+            return _dropped(f"no LLM-written module passed validation and calibration in {synthesis.attempts} attempts")
         return calibrated(synthesis.attempts, synthesis.reports[-1], pathlib.Path(synthesis.scenarios))
 
     def _training(self, environments: dict) -> dict:
