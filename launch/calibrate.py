@@ -4,11 +4,13 @@
       [--capabilities=tool_calling,precondition]
 
 Plays each capability's environment with the config's base agent as the pipeline's environments
-stage does (`calibration.seeds` x `calibration.samples` episodes at `calibration.temperature`, cut
-as training cuts them), walking the difficulty knob to the gates. Each capability's episodes and
-calibration.json go to <workdir>/<capability>/ (a rerun resumes), the table of every try to
-<workdir>/calibration.md; the last line is JSON: per capability, calibrated or not and at which
-difficulty.
+stage does (`calibration.seeds` x `calibration.samples` episodes at `calibration.temperature`, the
+first `calibration.hint_share` of each task's samples hinted, cut as training cuts them), walking the
+difficulty down into the scaffolded levels and up to the gates, per family where a capability has
+them. Each capability's episodes, each try's groups (groups.json) and calibration.json go to
+<workdir>/<capability>/ (a rerun resumes, from the groups alone where the episodes are gone), the table
+of every try to <workdir>/calibration.md; the last line is JSON: per capability, calibrated or not and
+the environment to train on.
 """
 
 from __future__ import annotations
