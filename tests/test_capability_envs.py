@@ -146,12 +146,21 @@ def test_an_agent_without_the_capability_fails_where_it_is_needed(capability, di
     assert success <= most, success
 
 
-@pytest.mark.parametrize("capability", sorted(CAPABILITIES))
-def test_tasks_are_deterministic_per_seed_with_disjoint_splits_and_new_customers(capability):
-    first, again, other_seed = (_env(capability, difficulty=2), _env(capability, difficulty=2),
-                                _env(capability, difficulty=2, seed=1))
+def _levels():
+    """Every capability at its top difficulty and its most scaffolded level, and each family's most scaffolded."""
+    for name, spec in sorted(CAPABILITIES.items()):
+        yield name, {"difficulty": spec.max_difficulty}
+        yield name, {"difficulty": spec.min_difficulty}
+        yield from ((name, {"difficulty": spec.min_difficulty, "variant": v}) for v in spec.families)
+
+
+@pytest.mark.parametrize("capability, level", list(_levels()))
+def test_tasks_are_deterministic_per_seed_with_disjoint_splits_and_new_customers(capability, level):
+    first, again, other_seed = (_env(capability, **level), _env(capability, **level),
+                                _env(capability, seed=1, **level))
     tickets = lambda env, split: [env.scenario(t).ticket for t in env.tasks(split, TASKS)]
-    assert tickets(first, "train") == tickets(again, "train")
+    hints = lambda env: [env.hint_for(t) for t in env.tasks("train", TASKS)]
+    assert tickets(first, "train") == tickets(again, "train") and hints(first) == hints(again)
     assert tickets(first, "train") != tickets(other_seed, "train")
     assert not set(tickets(first, "train")) & set(tickets(first, "heldout"))
     target = domain_state("retail").db
