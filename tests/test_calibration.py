@@ -38,6 +38,8 @@ def test_group_stats_and_pass_at_k_are_the_hand_computed_values():
     assert stats["pass@4"] == pytest.approx(1 / 3) and "pass@8" not in stats
     assert stats["std"] == pytest.approx(0.312, abs=1e-3)  # mean 1/3 and std pass; a third of groups informative
     assert gate_failures(stats, calibration_defaults()) == ["informative groups 0.33 < 0.6"]
+    split = group_stats(rewards, rewards == 1.0, hinted=1)  # the first sample of each group hinted
+    assert (split["hinted_success"], split["unhinted_success"]) == (pytest.approx(1 / 3), 0.0)
 
 
 def test_a_group_is_informative_only_across_success_or_a_spread_of_half_the_reward():

@@ -32,6 +32,7 @@ import numpy as np
 
 from trace_jax import distributed
 from trace_jax.config_checks import Check, check_config, number, positive_int
+from trace_jax.envs.hints import hinted_trials
 from trace_jax.evaluation import evaluate, recorded_episodes
 from trace_jax.files import read_json, write_json_atomic
 from trace_jax.report import pass_at_k
@@ -96,8 +97,9 @@ def informative_groups(rewards: np.ndarray, successes: np.ndarray) -> np.ndarray
     return mixed | (rewards.max(axis=1) - rewards.min(axis=1) >= INFORMATIVE_SPREAD - 1e-9)
 
 
-def group_stats(rewards: np.ndarray, successes: np.ndarray) -> dict:
-    """Gate statistics of [seeds, samples] rewards and successes, with pass@k for k = 1, 2, 4, ..."""
+def group_stats(rewards: np.ndarray, successes: np.ndarray, hinted: int = 0) -> dict:
+    """Gate statistics of [seeds, samples] rewards and successes, with pass@k for k = 1, 2, 4, ... and, where the
+    first `hinted` samples of each group carried the hint, the success of hinted and unhinted samples apart."""
     n = rewards.shape[1]
     wins = successes.sum(axis=1)
     stats = {"episodes": int(rewards.size), "mean": float(rewards.mean()), "std": float(rewards.std()),
@@ -106,16 +108,19 @@ def group_stats(rewards: np.ndarray, successes: np.ndarray) -> dict:
              "all_success": float(np.mean(wins == n)), "all_zero": float(np.mean(rewards.max(axis=1) == 0))}
     for k in (2 ** i for i in range(int(math.log2(n)) + 1)):
         stats[f"pass@{k}"] = float(np.mean([pass_at_k(int(c), n, k) for c in wins]))
+    if 0 < hinted < n:
+        stats.update(hinted_success=float(successes[:, :hinted].mean()),
+                     unhinted_success=float(successes[:, hinted:].mean()))
     return stats
 
 
-def level_stats(rewards: np.ndarray, successes: np.ndarray, variants: list[str]) -> dict:
+def level_stats(rewards: np.ndarray, successes: np.ndarray, variants: list[str], hinted: int = 0) -> dict:
     """`group_stats` of a level's groups, and per variant (`variants[i]`: group i's) where they differ."""
-    stats = group_stats(rewards, successes)
+    stats = group_stats(rewards, successes, hinted)
     kinds = sorted(set(variants))
     if len(kinds) > 1:
         rows = np.array(variants)
-        stats["variants"] = {v: group_stats(rewards[rows == v], successes[rows == v]) for v in kinds}
+        stats["variants"] = {v: group_stats(rewards[rows == v], successes[rows == v], hinted) for v in kinds}
     return stats
 
 
@@ -182,7 +187,7 @@ def calibrate(measure: Measure, config: ml_collections.ConfigDict, bounds: tuple
     move; returns every try and the difficulty chosen (None: the environment is dropped, with the reason)."""
     tries, difficulty = [], min(max(config.start_difficulty, bounds[0]), bounds[1])
     while difficulty is not None:
-        stats = level_stats(*measure(difficulty))
+        stats = level_stats(*measure(difficulty), hinted=hinted_trials(config.hint_share, config.samples))
         failures = gate_failures(stats, config)
         tries.append({"difficulty": difficulty, **stats, "failures": failures})
         if not failures:
@@ -336,14 +341,15 @@ def calibration_table(results: list[dict]) -> str:
     verdict."""
     passes = sorted({k for r in results for t in r["tries"] for k in t if k.startswith("pass@")},
                     key=lambda k: int(k[5:]))
-    lines = ["| capability | difficulty | episodes | mean | std | success | informative | all 0 | all 1 | "
-             + " | ".join(passes) + " | verdict |", "|---" * (10 + len(passes)) + "|"]
+    lines = ["| capability | difficulty | episodes | mean | std | success (hinted / not) | informative | all 0 | "
+             "all 1 | " + " | ".join(passes) + " | verdict |", "|---" * (10 + len(passes)) + "|"]
     for result in results:
         for t in result["tries"]:
             name = result["capability"] + (f"[{t['variant']}]" if "variant" in t else "")
             verdict = "pass" if not t["failures"] else "; ".join(t["failures"])
+            split = f" ({t['hinted_success']:.2f} / {t['unhinted_success']:.2f})" if "hinted_success" in t else ""
             lines.append(f"| {name} | {t['difficulty']} | {t['episodes']} | {t['mean']:.3f} | {t['std']:.3f} | "
-                         f"{t['success']:.2f} | {t['informative']:.2f} | {t['all_zero']:.2f} | "
+                         f"{t['success']:.2f}{split} | {t['informative']:.2f} | {t['all_zero']:.2f} | "
                          f"{t['all_success']:.2f} | " + " | ".join(f"{t.get(k, float('nan')):.2f}" for k in passes)
                          + f" | {verdict} |")
     return "\n".join(lines)
