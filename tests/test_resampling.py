@@ -58,3 +58,33 @@ def test_a_budget_counts_the_re_sampled_episodes():
     assert not budget_spent(config, 63) and budget_spent(config, 64)
     config.train.update(rollout_budget=None, steps=4)
     assert not budget_spent(config, 10_000)
+
+
+def test_a_grpo_run_that_re_samples_stops_when_its_episodes_reach_the_budget_and_resumes_there(tiny_chat_model,
+                                                                                                tmp_path, monkeypatch):
+    """The GRPO job in process (the tiny model): every group scores 0, so each step re-samples twice (three groups
+    of 2 played); a budget of 8 episodes, 4 steps as planned, is spent after 2 steps (12 episodes), and a rerun on
+    the workdir plays nothing more."""
+    import dataclasses
+
+    from configs import grpo_env_tiny
+    from trace_jax.rl.environment_rollouts import EnvironmentRollouts
+    from trace_jax.rl.trainer import train
+
+    config = grpo_env_tiny.get_config()
+    config.model, config.lora.first_layer = str(tiny_chat_model), 0
+    config.rollout.update(group_size=2, batch_size=2, max_turns=1, max_tokens_per_turn=8, resamples=2)
+    config.train.update(steps=None, rollout_budget=8, micro_batch_tokens=64)
+    sample = EnvironmentRollouts.sample
+    played = []
+
+    def constant(self, *args, **kwargs):
+        rollouts = sample(self, *args, **kwargs)
+        played.append(len(rollouts.rewards))
+        return dataclasses.replace(rollouts, rewards=np.zeros(len(rollouts.rewards)))
+
+    monkeypatch.setattr(EnvironmentRollouts, "sample", constant)
+    summary = train(config, tmp_path)
+    assert (summary["steps"], summary["rollouts"]) == (2, 12) and played == [2] * 6
+    again = train(config, tmp_path)
+    assert {k: again[k] for k in ("steps", "rollouts")} == {"steps": 2, "rollouts": 12} and played == [2] * 6

@@ -228,10 +228,11 @@ def _eval_due(step: int, config: ml_collections.ConfigDict) -> bool:
 
 
 def _resumed_eval(workdir: pathlib.Path, step: int, evaluate: Callable[[int, int], dict[str, float]],
-                  writer: MetricsWriter, config: ml_collections.ConfigDict) -> dict[str, float] | None:
-    """The held-out metrics of the checkpointed `step` a run resumes from: read back when logged, and
-    evaluated now when a kill interrupted that evaluation (an environment's resumes from its episodes)."""
-    if not _eval_due(step, config):
+                  writer: MetricsWriter, config: ml_collections.ConfigDict, last: bool) -> dict[str, float] | None:
+    """The held-out metrics of the checkpointed `step` a run resumes from (`last`: the run's last, its budget
+    spent): read back when logged, and evaluated now when a kill interrupted that evaluation (an environment's
+    resumes from its episodes)."""
+    if not (_eval_due(step, config) or (last and config.eval.num_tasks > 0)):
         return None
     logged = {k: v for k, v in logged_scalars(workdir, step).items() if k.startswith("eval/")}
     if "eval/reward" in logged:
@@ -273,11 +274,14 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     rescore = (make_rescore_fn(run.model.cfg, loss_cfg, plan=run.plan, remat=config.train.remat,
                                temperature=config.rollout.temperature) if _hints(config) else None)
 
-    latest_eval = base if state.step == 0 else _resumed_eval(workdir, state.step, evaluate, writer, config)
+    latest_eval = base if state.step == 0 else _resumed_eval(workdir, state.step, evaluate, writer, config,
+                                                                   budget_spent(config, _episodes(state, config)))
     progress = Progress(steps, start=state.step, every_s=config.log_every_s)
     snapshots = _snapshot_steps(config, steps)
     weights, opt_state = state.adapter_weights, state.opt_state
     for step in range(state.step, steps):
+        if budget_spent(config, _episodes(state, config)):  # a run that re-sampled spent it before its last step
+            break
         t0 = time.monotonic()
         cursor = state.cursor["next_task"]
         step_key = jax.random.fold_in(state.rng, step)
@@ -326,14 +330,15 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         # The step's metrics before its checkpoint, so a kill never loses them (one between the two makes the
         # resumed run log the step again, the same), and before the evaluation, which a kill may interrupt.
         writer.write(step + 1, metrics)
-        run.checkpointer.save(state, force=step + 1 == steps)
+        last = step + 1 == steps or budget_spent(config, _episodes(state, config))
+        run.checkpointer.save(state, force=last)
         held_out = ""
-        if _eval_due(step + 1, config):
+        if _eval_due(step + 1, config) or (last and config.eval.num_tasks > 0):
             latest_eval = evaluate(ADAPTER, step + 1)
             writer.write(step + 1, latest_eval)
             held_out = f"  held-out {latest_eval['eval/reward']:.3f}"
         progress.update(step + 1, f"reward {metrics['rollout/reward']:.3f}{held_out}")
-        if budget_spent(config, _episodes(state, config)):  # re-sampled episodes spend it before the last step
+        if last:
             break
     run.checkpointer.close()
     run.state = state
