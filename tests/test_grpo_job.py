@@ -153,3 +153,14 @@ def test_the_tau2_config_for_accelerators_validates_once_given_a_model():
     config.model = "/path/to/hf_checkpoint"
     validate_config(config)
     assert (config.env.name, config.env.split, config.eval.split, config.dtype) == ("tau2", "train", "test", "bfloat16")
+
+
+def test_the_capability_config_trains_tool_callings_return_family_hinted_as_trace_does():
+    from configs import grpo_capability_embedded, trace_embedded
+
+    config = grpo_capability_embedded.get_config()
+    validate_config(config)
+    trace = trace_embedded.get_config()
+    assert (config.env.capability, config.env.variant, config.env.difficulty) == ("tool_calling", "return", 0)
+    assert config.rollout.hint_share == trace.calibration.hint_share > 0 and config.loss.tis_cap is None
+    assert config.rollout.to_dict() == trace.training.rollout.to_dict() and config.model == trace.model
