@@ -27,6 +27,7 @@ import numpy as np
 import optax
 
 from trace_jax import lora
+from trace_jax.distributed import host_array
 from trace_jax.lora import NO_ADAPTER, Adapters
 from trace_jax.models import decoder
 from trace_jax.models.config import ModelConfig
@@ -257,7 +258,7 @@ def make_rescore_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, plan: ShardingPla
             rows = np.isin(mb["sequence"], marked)
             mb = {**mb, "sampler_logp": mb["old_logp"]}
             if rows.any():
-                logp = np.asarray(forward(params, weights, scale, {k: mb[k] for k in inputs}, shared))
+                logp = host_array(forward(params, weights, scale, {k: mb[k] for k in inputs}, shared))
                 mb["old_logp"] = np.where(rows[:, None], logp, mb["sampler_logp"])
                 learned = (mb["loss_mask"] > 0) & rows[:, None]
                 old.append(mb["old_logp"][learned])
