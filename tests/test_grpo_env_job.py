@@ -170,5 +170,5 @@ def test_two_processes_train_as_one_and_resume_when_one_is_killed(env_run, tmp_p
         assert episodes(workdir, step) == episodes(full_dir, step), step
         diff = _max_diff(_adapter_at(workdir, step), _adapter_at(full_dir, step))
         print(f"\n[grpo env job] two processes vs one at step {step}: adapter max |diff| {diff:.2e}")
-        assert diff <= 1e-6
+        assert diff <= 1e-5  # hinted rows are rescored by a forward pass sharded over the processes
     assert step_metrics(workdir, STEPS) == step_metrics(full_dir, STEPS)
