@@ -11,7 +11,10 @@ import time
 from trace_jax.metrics import logged_scalars
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TWO_DEVICES = "--xla_force_host_platform_device_count=2"  # XLA_FLAGS of a single process whose mesh matches two
+# XLA_FLAGS of a single process whose mesh matches two processes of one device each. XLA:CPU ends a process whose
+# devices wait 40 s for each other at a collective, which a CI machine running other tests beside it can reach.
+TWO_DEVICES = ("--xla_force_host_platform_device_count=2 "
+               "--xla_cpu_collective_call_terminate_timeout_seconds=600")
 
 
 def step_metrics(workdir: pathlib.Path, step: int) -> dict[str, float]:
