@@ -121,6 +121,8 @@ def test_too_hard_at_level_0_walks_into_the_scaffolded_levels_and_drops_only_at_
     assert easy["reason"].startswith("too easy even at its top level (1)")
     assert walk_bounds(("prefill", "exact_hint"), 2, 0.5) == (-2, 2)
     assert walk_bounds(("prefill", "exact_hint"), 2, 0.0) == (-1, 2)  # an exact hint needs hinted samples
+    assert walk_bounds(("exact_hint", "opened_call"), 1, 0.0) == (0, 1)  # so does an opened call
+    assert walk_bounds(("prefill", "exact_hint", "opened_call"), 1, 0.25) == (-3, 1)
 
 
 def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_calibrate(tmp_path):
@@ -142,6 +144,10 @@ def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_cal
     assert [t["difficulty"] for t in noop["tries"]] == [0, -1, -2] and noop["tries"][-1]["mean"] == 0.0
     assert noop["reason"].startswith("too hard even at its most scaffolded level (-2)")
     assert calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "noop", agent="gold") == noop
+    deeper = calibrate_capability("multi_step", (-3, 2), base, config, tmp_path / "noop", agent="noop")
+    assert [t["difficulty"] for t in deeper["tries"]] == [0, -1, -2, -3]  # a new scaffold: the walk goes on
+    assert deeper["tries"][:3] == noop["tries"] and deeper["reason"].startswith("too hard even at its most "
+                                                                                 "scaffolded level (-3)")
     for played in [tmp_path / "gold" / "calibration.json", *(tmp_path / "gold").rglob("episodes.jsonl")]:
         played.unlink()  # what a checkout keeps of a committed walk: each try's groups.json
     assert calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "gold", agent="noop") == gold

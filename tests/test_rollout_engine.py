@@ -25,6 +25,7 @@ from trace_jax.agent.rollout import (  # noqa: E402
 )
 from trace_jax.agent.scripted import GoldAgent, NoopAgent, StoppingUser  # noqa: E402
 from trace_jax.envs import base  # noqa: E402
+from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment  # noqa: E402
 from trace_jax.envs.embedded_retail import EmbeddedRetail  # noqa: E402
 from trace_jax.models.model import load_model  # noqa: E402
 from trace_jax.sampling import Sampler  # noqa: E402
@@ -101,3 +102,30 @@ def test_sampled_episodes_are_the_same_in_any_batch_or_order(env, tiny_chat_mode
     together = play(4, [0, 1, 2, 3])
     assert play(2, [3, 2, 1, 0]) == together
     assert len({tuple(ids) for ids in together.values()}) == 4  # trials of one task sample differently
+
+
+def test_an_opened_turn_is_fed_and_recorded_as_the_agents_own(tiny_chat_model):
+    """tool_calling's returns at their "opened_call" level (-2) on the tiny random model: a hinted episode's first
+    turn is the return's opening (`<tool_call>` and the tool name) followed by what the model sampled, and its
+    token ids hold that opening right after the first prompt, on the loss mask with sampler logprob 0; an
+    unhinted episode of the same task opens nothing."""
+    env = CapabilityEnvironment(CAPABILITIES["tool_calling"], difficulty=-2, variant="return", policy=False)
+    model = load_model(tiny_chat_model)
+    sampler = Sampler(model.cfg, model.params, detokenize=model.tokenizer.decode)
+    config = RolloutConfig(batch_size=2, max_turns=1, max_tokens_per_turn=6, temperature=1.0)
+    engine = RolloutEngine(env, agent=MODEL, sampler=sampler, tokenizer=model.tokenizer, config=config)
+    task = env.tasks("train", 1)[0]
+    hinted, plain = engine.run([Job(task, 0, hint=True), Job(task, 1)], key=jax.random.key(0))
+    opening = env.episode(task, hint=True).opening
+    forced = model.tokenizer.encode(opening)
+    assert opening.endswith("return_delivered_order_items") and forced
+    start = hinted.loss_mask.index(1)
+    assert hinted.token_ids[start:start + len(forced)] == forced
+    assert hinted.loss_mask[start:start + len(forced)] == [1] * len(forced)
+    assert hinted.logprobs[start:start + len(forced)] == [0.0] * len(forced)
+    assert all(p < 0 for p in hinted.logprobs[start + len(forced):] if p)  # then sampled, at temperature 1
+    assert hinted.generated_tokens == len(hinted.token_ids) - start - len(forced)
+    turn = [m for m in hinted.messages if m["role"] == "assistant"][-1]  # after the pre-filled look-ups
+    assert turn["content"].startswith(opening) and turn["content"] != opening
+    first = plain.loss_mask.index(1)
+    assert plain.token_ids[first:first + len(forced)] != forced

@@ -17,6 +17,11 @@ Model output never crashes the engine: malformed tool calls become error observa
 and max turns, max tokens per turn, too many errors and a full context end the episode
 with a recorded reason. A user simulator's turn cut at max tokens is passed on as written
 (its end-of-turn token added to the user's tokens); only the agent's is a failure.
+
+An episode may open the agent's first turn for it (its `opening` text: the capability environments'
+"opened_call" scaffold writes in the next call's tool name). Those tokens are fed, then recorded as
+the agent's own (on the loss mask, sampler logprob 0: the scaffold chose them with certainty), and the
+turn's text is the opening and what the agent sampled after it.
 """
 
 from __future__ import annotations
@@ -140,6 +145,7 @@ class _Live:
     errors: int = 0
     generated: int = 0
     end_reason: str | None = None
+    opened: list[int] = dataclasses.field(default_factory=list)  # the opening of the agent turn being sampled
 
 
 class RolloutEngine:
@@ -238,7 +244,9 @@ class RolloutEngine:
                 self._take_turn(item, text, None)
                 continue
             pending = speaker.pending_tokens()
-            room = self.sampler.max_context - len(speaker.token_ids) - len(pending)
+            opening = getattr(item.episode, "opening", "") if speaker is item.agent and item.turns == 0 else ""
+            item.opened = self.tokenizer.encode(opening) if opening else []
+            room = self.sampler.max_context - len(speaker.token_ids) - len(pending) - len(item.opened)
             if room < 1:
                 item.end_reason = base.END_CONTEXT
                 break
@@ -261,11 +269,12 @@ class RolloutEngine:
             agent = speaker is item.agent
             adapter = item.job.adapter_idx if agent else lora.NO_ADAPTER
             held = 0 if speaker.token_ids else session.start(speaker.row, pending, adapter, group=agent)
-            speaker.token_ids += pending
-            speaker.loss_mask += [0] * len(pending)
-            speaker.logprobs += [0.0] * len(pending)
+            opened = item.opened if agent else []
+            speaker.token_ids += pending + opened
+            speaker.loss_mask += [0] * len(pending) + [1] * len(opened)
+            speaker.logprobs += [0.0] * (len(pending) + len(opened))
             rows.append(speaker.row)
-            feeds.append(pending[held:])
+            feeds.append(pending[held:] + opened)
             adapters.append(adapter)
             agents.append(agent)
             streams.append(item.job.stream("agent" if agent else "user"))
@@ -275,7 +284,8 @@ class RolloutEngine:
                      top_p=[self.config.top_p if a else 1.0 for a in agents], adapter_idx=adapters, stream=streams)
 
     def _take_model_turn(self, item: _Live, completion: Completion) -> None:
-        """Records a sampled turn (its tokens on the loss mask, with their logprobs) and takes it."""
+        """Records a sampled turn (its tokens on the loss mask, with their logprobs) and takes it, after the
+        opening written in for it, if any."""
         speaker = self._speaker(item)
         ids = completion.token_ids
         speaker.token_ids += ids
@@ -283,7 +293,8 @@ class RolloutEngine:
         speaker.logprobs += list(completion.logprobs)
         item.generated += len(ids) if speaker is item.agent else 0
         ended = bool(ids) and ids[-1] in self.tokenizer.eos_token_ids
-        self._take_turn(item, self.tokenizer.decode(ids[:-1] if ended else ids), completion.finish_reason)
+        opened, item.opened = (item.opened if speaker is item.agent else []), []
+        self._take_turn(item, self.tokenizer.decode(opened + (ids[:-1] if ended else ids)), completion.finish_reason)
 
     def _record_scripted_turn(self, item: _Live, speaker: _Speaker, text: str) -> None:
         """Records a scripted agent's turn as the tokens the model would emit for it (its text, then

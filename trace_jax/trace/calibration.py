@@ -13,7 +13,7 @@ a level mixing kinds of task passes only if each kind does, as GRPO's groups are
 pass@k is reported beside them.
 
 The walk moves the difficulty a level at a time, up when too easy and down when too hard, below 0
-into the environment's scaffolded levels (pre-filled turns, exact hints); where one level is too easy
+into the environment's scaffolded levels (pre-filled turns, exact hints, opened calls); where one level is too easy
 and the next too hard, it tries the mix of the two halfway between, halving again while the halves
 are at least `min_step` apart. An environment is dropped only when it cannot pass anywhere, with the
 reason: too hard even at its most scaffolded level, too easy at its top level, or too uniform. A
@@ -32,6 +32,7 @@ import numpy as np
 
 from trace_jax import distributed
 from trace_jax.config_checks import Check, check_config, number, positive_int
+from trace_jax.envs.capability.environment import HINTED_SCAFFOLDS
 from trace_jax.envs.hints import hinted_trials
 from trace_jax.evaluation import evaluate, recorded_episodes
 from trace_jax.files import read_json, write_json_atomic
@@ -197,9 +198,9 @@ def calibrate(measure: Measure, config: ml_collections.ConfigDict, bounds: tuple
 
 
 def walk_bounds(scaffolds: tuple[str, ...], max_difficulty: int, hint_share: float) -> tuple[int, int]:
-    """The levels a walk may visit: every scaffolded one (an exact hint only where some samples are hinted, since
-    it changes nothing else) up to `max_difficulty`."""
-    usable = [s for s in scaffolds if hint_share > 0 or s != "exact_hint"]
+    """The levels a walk may visit: every scaffolded one (those that change only hinted episodes only where some
+    samples are hinted) up to `max_difficulty`."""
+    usable = [s for s in scaffolds if hint_share > 0 or s not in HINTED_SCAFFOLDS]
     return -len(usable), max_difficulty
 
 
@@ -259,7 +260,8 @@ def calibrate_capability(capability: str, bounds: tuple[int, int], base_eval: ml
     base agent of `base_eval` (an evaluation job's config; `agent` as the evaluation job takes it) between the
     levels `bounds` (`walk_bounds`); with `families`, each variant on its own in `folder/<variant>/`. Each
     difficulty's episodes go to `folder/difficulty_<d>/` with their groups' rewards (`GROUPS`, read back instead of
-    playing the try again), and the result to `folder/calibration.json` (read back when it exists): the tries, and
+    playing the try again), and the result to `folder/calibration.json` (read back when it exists and was walked
+    between the same bounds): the tries, and
     `env`, the environment config to train on (None: dropped)."""
     validate_calibration_config(config)
     if families:
@@ -283,8 +285,8 @@ def _calibrate_walk(capability: str, bounds: tuple[int, int], base_eval: ml_coll
                     variant: str | None = None) -> dict:
     """One environment's walk (`calibrate_capability`), of one `variant` or every kind."""
     result_path = folder / "calibration.json"
-    if result_path.exists():
-        return read_json(result_path)
+    if (stored := _stored_result(result_path, bounds)) is not None:
+        return stored
 
     def measure(difficulty: float) -> tuple[np.ndarray, np.ndarray, list[str]]:
         workdir = folder / f"difficulty_{difficulty}"
@@ -304,7 +306,7 @@ def _calibrate_walk(capability: str, bounds: tuple[int, int], base_eval: ml_coll
 
     walked = calibrate(measure, config, bounds)
     chosen = walked["difficulty"]
-    result = {"capability": capability, **walked,
+    result = {"capability": capability, **walked, "bounds": list(bounds),
               "env": None if chosen is None else environment_config(capability, chosen, config, scenarios, variant),
               "episodes_dir": None if chosen is None else str(folder / f"difficulty_{chosen}")}
     distributed.on_main(lambda: write_json_atomic(result_path, result))  # every process computed the same
@@ -317,8 +319,8 @@ def _calibrate_families(capability: str, bounds: tuple[int, int], base_eval: ml_
     """Each family of `capability` calibrated on its own (its levels end at 0: `CapabilityEnvironment`); the
     environment to train on mixes the families that passed, each at its own level (`folder/calibration.json`)."""
     result_path = folder / "calibration.json"
-    if result_path.exists():
-        return read_json(result_path)
+    if (stored := _stored_result(result_path, bounds)) is not None:
+        return stored
     parts = {}
     for variant in families:
         parts[variant] = _calibrate_walk(capability, (bounds[0], 0), base_eval, config, folder / variant, agent,
@@ -326,7 +328,8 @@ def _calibrate_families(capability: str, bounds: tuple[int, int], base_eval: ml_
     passed = [p for p in parts.values() if p["calibrated"]]
     env = (None if not passed else passed[0]["env"] if len(passed) == 1
            else {"name": "mixed", "parts": [p["env"] for p in passed]})
-    result = {"capability": capability, "calibrated": bool(passed), "difficulty": None, "env": env,
+    result = {"capability": capability, "calibrated": bool(passed), "difficulty": None, "bounds": list(bounds),
+              "env": env,
               "families": {v: p["difficulty"] for v, p in parts.items()},
               "episodes_dir": passed[0]["episodes_dir"] if passed else None,
               "tries": [{**t, "variant": v} for v, p in parts.items() for t in p["tries"]]}
@@ -334,6 +337,15 @@ def _calibrate_families(capability: str, bounds: tuple[int, int], base_eval: ml_
         result["reason"] = "; ".join(f"{v}: {p['reason']}" for v, p in parts.items())
     distributed.on_main(lambda: write_json_atomic(result_path, result))
     return result
+
+
+def _stored_result(path: pathlib.Path, bounds: tuple[int, int]) -> dict | None:
+    """The result a walk between `bounds` stored at `path`, or None: none is there, or it was walked between other
+    levels (its capability has gained a scaffold since), and is walked again from its tries' groups."""
+    if not path.exists():
+        return None
+    stored = read_json(path)
+    return stored if stored.get("bounds") == list(bounds) else None
 
 
 def calibration_table(results: list[dict]) -> str:

@@ -15,7 +15,10 @@ agent that never succeeds at level 0: each applies one more of the capability's 
 task (`scaffold`):
   "prefill"     the gold calls before the last write (or before the last call, where none writes) are
                 pre-filled as the agent's own turns, so the agent does the last write(s);
-  "exact_hint"  a hinted episode's hint spells the remaining calls out with their arguments, and the facts.
+  "exact_hint"  a hinted episode's hint spells the remaining calls out with their arguments, and the facts;
+  "opened_call" a hinted episode's first agent turn is opened for the agent with the next gold call's tool
+                name (`<tool_call>` and the name, `CapabilityEpisode.opening`): the agent writes the rest. The
+                learner takes those tokens as the agent's own, so a tool the agent never chose is learned.
 `variant` restricts an environment to one kind of the generator's tasks (its `Scenario.variant`: tool_calling's
 cancel / return / address / default_address), so a level cannot pass on work the agent already does
 (`Capability.families` lists the kinds meant as separate level families). A variant's family has the levels
@@ -32,7 +35,8 @@ A wrong write so always costs: it earns less than the same episode without it. A
 Hints. A hinted episode (`episode(task, hint=True)`: a share of training and calibration episodes) has the task's
 hint appended to its system prompt ("Hint: ..."), nothing else changed: the capability's general guidance, then
 each remaining gold call by tool with where each argument's value is on the page (`trace_jax.envs.hints`), or at
-an "exact_hint" level the calls themselves. Evaluation never hints.
+an "exact_hint" level the calls themselves; at an "opened_call" level its first turn is opened too. Evaluation
+never hints.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ from trace_jax.envs.hints import replay_sources, task_hint
 from trace_jax.envs.tau2_bridge import execute
 
 SPLITS = ("train", "heldout")
-SCAFFOLDS = ("prefill", "exact_hint")  # see the module docstring, in the order levels below 0 add them
+SCAFFOLDS = ("prefill", "exact_hint", "opened_call")  # see the module docstring, in the order levels below 0 add them
+HINTED_SCAFFOLDS = frozenset({"exact_hint", "opened_call"})  # those that change hinted episodes alone
 DONE_CREDIT = 0.6  # the reward of all gold calls made, short of success; a share of them earns its share
 WRONG_WRITE_COST = 0.1  # taken off per write the task does not call for
 CUT_SHARE = 0.0  # the share of its reward an episode cut at a limit keeps, by default: τ²'s rule (it fails)
@@ -151,11 +156,21 @@ def partial_reward(done: int, gold: int, wrong: int) -> float:
     return min(1.0, max(0.0, DONE_CREDIT * share - WRONG_WRITE_COST * wrong))
 
 
+def call_opening(call: Call) -> str:
+    """The start of `call` as the agent writes it, up to the end of its tool name (the closing quote left to
+    the agent, so the forced tokens are those of the agent's own writing)."""
+    text = format_tool_call(call["name"], call["arguments"])
+    name = json.dumps(call["name"], ensure_ascii=False)
+    return text[: text.index(name) + len(name) - 1]
+
+
 class CapabilityEpisode(SoloTicketEpisode):
-    """One scenario played once on its own copy of the scenario's world."""
+    """One scenario played once on its own copy of the scenario's world. `opening`: the text the agent's first
+    turn is opened with (an "opened_call" level's hinted episodes; "" otherwise), which the rollout engine writes
+    in for the agent before it samples the rest of the turn."""
 
     def __init__(self, spec: TaskSpec, scenario: Scenario, prompt: str, tools: list[dict], cut_share: float,
-                 domain: WorldDomain):
+                 domain: WorldDomain, opening: str = ""):
         self.task = spec
         self.domain = domain
         self.cut_share = cut_share
@@ -163,6 +178,7 @@ class CapabilityEpisode(SoloTicketEpisode):
         self.user_tools: list[dict] = []
         self.scenario = scenario
         self._prompt = prompt
+        self.opening = opening
         self._environment: Environment | None = None
         self._opening = 0  # messages before the agent's first turn
         self.messages: list[Message] = []
@@ -281,9 +297,13 @@ class CapabilityEnvironment:
                          guidance=self.capability.hint)
 
     def episode(self, task: TaskSpec, hint: bool = False) -> CapabilityEpisode:
-        """A fresh episode of `task`; `hint` appends the task's hint to its system prompt."""
+        """A fresh episode of `task`; `hint` appends the task's hint to its system prompt and, at an "opened_call"
+        level, opens the agent's first turn with the next gold call's tool name."""
         prompt = f"{self.system_prompt}\n\nHint: {self.hint_for(task)}" if hint else self.system_prompt
-        return CapabilityEpisode(task, self.scenario(task), prompt, self.tools, self.cut_share, self.domain)
+        _, scenario, level = self._entry(task)
+        opened = hint and "opened_call" in self._scaffolds(level) and scenario.gold_calls
+        opening = call_opening(scenario.gold_calls[0]) if opened else ""
+        return CapabilityEpisode(task, scenario, prompt, self.tools, self.cut_share, self.domain, opening)
 
     def _generator_difficulty(self, level: int) -> int:
         """The generator's difficulty behind a level: the level itself, 0 below it, the top one for a variant."""
