@@ -122,7 +122,7 @@ def test_too_hard_at_level_0_walks_into_the_scaffolded_levels_and_drops_only_at_
     assert walk_bounds(("prefill", "exact_hint"), 2, 0.5) == (-2, 2)
     assert walk_bounds(("prefill", "exact_hint"), 2, 0.0) == (-1, 2)  # an exact hint needs hinted samples
     assert walk_bounds(("exact_hint", "opened_call"), 1, 0.0) == (0, 1)  # so does an opened call
-    assert walk_bounds(("prefill", "exact_hint", "opened_call"), 1, 0.25) == (-3, 1)
+    assert walk_bounds(("prefill", "exact_hint", "opened_call", "written_call"), 1, 0.25) == (-4, 1)
 
 
 def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_calibrate(tmp_path):

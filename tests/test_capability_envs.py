@@ -102,9 +102,10 @@ def test_the_reward_is_the_papers_and_a_wrong_write_costs(cut_share):
 def test_scaffolded_levels_prefill_the_calls_before_the_last_write():
     """multi_step below 0: the look-ups and the first write are the agent's pre-filled turns with τ²'s results, so
     the agent makes the last write (the return) alone; -2 adds the exact hint and changes nothing else; -3 also
-    opens a hinted episode's first turn with the return's tool name, written as the agent writes the call."""
-    plain, prefilled, exact, opened = (_env("multi_step", difficulty=d) for d in (0, -1, -2, -3))
-    for level, env in ((-1, prefilled), (-2, exact), (-3, opened)):
+    opens a hinted episode's first turn with the return's tool name, written as the agent writes the call; -4
+    writes the whole call in."""
+    plain, prefilled, exact, opened, written = (_env("multi_step", difficulty=d) for d in (0, -1, -2, -3, -4))
+    for level, env in ((-1, prefilled), (-2, exact), (-3, opened), (-4, written)):
         for task in env.tasks("train", TASKS):
             scenario = env.scenario(task)
             assert [c["name"] for c in scenario.gold_calls] == ["return_delivered_order_items"], level
@@ -114,10 +115,11 @@ def test_scaffolded_levels_prefill_the_calls_before_the_last_write():
             assert opening[-1]["role"] == "tool" and not opening[-1]["content"].startswith("Error")
             assert (json.dumps(scenario.gold_calls[0]["arguments"]) in env.hint_for(task)) == (level <= -2)
             gold_turn = format_tool_call(scenario.gold_calls[0]["name"], scenario.gold_calls[0]["arguments"])
-            written = env.episode(task, hint=True).opening
+            opening_text = env.episode(task, hint=True).opening
             assert env.episode(task).opening == ""
-            assert (written == gold_turn[:gold_turn.index("return_delivered_order_items") + 28]) == (level == -3)
-            assert written == "" or written.endswith('"name": "return_delivered_order_items'), written
+            assert (opening_text == gold_turn[:gold_turn.index("return_delivered_order_items") + 28]) == (level == -3)
+            assert (opening_text == gold_turn) == (level == -4)
+            assert opening_text == "" or opening_text.startswith('<tool_call>\n{"name": "return_delivered_order_items')
     assert all(len(plain.scenario(t).gold_calls) == 4 for t in plain.tasks("train", TASKS))
     refusals = _env("precondition", difficulty=-1)  # no write to make: the agent keeps its last call (the read)
     for task in refusals.tasks("train", TASKS):
@@ -195,11 +197,11 @@ def test_a_difficulty_between_two_levels_mixes_their_tasks_and_offers_both_level
 def test_bad_settings_fail_naming_the_key():
     with pytest.raises(ValueError, match="config.env.capability = 'telepathy'"):
         _env("telepathy")
-    with pytest.raises(ValueError, match="difficulty = 7 is out of range for tool_calling: -2 to 3"):
+    with pytest.raises(ValueError, match="difficulty = 7 is out of range for tool_calling: -3 to 3"):
         _env(difficulty=7)
-    with pytest.raises(ValueError, match="difficulty = -4 is out of range for multi_step: -3 to 2"):
-        _env("multi_step", difficulty=-4)
-    with pytest.raises(ValueError, match="difficulty = 1 is out of range for tool_calling: -2 to 0"):
+    with pytest.raises(ValueError, match="difficulty = -5 is out of range for multi_step: -4 to 2"):
+        _env("multi_step", difficulty=-5)
+    with pytest.raises(ValueError, match="difficulty = 1 is out of range for tool_calling: -3 to 0"):
         _env(difficulty=1, variant="return")  # a family's levels end at its level 0
     with pytest.raises(ValueError, match="variant = 'refund' is invalid for tool_calling; its families are cancel"):
         _env(variant="refund")

@@ -42,6 +42,6 @@ COMMUNICATION = Capability(
     description="States in the final reply every fact the customer asked for, exactly as the tools gave it.",
     generate=generate,
     tools=(_TOOLS, _TOOLS, _TOOLS),
-    scaffolds=("exact_hint", "opened_call"),  # its one call is the read the facts come from
+    scaffolds=("exact_hint", "opened_call", "written_call"),  # its one call is the read the facts come from
     hint="Read the order the customer asks about, then state in the final message every fact they asked for, "
          "written exactly as the tool returned it (status, amount paid, item names).")

@@ -17,8 +17,12 @@ task (`scaffold`):
                 pre-filled as the agent's own turns, so the agent does the last write(s);
   "exact_hint"  a hinted episode's hint spells the remaining calls out with their arguments, and the facts;
   "opened_call" a hinted episode's first agent turn is opened for the agent with the next gold call's tool
-                name (`<tool_call>` and the name, `CapabilityEpisode.opening`): the agent writes the rest. The
-                learner takes those tokens as the agent's own, so a tool the agent never chose is learned.
+                name (`<tool_call>` and the name, `CapabilityEpisode.opening`): the agent writes the rest;
+  "written_call" the whole next gold call is written in (`</tool_call>` included): the agent ends the turn
+                and goes on from the call's result.
+The learner takes the tokens written in as the agent's own (rescored without the hint), so where a hinted episode
+scores above its group, the tool (or the whole call) the agent never chose becomes likelier unhinted: at its
+deepest level GRPO is advantage-weighted imitation of the gold call, and the curriculum climbs out of it.
 `variant` restricts an environment to one kind of the generator's tasks (its `Scenario.variant`: tool_calling's
 cancel / return / address / default_address), so a level cannot pass on work the agent already does
 (`Capability.families` lists the kinds meant as separate level families). A variant's family has the levels
@@ -35,8 +39,8 @@ A wrong write so always costs: it earns less than the same episode without it. A
 Hints. A hinted episode (`episode(task, hint=True)`: a share of training and calibration episodes) has the task's
 hint appended to its system prompt ("Hint: ..."), nothing else changed: the capability's general guidance, then
 each remaining gold call by tool with where each argument's value is on the page (`trace_jax.envs.hints`), or at
-an "exact_hint" level the calls themselves; at an "opened_call" level its first turn is opened too. Evaluation
-never hints.
+an "exact_hint" level the calls themselves; at an "opened_call" or "written_call" level its first turn is opened
+too. Evaluation never hints.
 """
 
 from __future__ import annotations
@@ -61,8 +65,9 @@ from trace_jax.envs.hints import replay_sources, task_hint
 from trace_jax.envs.tau2_bridge import execute
 
 SPLITS = ("train", "heldout")
-SCAFFOLDS = ("prefill", "exact_hint", "opened_call")  # see the module docstring, in the order levels below 0 add them
-HINTED_SCAFFOLDS = frozenset({"exact_hint", "opened_call"})  # those that change hinted episodes alone
+# The scaffolds (module docstring) in the order levels below 0 add them, and those that change hinted episodes alone
+SCAFFOLDS = ("prefill", "exact_hint", "opened_call", "written_call")
+HINTED_SCAFFOLDS = frozenset({"exact_hint", "opened_call", "written_call"})
 DONE_CREDIT = 0.6  # the reward of all gold calls made, short of success; a share of them earns its share
 WRONG_WRITE_COST = 0.1  # taken off per write the task does not call for
 CUT_SHARE = 0.0  # the share of its reward an episode cut at a limit keeps, by default: τ²'s rule (it fails)
@@ -166,8 +171,8 @@ def call_opening(call: Call) -> str:
 
 class CapabilityEpisode(SoloTicketEpisode):
     """One scenario played once on its own copy of the scenario's world. `opening`: the text the agent's first
-    turn is opened with (an "opened_call" level's hinted episodes; "" otherwise), which the rollout engine writes
-    in for the agent before it samples the rest of the turn."""
+    turn is opened with (the hinted episodes of an "opened_call" or "written_call" level; "" otherwise), which the
+    rollout engine writes in for the agent before it samples the rest of the turn."""
 
     def __init__(self, spec: TaskSpec, scenario: Scenario, prompt: str, tools: list[dict], cut_share: float,
                  domain: WorldDomain, opening: str = ""):
@@ -298,11 +303,13 @@ class CapabilityEnvironment:
 
     def episode(self, task: TaskSpec, hint: bool = False) -> CapabilityEpisode:
         """A fresh episode of `task`; `hint` appends the task's hint to its system prompt and, at an "opened_call"
-        level, opens the agent's first turn with the next gold call's tool name."""
+        or "written_call" level, opens the agent's first turn with the next gold call's tool name or the call."""
         prompt = f"{self.system_prompt}\n\nHint: {self.hint_for(task)}" if hint else self.system_prompt
         _, scenario, level = self._entry(task)
-        opened = hint and "opened_call" in self._scaffolds(level) and scenario.gold_calls
-        opening = call_opening(scenario.gold_calls[0]) if opened else ""
+        scaffolds = self._scaffolds(level) if hint and scenario.gold_calls else ()
+        first = scenario.gold_calls[0] if scaffolds else None
+        opening = (format_tool_call(first["name"], first["arguments"]) if "written_call" in scaffolds
+                   else call_opening(first) if "opened_call" in scaffolds else "")
         return CapabilityEpisode(task, scenario, prompt, self.tools, self.cut_share, self.domain, opening)
 
     def _generator_difficulty(self, level: int) -> int:

@@ -11,6 +11,7 @@ target's do.
 
 from __future__ import annotations
 
+import functools
 import random
 
 from tau2.domains.retail.data_model import (
@@ -28,6 +29,8 @@ from tau2.domains.retail.data_model import (
     UserName,
 )
 
+from trace_jax.envs.tau2_bridge import domain_state
+
 FIRST_NAMES = ("Amara", "Bruno", "Celine", "Dario", "Elif", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Keiko",
                "Lars", "Mira", "Nadia", "Oscar", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wendell",
                "Ximena", "Yusuf", "Zoe")
@@ -41,6 +44,12 @@ CITIES = (("Portland", "OR", "972"), ("Madison", "WI", "537"), ("Tucson", "AZ", 
           ("Omaha", "NE", "681"), ("Tulsa", "OK", "741"), ("Reno", "NV", "895"), ("Burlington", "VT", "054"))
 CARD_BRANDS = ("visa", "mastercard", "amex", "discover")
 STATUSES = ("pending", "processed", "delivered", "cancelled")
+
+
+@functools.cache
+def target_order_ids() -> frozenset[str]:
+    """The order ids of τ²'s retail DB, which a world's random ids must avoid."""
+    return frozenset(domain_state("retail").db.orders)
 
 
 def digits(rng: random.Random, n: int) -> str:
@@ -115,7 +124,7 @@ def build_world(rng: random.Random, catalogue: dict[str, Product], num_customers
         for index in range(rng.randint(*orders_per_customer)):
             status = first_statuses[index] if index < len(first_statuses) else rng.choice(STATUSES)
             order_id = f"#W{rng.randint(1_000_000, 9_999_999)}"
-            while order_id in orders:
+            while order_id in orders or order_id in target_order_ids():
                 order_id = f"#W{rng.randint(1_000_000, 9_999_999)}"
             orders[order_id] = _order(rng, user, products, status, order_id, max_items)
             user.orders.append(order_id)
