@@ -11,10 +11,13 @@ import time
 from trace_jax.metrics import logged_scalars
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# XLA_FLAGS of a single process whose mesh matches two processes of one device each. XLA:CPU ends a process whose
-# devices wait 40 s for each other at a collective, which a CI machine running other tests beside it can reach.
-TWO_DEVICES = ("--xla_force_host_platform_device_count=2 "
-               "--xla_cpu_collective_call_terminate_timeout_seconds=600")
+# The environment of a single process whose mesh matches two processes of one device each. XLA:CPU runs each
+# device's part of a program on a pool of threads sized by the cores (NPROC overrides it): on a 2-core machine two
+# programs with collectives in flight can each hold a thread at a collective that waits for the other device, and
+# no thread is left to run it. It also ends a process whose devices wait 40 s for each other at a collective, which
+# a CI machine running other tests beside it can reach.
+TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 "
+                            "--xla_cpu_collective_call_terminate_timeout_seconds=600", "NPROC": "8"}
 
 
 def step_metrics(workdir: pathlib.Path, step: int) -> dict[str, float]:

@@ -99,7 +99,7 @@ def env_run(tiny_agent, job_env, tmp_path_factory):
     process on two CPU devices (the mesh of the two-process run below)."""
     cache, _ = tiny_agent
     workdir, env = tmp_path_factory.mktemp("grpo_env"), {**job_env, "TRACE_JAX_CACHE": str(cache),
-                                                         "XLA_FLAGS": TWO_DEVICES}
+                                                         **TWO_DEVICES}
     out = subprocess.run(_command(workdir), cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     assert out.returncode == 0, failure_report(out)
     return workdir, json.loads(out.stdout.strip().splitlines()[-1]), out.stderr, env

@@ -40,7 +40,7 @@ def tiny_run(tiny_chat_model, job_env, tmp_path_factory):
     """(workdir, summary, log) of the tiny config on the tiny random model, one process on two CPU devices."""
     workdir = tmp_path_factory.mktemp("grpo_tiny")
     out = subprocess.run(_tiny_model_command(workdir, tiny_chat_model), cwd=REPO,
-                         env={**job_env, "XLA_FLAGS": TWO_DEVICES}, capture_output=True, text=True, timeout=1800)
+                         env={**job_env, **TWO_DEVICES}, capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, failure_report(out)
     return workdir, json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
@@ -87,7 +87,7 @@ def test_a_finished_run_rerun_keeps_its_adapter_files(tiny_run, tiny_chat_model,
     shutil.copytree(workdir, rerun)  # modification times kept
     before = weights_fingerprint(rerun / "adapter")
     out = subprocess.run(_tiny_model_command(rerun, tiny_chat_model), cwd=REPO,
-                         env={**job_env, "XLA_FLAGS": TWO_DEVICES}, capture_output=True, text=True, timeout=600)
+                         env={**job_env, **TWO_DEVICES}, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, failure_report(out)
     assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == summary["steps"]
     assert weights_fingerprint(rerun / "adapter") == before

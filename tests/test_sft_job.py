@@ -43,7 +43,7 @@ def runs(tmp_path_factory, job_env, tiny_chat_model):
     assert "resumed from" not in killed[0] and '"steps"' not in killed[0]  # a fresh run, killed before its end
     outputs = run_processes(_command(resumed, tiny_chat_model), 2, job_env, resumed.parent / "restarted", 1200)
     assert "resumed from step 2" in outputs[0] and '"steps"' not in outputs[1]  # process 0 alone logs and prints
-    out = subprocess.run(_command(uninterrupted, tiny_chat_model), cwd=REPO, env={**job_env, "XLA_FLAGS": TWO_DEVICES},
+    out = subprocess.run(_command(uninterrupted, tiny_chat_model), cwd=REPO, env={**job_env, **TWO_DEVICES},
                          capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, failure_report(out)
     for last_line in (outputs[0], out.stdout):

@@ -19,9 +19,9 @@ with a recorded reason. A user simulator's turn cut at max tokens is passed on a
 (its end-of-turn token added to the user's tokens); only the agent's is a failure.
 
 An episode may open the agent's first turn for it (its `opening` text: the capability environments'
-"opened_call" scaffold writes in the next call's tool name). Those tokens are fed, then recorded as
-the agent's own (on the loss mask, sampler logprob 0: the scaffold chose them with certainty), and the
-turn's text is the opening and what the agent sampled after it.
+"opened_call" and "written_call" scaffolds write in the next call's tool name, or the whole call). Those
+tokens are fed, then recorded as the agent's own (on the loss mask, sampler logprob 0: the scaffold chose
+them with certainty), and the turn's text is the opening and what the agent sampled after it.
 """
 
 from __future__ import annotations

@@ -57,6 +57,7 @@ STRUCTURED_DATA = Capability(
                 "uses or reports them exactly.",
     generate=generate,
     tools=(_TOOLS, _TOOLS, _TOOLS),
-    scaffolds=("exact_hint", "opened_call", "written_call"),  # the look-ups are pre-filled at every level: only the write is left
+    # the look-ups are pre-filled at every level: only the write is left, and only the hinted scaffolds add to that
+    scaffolds=("exact_hint", "opened_call", "written_call"),
     hint="The ticket does not give the order id: find the order holding the product the customer names among the "
          "order details already in the conversation and use its exact id; state amounts as the tools print them.")

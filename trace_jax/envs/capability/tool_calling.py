@@ -77,7 +77,8 @@ TOOL_CALLING = Capability(
                 "conversation and earlier tool results.",
     generate=generate,
     tools=(_TOOLS[:3], _TOOLS[:5], _TOOLS, _TOOLS),
-    scaffolds=("exact_hint", "opened_call", "written_call"),  # the look-ups are pre-filled at every level: only the write is left
+    # the look-ups are pre-filled at every level: only the write is left, and only the hinted scaffolds add to that
+    scaffolds=("exact_hint", "opened_call", "written_call"),
     families=VARIANTS,
     hint="Take every argument of the write call exactly from the ticket and the tool results in the conversation: "
          "ids as the tools print them, item ids from the order's details, the reason as one of its allowed values.")
