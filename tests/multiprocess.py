@@ -11,13 +11,16 @@ import time
 from trace_jax.metrics import logged_scalars
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# The environment of a single process whose mesh matches two processes of one device each. XLA:CPU runs each
-# device's part of a program on a pool of threads sized by the cores (NPROC overrides it): on a 2-core machine two
-# programs with collectives in flight can each hold a thread at a collective that waits for the other device, and
-# no thread is left to run it. It also ends a process whose devices wait 40 s for each other at a collective, which
-# a CI machine running other tests beside it can reach.
+# XLA:CPU runs each device's part of a program on a pool of threads sized by the cores (NPROC overrides it): on a
+# 2-core machine, a process of two devices with two programs with collectives in flight can hold both threads at
+# collectives that wait for the other device, with no thread left to run it. Every process of the multi-process
+# tests gets the same larger pool, since the pool's size also decides how XLA splits a matrix product, and so the
+# last bits of its result, which the runs compared here must share.
+THREADS = {"NPROC": "8"}
+# The environment of a single process whose mesh matches two processes of one device each. XLA:CPU also ends a
+# process whose devices wait 40 s for each other at a collective, which a loaded CI machine can reach.
 TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 "
-                            "--xla_cpu_collective_call_terminate_timeout_seconds=600", "NPROC": "8"}
+                            "--xla_cpu_collective_call_terminate_timeout_seconds=600", **THREADS}
 
 
 def step_metrics(workdir: pathlib.Path, step: int) -> dict[str, float]:
@@ -51,7 +54,8 @@ def _start(command: list[str], processes: int, env: dict[str, str], logs: pathli
     logs.mkdir(parents=True, exist_ok=True)
     port = free_port()
     return [subprocess.Popen([*command, f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}",
-                              f"--process_id={i}"], cwd=REPO, env=env, stdout=open(logs / f"process_{i}.log", "w"),
+                              f"--process_id={i}"], cwd=REPO, env={**env, **THREADS},
+                             stdout=open(logs / f"process_{i}.log", "w"),
                              stderr=subprocess.STDOUT) for i in range(processes)]
 
 
