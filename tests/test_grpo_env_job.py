@@ -150,8 +150,9 @@ def test_two_processes_train_as_one_and_resume_when_one_is_killed(env_run, tmp_p
     """The run's last two steps as two processes of one device each, from the single-process run's checkpoint of
     step STEPS - 2: the second process is SIGKILLed as soon as step STEPS - 1 is saved, then the first; both
     restarted, they resume from that checkpoint. Each process plays half of a step's episodes and all compute
-    the same update, so both steps' episodes, the adapters, the last step's metrics and the summary are the
-    single-process run's; process 0 alone logs, prints and writes files other than checkpoints."""
+    the same update, so both steps' episodes, the summary and the last step's metrics of its episodes are the
+    single-process run's, and its adapters and learner metrics as close as rescoring the hinted rows sharded over
+    processes allows; process 0 alone logs, prints and writes files other than checkpoints."""
     full_dir, full_summary, _, env = env_run
     env = {k: v for k, v in env.items() if k != "XLA_FLAGS"}  # one device a process
     workdir, start = tmp_path / "two", STEPS - 2
@@ -171,4 +172,8 @@ def test_two_processes_train_as_one_and_resume_when_one_is_killed(env_run, tmp_p
         diff = _max_diff(_adapter_at(workdir, step), _adapter_at(full_dir, step))
         print(f"\n[grpo env job] two processes vs one at step {step}: adapter max |diff| {diff:.2e}")
         assert diff <= 1e-5  # hinted rows are rescored by a forward pass sharded over the processes
-    assert step_metrics(workdir, STEPS) == step_metrics(full_dir, STEPS)
+    two, one = step_metrics(workdir, STEPS), step_metrics(full_dir, STEPS)
+    exact = lambda metrics: {k: v for k, v in metrics.items() if not k.startswith("learner/")}
+    assert exact(two) == exact(one)  # the episodes are the same: so is everything measured on them
+    # the learner's: from adapters within 1e-5 of each other (the small entropy moves most, by about 1e-3)
+    assert two == pytest.approx(one, rel=2e-3, abs=1e-10)
