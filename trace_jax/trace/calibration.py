@@ -13,9 +13,9 @@ a level mixing kinds of task passes only if each kind does, as GRPO's groups are
 pass@k is reported beside them.
 
 The walk moves the difficulty a level at a time, up when too easy and down when too hard, below 0
-into the environment's scaffolded levels (pre-filled turns, exact hints, opened calls); where one level is too easy
-and the next too hard, it tries the mix of the two halfway between, halving again while the halves
-are at least `min_step` apart. An environment is dropped only when it cannot pass anywhere, with the
+into the environment's scaffolded levels (pre-filled turns, exact hints, opened and written calls); where
+one level is too easy and the next too hard, it tries the mix of the two halfway between, halving again
+while the halves are at least `min_step` apart. An environment is dropped only when it cannot pass anywhere, with the
 reason: too hard even at its most scaffolded level, too easy at its top level, or too uniform. A
 capability whose variants are separate kinds of work (`Capability.families`) is calibrated per
 family, and trained on the families that pass, mixed.
@@ -261,8 +261,7 @@ def calibrate_capability(capability: str, bounds: tuple[int, int], base_eval: ml
     levels `bounds` (`walk_bounds`); with `families`, each variant on its own in `folder/<variant>/`. Each
     difficulty's episodes go to `folder/difficulty_<d>/` with their groups' rewards (`GROUPS`, read back instead of
     playing the try again), and the result to `folder/calibration.json` (read back when it exists and was walked
-    between the same bounds): the tries, and
-    `env`, the environment config to train on (None: dropped)."""
+    between the same bounds): the tries, and `env`, the environment config to train on (None: dropped)."""
     validate_calibration_config(config)
     if families:
         return _calibrate_families(capability, bounds, base_eval, config, folder, agent, families)
