@@ -28,7 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer = ml_collections.ConfigDict(dict(lr=5e-4, weight_decay=0.0, clip_norm=1.0))
     config.train = ml_collections.ConfigDict(dict(
         steps=config_dict.placeholder(int), rollout_budget=config_dict.placeholder(int), micro_batch_tokens=512,
-        remat=False, checkpoint_every=5, keep_checkpoints=2, snapshot_fractions=()))
+        remat=False, updates_per_step=1, checkpoint_every=5, keep_checkpoints=2, snapshot_fractions=()))
     config.train.steps = 20
     config.eval = ml_collections.ConfigDict(dict(splits=("heldout",), num_tasks=64, every=20,
                                                  batch_size=32, max_new_tokens=64))

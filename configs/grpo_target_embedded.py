@@ -43,7 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer = ml_collections.ConfigDict(dict(lr=5e-4, weight_decay=0.0, clip_norm=1.0))
     config.train = ml_collections.ConfigDict(dict(
         steps=config_dict.placeholder(int), rollout_budget=config_dict.placeholder(int), micro_batch_tokens=2048,
-        remat=True, checkpoint_every=1, keep_checkpoints=2,
+        remat=True, updates_per_step=1, checkpoint_every=1, keep_checkpoints=2,
         snapshot_fractions=(0.25, 0.5, 0.75)))  # adapters along the run, for the comparison's scaling curve
     config.train.rollout_budget = 128
     config.eval = ml_collections.ConfigDict(dict(split="heldout", num_tasks=200, every=1000, batch_size=16,

@@ -82,6 +82,28 @@ def test_micro_batches_equal_full_batch(setup):
         assert abs(float(micro_metrics[k]) - float(v)) <= 1e-6 * max(1.0, abs(float(v))), k
 
 
+def test_updates_per_step_take_one_optimizer_update_per_dealt_mini_batch(setup):
+    cfg, params, _, adapters, batch = setup
+    optimizer = make_optimizer(lr=1e-2)
+    one, two = (make_train_step(cfg, LOSS, optimizer, updates=n) for n in (1, 2))
+    rows = [{k: batch[k][i:i + 2] for k in ROW_KEYS if k in batch} for i in range(0, B, 2)]
+    packed = lambda parts: {"micro_batches": parts, "dropped_fraction": batch["dropped_fraction"]}
+    copy = lambda: jax.tree.map(jnp.copy, adapters.weights)  # every step donates its weights
+    # Two updates: micro-batches 0 and 2, then 1 and 3, each its own mean loss and AdamW step.
+    weights, opt_state = copy(), optimizer.init(adapters.weights)
+    weights, opt_state, first = one(params, weights, opt_state, adapters.scale, packed(rows[0::2]))
+    expected, _, second = one(params, weights, opt_state, adapters.scale, packed(rows[1::2]))
+    got, _, metrics = two(params, copy(), optimizer.init(adapters.weights), adapters.scale, packed(rows))
+    assert tree_rel(got, expected) <= 1e-6
+    for k in metrics:
+        assert float(metrics[k]) == pytest.approx((float(first[k]) + float(second[k])) / 2, rel=1e-6, abs=1e-9), k
+    # ... which is not the one update over the whole batch.
+    whole, _, _ = one(params, copy(), optimizer.init(adapters.weights), adapters.scale, packed(rows))
+    assert tree_rel(got, whole) > 1e-3
+    with pytest.raises(ValueError, match="updates must be >= 1"):
+        make_train_step(cfg, LOSS, optimizer, updates=0)
+
+
 @pytest.mark.parametrize("shared_prefix", [False, True], ids=["rows", "shared_prefix"])
 def test_sharded_gradients_equal_single_device(setup, shared_prefix):
     cfg, params, _, adapters, batch = setup

@@ -3,9 +3,10 @@ update one LoRA adapter.
 
 One step: take the next `tasks_per_step` training tasks, play each `group_size` times with
 the current adapter (single-turn completions of `config.task`, or episodes of `config.env`
-through the rollout engine), score them, turn rewards into group advantages, and apply one
-learner update over micro-batches packed by `train.micro_batch_tokens` (on-policy: the
-sampler's logprobs are the old policy's; the policy trained is the one sampled,
+through the rollout engine), score them, turn rewards into group advantages, and apply
+`train.updates_per_step` learner updates (1: one over the whole batch; more: PPO's mini-batches, each over
+its share of the micro-batches, `learner.make_train_step`) over micro-batches packed by
+`train.micro_batch_tokens` (the sampler's logprobs are the old policy's; the policy trained is the one sampled,
 softmax(logits / rollout.temperature)). `train.steps`, or `train.rollout_budget` (training
 episodes in all: steps = budget / (tasks_per_step x group_size), rounded up), sets the length.
 Held-out tasks are evaluated greedily before training (the base reward), every `eval.every`
@@ -98,6 +99,8 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
         ("train.steps", lambda v: v is None or positive_int(v), "None (use train.rollout_budget) or a positive int"),
         ("train.rollout_budget", lambda v: v is None or positive_int(v),
          "None (use train.steps) or a positive int (training episodes in all)"),
+        ("train.updates_per_step", positive_int,
+         "a positive int (optimizer updates a step, each on its share of the step's micro-batches)"),
         ("train.snapshot_fractions", lambda v: isinstance(v, tuple | list) and all(number(f) and 0 < f < 1 for f in v),
          "a tuple of fractions in (0, 1): the adapter is also exported at these shares of the steps (may be ())"),
         ("eval.num_tasks", lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0: no held-out evaluation)"),
@@ -270,7 +273,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     loss_cfg = _loss_config(config)
     train_step = make_train_step(run.model.cfg, loss_cfg, run.optimizer, plan=run.plan,
                                  remat=config.train.remat, temperature=config.rollout.temperature,
-                                 frozen_layers=config.lora.first_layer)
+                                 frozen_layers=config.lora.first_layer, updates=config.train.updates_per_step)
     rescore = (make_rescore_fn(run.model.cfg, loss_cfg, plan=run.plan, remat=config.train.remat,
                                temperature=config.rollout.temperature) if _hints(config) else None)
 
