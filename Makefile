@@ -27,8 +27,11 @@ WORKDIR ?= runs/trace_quick
 run: setup
 	$(PY) -m launch.trace --config=configs/trace_quick.py --workdir=$(WORKDIR)
 
-# Two workers (tests/conftest.py: the job tests on one, the rest on the other). pytest exits 5 when it
-# collects no test: that must fail loudly, not pass.
+# The linter and the formatter's check first (pyproject.toml, [tool.ruff]), then the tests on two workers
+# (tests/conftest.py: the job tests on one, the rest on the other). pytest exits 5 when it collects no test:
+# that must fail loudly, not pass.
 test: setup-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	@$(PY) -m pytest -q -n 2 $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc

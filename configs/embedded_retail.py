@@ -1,6 +1,6 @@
 """The embedded base agent on the embedded retail environment's held-out tasks (the README's main command).
 
-  python -m launch.evaluate --config=configs/embedded_retail.py --workdir=runs/embedded_retail
+python -m launch.evaluate --config=configs/embedded_retail.py --workdir=runs/embedded_retail
 """
 
 import ml_collections
@@ -18,7 +18,16 @@ def get_config() -> ml_collections.ConfigDict:
     config.split = "heldout"
     config.num_tasks = 200
     config.trials = 1
-    config.rollout = ml_collections.ConfigDict(dict(batch_size=16, max_turns=6, max_tokens_per_turn=256, max_errors=4,
-                                                    temperature=0.0, top_p=1.0, user_temperature=0.0))
+    config.rollout = ml_collections.ConfigDict(
+        dict(
+            batch_size=16,
+            max_turns=6,
+            max_tokens_per_turn=256,
+            max_errors=4,
+            temperature=0.0,
+            top_p=1.0,
+            user_temperature=0.0,
+        )
+    )
     config.log_every_s = 10.0
     return config

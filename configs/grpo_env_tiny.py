@@ -23,11 +23,28 @@ from configs import grpo_target_embedded
 def get_config() -> ml_collections.ConfigDict:
     config = grpo_target_embedded.get_config()
     config.model = "smollm2-135m-tiny-agent"
-    config.env = ml_collections.ConfigDict(dict(name="capability", capability="tool_calling", seed=0, difficulty=-1,
-                                                policy=False, split="train", cut_share=1.0))
+    config.env = ml_collections.ConfigDict(
+        dict(
+            name="capability",
+            capability="tool_calling",
+            seed=0,
+            difficulty=-1,
+            policy=False,
+            split="train",
+            cut_share=1.0,
+        )
+    )
     config.lora.first_layer = 24
-    config.rollout.update(tasks_per_step=1, group_size=16, batch_size=16, temperature=0.7, max_turns=1,
-                          max_tokens_per_turn=64, train_tasks=1, hint_share=0.5)
+    config.rollout.update(
+        tasks_per_step=1,
+        group_size=16,
+        batch_size=16,
+        temperature=0.7,
+        max_turns=1,
+        max_tokens_per_turn=64,
+        train_tasks=1,
+        hint_share=0.5,
+    )
     config.optimizer.lr = 2e-3
     config.train.rollout_budget = None
     config.train.steps = 5

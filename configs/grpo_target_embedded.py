@@ -31,22 +31,48 @@ def get_config() -> ml_collections.ConfigDict:
     config.advantage = "group_normalized"
     config.log_every_s = 30.0
 
-    config.lora = ml_collections.ConfigDict(dict(
-        rank=16, alpha=32.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-        first_layer=20))
-    config.rollout = ml_collections.ConfigDict(dict(
-        tasks_per_step=4, group_size=4, temperature=1.0, top_p=1.0, batch_size=16, max_turns=6,
-        max_tokens_per_turn=256, max_errors=4, min_shared_prefix=64, train_tasks=config_dict.placeholder(int),
-        hint_share=0.0))
-    config.loss = ml_collections.ConfigDict(dict(aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.28,
-                                                 kl_coef=0.0, tis_cap=2.0))  # tis_cap: used with hints only
+    config.lora = ml_collections.ConfigDict(
+        dict(
+            rank=16,
+            alpha=32.0,
+            targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+            first_layer=20,
+        )
+    )
+    config.rollout = ml_collections.ConfigDict(
+        dict(
+            tasks_per_step=4,
+            group_size=4,
+            temperature=1.0,
+            top_p=1.0,
+            batch_size=16,
+            max_turns=6,
+            max_tokens_per_turn=256,
+            max_errors=4,
+            min_shared_prefix=64,
+            train_tasks=config_dict.placeholder(int),
+            hint_share=0.0,
+        )
+    )
+    config.loss = ml_collections.ConfigDict(
+        dict(aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.28, kl_coef=0.0, tis_cap=2.0)
+    )  # tis_cap: used with hints only
     config.optimizer = ml_collections.ConfigDict(dict(lr=5e-4, weight_decay=0.0, clip_norm=1.0))
-    config.train = ml_collections.ConfigDict(dict(
-        steps=config_dict.placeholder(int), rollout_budget=config_dict.placeholder(int), micro_batch_tokens=2048,
-        remat=True, updates_per_step=1, checkpoint_every=1, keep_checkpoints=2,
-        snapshot_fractions=(0.25, 0.5, 0.75)))  # adapters along the run, for the comparison's scaling curve
+    config.train = ml_collections.ConfigDict(
+        dict(
+            steps=config_dict.placeholder(int),
+            rollout_budget=config_dict.placeholder(int),
+            micro_batch_tokens=2048,
+            remat=True,
+            updates_per_step=1,
+            checkpoint_every=1,
+            keep_checkpoints=2,
+            snapshot_fractions=(0.25, 0.5, 0.75),
+        )
+    )  # adapters along the run, for the comparison's scaling curve
     config.train.rollout_budget = 128
-    config.eval = ml_collections.ConfigDict(dict(split="heldout", num_tasks=200, every=1000, batch_size=16,
-                                                 base_run=""))
+    config.eval = ml_collections.ConfigDict(
+        dict(split="heldout", num_tasks=200, every=1000, batch_size=16, base_run="")
+    )
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     return config

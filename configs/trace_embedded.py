@@ -29,17 +29,28 @@ def get_config() -> ml_collections.ConfigDict:
     config.dtype = evaluation.dtype
     config.seed = 0
     config.log_every_s = 30.0
-    config.target = ml_collections.ConfigDict(dict(
-        env=evaluation.env.to_dict(), rollout=evaluation.rollout.to_dict(), analysis_split="train", analysis_tasks=140,
-        heldout_split="heldout", heldout_tasks=evaluation.num_tasks, base_run=""))
+    config.target = ml_collections.ConfigDict(
+        dict(
+            env=evaluation.env.to_dict(),
+            rollout=evaluation.rollout.to_dict(),
+            analysis_split="train",
+            analysis_tasks=140,
+            heldout_split="heldout",
+            heldout_tasks=evaluation.num_tasks,
+            base_run="",
+        )
+    )
     config.analysis = analysis_defaults()
     config.llm = llm_defaults()  # used when analysis.analyst = "llm"
     config.calibration = calibration_defaults()
     config.calibration.update(seeds=16, samples=8)  # 128 rollouts per try (the paper: >= 100)
     grpo = grpo_target_embedded.get_config()
-    config.training = ml_collections.ConfigDict({key: grpo[key].to_dict() if hasattr(grpo[key], "to_dict")
-                                                 else grpo[key] for key in ("advantage", "lora", "rollout", "loss",
-                                                                            "optimizer", "train", "eval", "mesh")})
+    config.training = ml_collections.ConfigDict(
+        {
+            key: grpo[key].to_dict() if hasattr(grpo[key], "to_dict") else grpo[key]
+            for key in ("advantage", "lora", "rollout", "loss", "optimizer", "train", "eval", "mesh")
+        }
+    )
     # Half of each group hinted, as calibration plays them; hinted rows learned as on-policy ones (tis_cap None):
     # under truncated importance sampling the tokens only a hint made likely (the name of a tool the agent never
     # calls) weigh almost nothing (trace_jax/rl/trainer.py).

@@ -23,16 +23,31 @@ def get_config() -> ml_collections.ConfigDict:
     config.model = ""  # required: an HF checkpoint folder (Llama / Qwen2 / Qwen3)
     config.dtype = "bfloat16"
     config.log_every_s = 60.0
-    config.target = ml_collections.ConfigDict(dict(
-        env=evaluation.env.to_dict(), analysis_split="train", analysis_tasks=74, heldout_split="test",
-        heldout_tasks=40, base_run="",
-        rollout=dict(batch_size=64, max_turns=30, max_tokens_per_turn=1024, max_errors=10, temperature=0.0,
-                     top_p=1.0, user_temperature=0.0)))
+    config.target = ml_collections.ConfigDict(
+        dict(
+            env=evaluation.env.to_dict(),
+            analysis_split="train",
+            analysis_tasks=74,
+            heldout_split="test",
+            heldout_tasks=40,
+            base_run="",
+            rollout=dict(
+                batch_size=64,
+                max_turns=30,
+                max_tokens_per_turn=1024,
+                max_errors=10,
+                temperature=0.0,
+                top_p=1.0,
+                user_temperature=0.0,
+            ),
+        )
+    )
     config.environments.max_trained = 4  # the paper trained four
     config.calibration.update(seeds=20, samples=8)
     config.training.lora.update(rank=16, alpha=16.0, targets=("q_proj", "k_proj", "v_proj", "o_proj"), first_layer=0)
-    config.training.rollout.update(tasks_per_step=4, group_size=16, batch_size=64, max_turns=30,
-                                   max_tokens_per_turn=1024, max_errors=10)
+    config.training.rollout.update(
+        tasks_per_step=4, group_size=16, batch_size=64, max_turns=30, max_tokens_per_turn=1024, max_errors=10
+    )
     config.training.optimizer.lr = 1e-5
     config.training.train.update(steps=40, micro_batch_tokens=16384, remat=True)
     config.training.eval.update(num_tasks=32, batch_size=32)

@@ -23,8 +23,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.environments.max_trained = 1
     config.analysis.update(runs=4, min_runs=1, delta=-1.0, coverage=0.0, interval_resamples=100)
     config.calibration.update(seeds=2, samples=2, gates="none", policy=False)
-    config.training.rollout.update(tasks_per_step=1, group_size=2, batch_size=4, max_turns=2, max_tokens_per_turn=48,
-                                   resamples=0)
+    config.training.rollout.update(
+        tasks_per_step=1, group_size=2, batch_size=4, max_turns=2, max_tokens_per_turn=48, resamples=0
+    )
     config.training.lora.first_layer = 24
     config.training.train.update(steps=1, micro_batch_tokens=4096, remat=False)
     config.training.eval.update(num_tasks=1, batch_size=2)

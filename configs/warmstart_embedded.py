@@ -21,15 +21,22 @@ def get_config() -> ml_collections.ConfigDict:
     config.model = "smollm2-135m-instruct"
     config.dtype = "float32"
     config.seed = 0
-    config.env = ml_collections.ConfigDict(dict(name="embedded_retail", seed=0, families=TRAINED_FAMILIES,
-                                                split="train"))
+    config.env = ml_collections.ConfigDict(
+        dict(name="embedded_retail", seed=0, families=TRAINED_FAMILIES, split="train")
+    )
     config.data = ml_collections.ConfigDict(dict(num_tasks=72, trajectories_per_step=8, max_turns=10))
-    config.lora = ml_collections.ConfigDict(dict(
-        rank=16, alpha=32.0, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-        first_layer=20))
+    config.lora = ml_collections.ConfigDict(
+        dict(
+            rank=16,
+            alpha=32.0,
+            targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+            first_layer=20,
+        )
+    )
     config.optimizer = ml_collections.ConfigDict(dict(lr=3e-3, weight_decay=0.0, clip_norm=1.0))
-    config.train = ml_collections.ConfigDict(dict(steps=18, micro_batch_tokens=2048, remat=True, checkpoint_every=2,
-                                                  keep_checkpoints=2))
+    config.train = ml_collections.ConfigDict(
+        dict(steps=18, micro_batch_tokens=2048, remat=True, checkpoint_every=2, keep_checkpoints=2)
+    )
     config.export = ml_collections.ConfigDict(dict(merged=True))
     config.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     config.log_every_s = 0.0

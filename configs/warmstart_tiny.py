@@ -16,8 +16,9 @@ from configs import warmstart_embedded
 
 def get_config() -> ml_collections.ConfigDict:
     config = warmstart_embedded.get_config()
-    config.env = ml_collections.ConfigDict(dict(name="capability", capability="tool_calling", seed=0, difficulty=0,
-                                                policy=False, split="train"))
+    config.env = ml_collections.ConfigDict(
+        dict(name="capability", capability="tool_calling", seed=0, difficulty=0, policy=False, split="train")
+    )
     config.data.num_tasks = 8
     config.data.trajectories_per_step = 4
     config.lora.first_layer = 24

@@ -91,8 +91,9 @@ def _ours(model, data, micro_batches: int, remat: bool):
     state = {"weights": adapters.weights, "opt": optimizer.init(adapters.weights)}
 
     def step() -> float:
-        state["weights"], state["opt"], metrics = train_step(model.params, state["weights"], state["opt"],
-                                                             adapters.scale, batch)
+        state["weights"], state["opt"], metrics = train_step(
+            model.params, state["weights"], state["opt"], adapters.scale, batch
+        )
         jax.block_until_ready((state["weights"], state["opt"]))
         return float(metrics["loss"])
 
@@ -119,8 +120,9 @@ def _pytorch(model, data):
 
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32)
-    hf = peft.get_peft_model(hf, peft.LoraConfig(r=_RANK, lora_alpha=_ALPHA, target_modules=list(ALL_TARGETS),
-                                                 lora_dropout=0.0))
+    hf = peft.get_peft_model(
+        hf, peft.LoraConfig(r=_RANK, lora_alpha=_ALPHA, target_modules=list(ALL_TARGETS), lora_dropout=0.0)
+    )
     hf.train()
     trainable = [p for p in hf.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=_LR, weight_decay=0.0)
@@ -155,18 +157,32 @@ def main(argv):
     tokens = batch * seq_len
     ours, theirs = tokens / seconds_ours, tokens / seconds_torch
     result = {
-        "model": _MODEL.value, "batch": batch, "seq_len": seq_len, "dtype": "float32", "lora_rank": _RANK,
-        "targets": list(ALL_TARGETS), "tokens_per_s_ours": round(ours, 1), "tokens_per_s_pytorch": round(theirs, 1),
-        "ratio": round(ours / theirs, 3), "micro_batches": _MICRO.value, "remat": _REMAT.value,
-        "seconds_per_step_ours": round(seconds_ours, 3), "seconds_per_step_pytorch": round(seconds_torch, 3),
-        "timing": f"best of {steps} steps after 1 warm-up, the sides alternating", "initial_loss_ours": loss_ours,
-        "initial_loss_pytorch": loss_torch, "jax_backend": jax.default_backend(),
-        "torch_threads": torch.get_num_threads(), "torch_blas": "mkl" if torch.backends.mkl.is_available() else "other",
+        "model": _MODEL.value,
+        "batch": batch,
+        "seq_len": seq_len,
+        "dtype": "float32",
+        "lora_rank": _RANK,
+        "targets": list(ALL_TARGETS),
+        "tokens_per_s_ours": round(ours, 1),
+        "tokens_per_s_pytorch": round(theirs, 1),
+        "ratio": round(ours / theirs, 3),
+        "micro_batches": _MICRO.value,
+        "remat": _REMAT.value,
+        "seconds_per_step_ours": round(seconds_ours, 3),
+        "seconds_per_step_pytorch": round(seconds_torch, 3),
+        "timing": f"best of {steps} steps after 1 warm-up, the sides alternating",
+        "initial_loss_ours": loss_ours,
+        "initial_loss_pytorch": loss_torch,
+        "jax_backend": jax.default_backend(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_blas": "mkl" if torch.backends.mkl.is_available() else "other",
         "cpu": runtime.cpu_name(),
     }
     if not _JSON.value:
-        print(f"trace-jax {ours:.1f} tok/s, pytorch {theirs:.1f} tok/s, ratio {ours / theirs:.2f} "
-              f"(initial loss {loss_ours:.6f} vs {loss_torch:.6f})")
+        print(
+            f"trace-jax {ours:.1f} tok/s, pytorch {theirs:.1f} tok/s, ratio {ours / theirs:.2f} "
+            f"(initial loss {loss_ours:.6f} vs {loss_torch:.6f})"
+        )
     print(json.dumps(result) if _JSON.value else result)
 
 

@@ -58,8 +58,9 @@ def main(argv: list[str]) -> None:
     model = load_model(_MODEL.value, _DTYPE.value)
     sampler = Sampler(model.cfg, model.params, detokenize=model.tokenizer.decode)
     env = EmbeddedRetail(seed=0)
-    config = RolloutConfig(batch_size=_BATCH.value, max_turns=_TURNS.value,
-                           max_tokens_per_turn=_TOKENS.value, temperature=0.0)
+    config = RolloutConfig(
+        batch_size=_BATCH.value, max_turns=_TURNS.value, max_tokens_per_turn=_TOKENS.value, temperature=0.0
+    )
     engine = RolloutEngine(env, sampler=sampler, tokenizer=model.tokenizer, config=config)
     tasks = env.tasks("heldout", _BATCH.value + _EPISODES.value)
     engine.run([Job(task) for task in tasks[: _BATCH.value]], key=jax.random.key(0))  # warm-up: compiles
@@ -72,24 +73,42 @@ def main(argv: list[str]) -> None:
     loaded = events["/jax/compilation_cache/cache_hits"]
     generated = sum(t.generated_tokens for t in trajectories)
     fed = sum(len(t.token_ids) for t in trajectories) - generated
-    first_prompts = [t.token_ids[: t.loss_mask.index(1)] if 1 in t.loss_mask else t.token_ids
-                     for t in trajectories[: _BATCH.value]]
+    first_prompts = [
+        t.token_ids[: t.loss_mask.index(1)] if 1 in t.loss_mask else t.token_ids for t in trajectories[: _BATCH.value]
+    ]
     per_row = max(1, round(generated / len(first_prompts)))
     sampler_seconds = _time_sampler(sampler, first_prompts, per_row)
     engine_rate, sampler_rate = generated / seconds, len(first_prompts) * per_row / sampler_seconds
-    result = {"model": _MODEL.value, "cpu": runtime.cpu_name(),
-              "device": jax.devices()[0].device_kind, "dtype": _DTYPE.value, "episodes": len(trajectories),
-              "seconds": round(seconds, 1), "episodes_per_min": round(60 * len(trajectories) / seconds, 2),
-              "generated_tokens": generated, "generated_tokens_per_s": round(engine_rate, 1),
-              "fed_tokens": fed, "mean_turns": round(sum(t.num_turns for t in trajectories) / len(trajectories), 2),
-              "end_reasons": dict(collections.Counter(t.end_reason for t in trajectories)),
-              "successes": sum(t.outcome.success for t in trajectories),
-              "sampler": {"rows": len(first_prompts), "new_tokens_per_row": per_row,
-                          "seconds": round(sampler_seconds, 1), "generated_tokens_per_s": round(sampler_rate, 1)},
-              "ratio": round(engine_rate / sampler_rate, 3),
-              "profile": {**rollout_profile(engine.stats), "new_programs_in_timed_run": new_programs,
-                          "of_which_loaded_from_compilation_cache": loaded},
-              "batch_size": _BATCH.value, "max_turns": _TURNS.value, "max_tokens_per_turn": _TOKENS.value}
+    result = {
+        "model": _MODEL.value,
+        "cpu": runtime.cpu_name(),
+        "device": jax.devices()[0].device_kind,
+        "dtype": _DTYPE.value,
+        "episodes": len(trajectories),
+        "seconds": round(seconds, 1),
+        "episodes_per_min": round(60 * len(trajectories) / seconds, 2),
+        "generated_tokens": generated,
+        "generated_tokens_per_s": round(engine_rate, 1),
+        "fed_tokens": fed,
+        "mean_turns": round(sum(t.num_turns for t in trajectories) / len(trajectories), 2),
+        "end_reasons": dict(collections.Counter(t.end_reason for t in trajectories)),
+        "successes": sum(t.outcome.success for t in trajectories),
+        "sampler": {
+            "rows": len(first_prompts),
+            "new_tokens_per_row": per_row,
+            "seconds": round(sampler_seconds, 1),
+            "generated_tokens_per_s": round(sampler_rate, 1),
+        },
+        "ratio": round(engine_rate / sampler_rate, 3),
+        "profile": {
+            **rollout_profile(engine.stats),
+            "new_programs_in_timed_run": new_programs,
+            "of_which_loaded_from_compilation_cache": loaded,
+        },
+        "batch_size": _BATCH.value,
+        "max_turns": _TURNS.value,
+        "max_tokens_per_turn": _TOKENS.value,
+    }
     logging.info("rollouts: %s", result)
     if _JSON.value:
         print(json.dumps(result), flush=True)

@@ -69,8 +69,14 @@ def _time_transformers(model, prompts, new_tokens, repeats) -> float:
 
     def run():
         with torch.no_grad():
-            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                              eos_token_id=None, pad_token_id=pad)
+            out = hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=pad,
+            )
         assert out.shape[1] == width + new_tokens
 
     return _best_time(run, repeats)
@@ -82,8 +88,13 @@ def main(argv):
     model = load_model(_MODEL.value)
     import torch
 
-    result = {"model": _MODEL.value, "max_new_tokens": _NEW.value, "dtype": "float32",
-              "jax_backend": jax.default_backend(), "torch_threads": torch.get_num_threads()}
+    result = {
+        "model": _MODEL.value,
+        "max_new_tokens": _NEW.value,
+        "dtype": "float32",
+        "jax_backend": jax.default_backend(),
+        "torch_threads": torch.get_num_threads(),
+    }
     for batch in map(int, _BATCHES.value):
         prompts = _prompts(model.tokenizer, batch)
         tokens = batch * _NEW.value
@@ -93,7 +104,9 @@ def main(argv):
         result[f"tokens_per_s_transformers_batch{batch}"] = round(theirs, 1)
         result[f"ratio_batch{batch}"] = round(ours / theirs, 2)
         if not _JSON.value:
-            print(f"batch {batch}: trace-jax {ours:.1f} tok/s, transformers {theirs:.1f} tok/s, ratio {ours / theirs:.2f}")
+            print(
+                f"batch {batch}: trace-jax {ours:.1f} tok/s, transformers {theirs:.1f} tok/s, ratio {ours / theirs:.2f}"
+            )
     print(json.dumps(result) if _JSON.value else result)
 
 

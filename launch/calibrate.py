@@ -47,8 +47,7 @@ def main(argv: list[str]) -> None:
     table = calibration_table(results)
     (workdir / "calibration.md").write_text(table + "\n", encoding="utf-8")
     print(table, flush=True)
-    print(json.dumps({r["capability"]: {"calibrated": r["calibrated"], "env": r["env"]} for r in results}),
-          flush=True)
+    print(json.dumps({r["capability"]: {"calibrated": r["calibrated"], "env": r["env"]} for r in results}), flush=True)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,15 @@ from launch import multihost
 from trace_jax import distributed
 from trace_jax.evaluation import AGENTS, evaluate
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Evaluation config (configs/tau2_*.py, configs/embedded_retail.py).",
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for episodes.jsonl, summary.json and table.md.",
-                               required=True)
-_AGENT = flags.DEFINE_enum("agent", "model", AGENTS, "model: the (adapted) model; gold: replay gold actions; noop: end at once.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Evaluation config (configs/tau2_*.py, configs/embedded_retail.py).", lock_config=True
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory for episodes.jsonl, summary.json and table.md.", required=True
+)
+_AGENT = flags.DEFINE_enum(
+    "agent", "model", AGENTS, "model: the (adapted) model; gold: replay gold actions; noop: end at once."
+)
 _JSON = flags.DEFINE_bool("json", False, "End with one JSON line of the summary.")
 flags.mark_flags_as_required(["config"])
 

@@ -21,8 +21,9 @@ from launch import multihost
 from trace_jax import distributed
 from trace_jax.baselines.experiment import Experiment
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (configs/experiment_*.py).",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config (configs/experiment_*.py).", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for every arm's outputs and the report.", required=True)
 flags.mark_flags_as_required(["config"])
 

@@ -38,24 +38,40 @@ def main(argv):
     model = load_model(_MODEL.value, _DTYPE.value)
     tok = model.tokenizer
     if _CHAT.value:
-        messages = ([{"role": "system", "content": _SYSTEM.value}] if _SYSTEM.value else [])
+        messages = [{"role": "system", "content": _SYSTEM.value}] if _SYSTEM.value else []
         prompt_ids = tok.apply_chat(messages + [{"role": "user", "content": _PROMPT.value}])
     else:
         prompt_ids = tok.encode(_PROMPT.value, add_special_tokens=True)
     adapters = lora.load_peft(_ADAPTER.value, model.cfg, DTYPES[_DTYPE.value]) if _ADAPTER.value else None
-    sampler = Sampler(model.cfg, model.params, adapters=adapters, detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True))
+    sampler = Sampler(
+        model.cfg, model.params, adapters=adapters, detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True)
+    )
     start = time.time()
     (out,), _ = sampler.generate(
-        [prompt_ids], key=jax.random.key(_SEED.value), max_new_tokens=_MAX_NEW.value,
-        temperature=_TEMPERATURE.value, top_p=_TOP_P.value, top_k=_TOP_K.value,
-        adapter_idx=0 if adapters is not None else lora.NO_ADAPTER, stop_token_ids=sorted(tok.eos_token_ids),
+        [prompt_ids],
+        key=jax.random.key(_SEED.value),
+        max_new_tokens=_MAX_NEW.value,
+        temperature=_TEMPERATURE.value,
+        top_p=_TOP_P.value,
+        top_k=_TOP_K.value,
+        adapter_idx=0 if adapters is not None else lora.NO_ADAPTER,
+        stop_token_ids=sorted(tok.eos_token_ids),
     )
     seconds = time.time() - start
     if _JSON.value:
-        print(json.dumps({
-            "model": str(_MODEL.value), "prompt_token_ids": prompt_ids, "token_ids": out.token_ids,
-            "text": out.text, "finish_reason": out.finish_reason, "logprobs": out.logprobs, "seconds": round(seconds, 3),
-        }))
+        print(
+            json.dumps(
+                {
+                    "model": str(_MODEL.value),
+                    "prompt_token_ids": prompt_ids,
+                    "token_ids": out.token_ids,
+                    "text": out.text,
+                    "finish_reason": out.finish_reason,
+                    "logprobs": out.logprobs,
+                    "seconds": round(seconds, 3),
+                }
+            )
+        )
     else:
         print(out.text)
 

@@ -14,11 +14,16 @@ from absl import logging as absl_logging
 from trace_jax import distributed
 from trace_jax.metrics import not_orbax_info
 
-_COORDINATOR = flags.DEFINE_string("coordinator_address", "", "host:port of process 0, which coordinates a run of "
-                                   "several processes (else $JAX_COORDINATOR_ADDRESS; unset: one process)")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address",
+    "",
+    "host:port of process 0, which coordinates a run of "
+    "several processes (else $JAX_COORDINATOR_ADDRESS; unset: one process)",
+)
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run (else $JAX_NUM_PROCESSES).")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index in [0, num_processes) (else "
-                                   "$JAX_PROCESS_ID).")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "This process's index in [0, num_processes) (else $JAX_PROCESS_ID)."
+)
 
 
 def initialize() -> None:

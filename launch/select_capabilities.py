@@ -27,9 +27,11 @@ _JSON = flags.DEFINE_bool("json", False, "Print one JSON line instead of a table
 def _table(rows: list[dict], runs: int) -> str:
     lines = [f"{'capability':40s} {'cov':>13s} {'delta':>13s} {'passed':>8s}  selected"]
     for row in rows:
-        lines.append(f"{row['name']:40s} {row['mean_cov']:6.3f}±{row['std_cov']:.3f} "
-                     f"{row['mean_delta']:6.3f}±{row['std_delta']:.3f} {row['runs_passed']:>3d}/{runs:<4d}  "
-                     f"{'yes' if row['selected'] else 'no'}")
+        lines.append(
+            f"{row['name']:40s} {row['mean_cov']:6.3f}±{row['std_cov']:.3f} "
+            f"{row['mean_delta']:6.3f}±{row['std_delta']:.3f} {row['runs_passed']:>3d}/{runs:<4d}  "
+            f"{'yes' if row['selected'] else 'no'}"
+        )
     return "\n".join(lines)
 
 
@@ -38,8 +40,9 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     runs, dropped = load_runs(_RUNS.value)
     if not runs:
-        raise app.UsageError(f"--runs={_RUNS.value}: no valid labelling run (*.json){': ' if dropped else ''}"
-                             + "; ".join(dropped))
+        raise app.UsageError(
+            f"--runs={_RUNS.value}: no valid labelling run (*.json){': ' if dropped else ''}" + "; ".join(dropped)
+        )
     rows = select(runs, delta=_DELTA.value, coverage=_COVERAGE.value, min_runs=_MIN_RUNS.value)
     if _JSON.value:
         print(json.dumps({"capabilities": rows, "dropped_runs": dropped}), flush=True)

@@ -25,23 +25,32 @@ from trace_jax.serve.app import Server, build_app
 from trace_jax.serve.engine import ServingEngine
 from trace_jax.serve.models import Catalog, TraceRouter, trace_run_adapters, trace_run_model
 
-_MODEL = flags.DEFINE_string("model", None, "Embedded model name or HF checkpoint folder (default: the TRACE run's "
-                             "model with --trace_run, else smollm2-135m-instruct).")
+_MODEL = flags.DEFINE_string(
+    "model",
+    None,
+    "Embedded model name or HF checkpoint folder (default: the TRACE run's "
+    "model with --trace_run, else smollm2-135m-instruct).",
+)
 _ADAPTERS = flags.DEFINE_list("adapters", [], "name=PEFT folder, ... : adapters served under those names.")
-_TRACE_RUN = flags.DEFINE_string("trace_run", None, "A finished TRACE run's workdir: its adapters and, as model "
-                                 "'trace', its router.")
+_TRACE_RUN = flags.DEFINE_string(
+    "trace_run", None, "A finished TRACE run's workdir: its adapters and, as model 'trace', its router."
+)
 _SERVED_NAME = flags.DEFINE_string("served_name", None, "The base model's name in requests (default: --model's).")
 _DTYPE = flags.DEFINE_enum("dtype", None, list(DTYPES), "Parameter dtype (default: the run's, else float32).")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on (0: any free one, printed).", lower_bound=0)
-_BATCH = flags.DEFINE_integer("batch", 16, "Rows of the shared batch: requests (choices) sampled at once.",
-                              lower_bound=1)
-_MAX_CONTEXT = flags.DEFINE_integer("max_context", None, "Tokens per row, prompt and completion (default: the "
-                                    "model's).", lower_bound=2)
-_MAX_TOKENS = flags.DEFINE_integer("default_max_tokens", 512, "Completion tokens when a request sets no max_tokens.",
-                                   lower_bound=1)
-_DECODE_CHUNK = flags.DEFINE_integer("decode_chunk", 16, "Tokens per decode call at most (streaming granularity).",
-                                     lower_bound=1)
+_BATCH = flags.DEFINE_integer(
+    "batch", 16, "Rows of the shared batch: requests (choices) sampled at once.", lower_bound=1
+)
+_MAX_CONTEXT = flags.DEFINE_integer(
+    "max_context", None, "Tokens per row, prompt and completion (default: the model's).", lower_bound=2
+)
+_MAX_TOKENS = flags.DEFINE_integer(
+    "default_max_tokens", 512, "Completion tokens when a request sets no max_tokens.", lower_bound=1
+)
+_DECODE_CHUNK = flags.DEFINE_integer(
+    "decode_chunk", 16, "Tokens per decode call at most (streaming granularity).", lower_bound=1
+)
 _SEED = flags.DEFINE_integer("seed", 0, "Key of every random draw; a request's `seed` picks its stream.")
 
 
@@ -58,9 +67,19 @@ def named_adapters(specs: list[str]) -> dict[str, str]:
     return adapters
 
 
-def build_server(model_name: str, dtype: str, adapters: dict[str, str], trace_run: str | None, served_name: str,
-                 *, batch: int, max_context: int | None, default_max_tokens: int, decode_chunk: int,
-                 seed: int) -> Server:
+def build_server(
+    model_name: str,
+    dtype: str,
+    adapters: dict[str, str],
+    trace_run: str | None,
+    served_name: str,
+    *,
+    batch: int,
+    max_context: int | None,
+    default_max_tokens: int,
+    decode_chunk: int,
+    seed: int,
+) -> Server:
     """The model, its adapter stack (--adapters, then the run's), the engine and the served names."""
     model = load_model(model_name, dtype)
     run_adapters = trace_run_adapters(trace_run) if trace_run else {}
@@ -68,11 +87,20 @@ def build_server(model_name: str, dtype: str, adapters: dict[str, str], trace_ru
     if clash:
         raise app.UsageError(f"--adapters names {sorted(clash)} are the TRACE run's adapters too")
     folders = {**adapters, **run_adapters}
-    stack = lora.stack_adapters([lora.load_peft(f, model.cfg, DTYPES[dtype]) for f in folders.values()]) \
-        if folders else None
+    stack = (
+        lora.stack_adapters([lora.load_peft(f, model.cfg, DTYPES[dtype]) for f in folders.values()])
+        if folders
+        else None
+    )
     tokenizer = model.tokenizer
-    sampler = Sampler(model.cfg, model.params, adapters=stack, max_context=max_context, decode_chunk=decode_chunk,
-                      detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    sampler = Sampler(
+        model.cfg,
+        model.params,
+        adapters=stack,
+        max_context=max_context,
+        decode_chunk=decode_chunk,
+        detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+    )
     engine = ServingEngine(sampler, sorted(tokenizer.eos_token_ids), batch=batch, seed=seed)
     router = TraceRouter(model, trace_run, {name: i for i, name in enumerate(folders)}) if trace_run else None
     return Server(engine, Catalog(served_name, list(folders), router), tokenizer, default_max_tokens)
@@ -87,9 +115,18 @@ def main(argv: list[str]) -> None:
         model_name, dtype = model_name or run_model, dtype or run_dtype
     model_name, dtype = model_name or "smollm2-135m-instruct", dtype or "float32"
     served_name = _SERVED_NAME.value or pathlib.Path(model_name).name
-    server = build_server(model_name, dtype, named_adapters(_ADAPTERS.value), _TRACE_RUN.value, served_name,
-                          batch=_BATCH.value, max_context=_MAX_CONTEXT.value, default_max_tokens=_MAX_TOKENS.value,
-                          decode_chunk=_DECODE_CHUNK.value, seed=_SEED.value)
+    server = build_server(
+        model_name,
+        dtype,
+        named_adapters(_ADAPTERS.value),
+        _TRACE_RUN.value,
+        served_name,
+        batch=_BATCH.value,
+        max_context=_MAX_CONTEXT.value,
+        default_max_tokens=_MAX_TOKENS.value,
+        decode_chunk=_DECODE_CHUNK.value,
+        seed=_SEED.value,
+    )
     sock = socket.create_server((_HOST.value, _PORT.value))  # listening now: clients queue until uvicorn accepts
     host, port = sock.getsockname()[:2]
     print(json.dumps({"url": f"http://{host}:{port}/v1", "models": server.catalog.names()}), flush=True)

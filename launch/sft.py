@@ -20,8 +20,9 @@ from trace_jax import distributed
 from trace_jax.rl.sft import train
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Job config file (configs/warmstart_*.py).", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics, the adapter and the summary.",
-                               required=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Directory for checkpoints, metrics, the adapter and the summary.", required=True
+)
 flags.mark_flags_as_required(["config"])
 
 

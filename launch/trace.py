@@ -31,7 +31,7 @@ def main(argv: list[str]) -> None:
     if not distributed.is_main():
         return
     report = pathlib.Path(_WORKDIR.value, "report.md").read_text(encoding="utf-8")
-    print(report[report.index("## Held-out success per family"):].split("\n![")[0].rstrip(), flush=True)
+    print(report[report.index("## Held-out success per family") :].split("\n![")[0].rstrip(), flush=True)
     print(json.dumps(summary), flush=True)
 
 

@@ -32,7 +32,6 @@ full_precision_matmuls()  # the parity bounds are fp32's, also where the suite r
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-
 from hf_checkpoints import make_chat_checkpoint, make_checkpoint  # noqa: E402
 
 # Modules whose tests run jobs on SmolLM2 (subprocesses of several GB each; two at once would not fit in

@@ -10,15 +10,33 @@ import torch
 import transformers
 
 # Small but with every variant feature: GQA, explicit head_dim, biases, q/k norm, rope scaling.
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 FAMILIES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-              dict(head_dim=16, tie_word_embeddings=False,
-                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-                   rope_theta=500000.0)),
+    "llama": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            head_dim=16,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            rope_theta=500000.0,
+        ),
+    ),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32, tie_word_embeddings=False)),
 }
@@ -45,9 +63,14 @@ def make_chat_checkpoint(tokenizer_dir: pathlib.Path, out_dir: pathlib.Path, see
     hf = json.loads((tokenizer_dir / "config.json").read_text())
     torch.manual_seed(seed)
     shape = {**TINY, "vocab_size": hf["vocab_size"], "max_position_embeddings": hf["max_position_embeddings"]}
-    config = transformers.LlamaConfig(**shape, tie_word_embeddings=True,
-                                      initializer_range=0.3, bos_token_id=hf["bos_token_id"],
-                                      eos_token_id=hf["eos_token_id"], pad_token_id=hf["pad_token_id"])
+    config = transformers.LlamaConfig(
+        **shape,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+        bos_token_id=hf["bos_token_id"],
+        eos_token_id=hf["eos_token_id"],
+        pad_token_id=hf["pad_token_id"],
+    )
     transformers.LlamaForCausalLM(config).to(torch.float32).save_pretrained(out_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         shutil.copy(tokenizer_dir / name, out_dir / name)

@@ -19,8 +19,10 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 THREADS = {"NPROC": "8"}
 # The environment of a single process whose mesh matches two processes of one device each. XLA:CPU also ends a
 # process whose devices wait 40 s for each other at a collective, which a loaded CI machine can reach.
-TWO_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2 "
-                            "--xla_cpu_collective_call_terminate_timeout_seconds=600", **THREADS}
+TWO_DEVICES = {
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_cpu_collective_call_terminate_timeout_seconds=600",
+    **THREADS,
+}
 
 
 def step_metrics(workdir: pathlib.Path, step: int) -> dict[str, float]:
@@ -41,7 +43,7 @@ def last_words(output: str, chars: int = 4000) -> str:
     crash = output.find("Fatal Python error")
     if crash < 0 or len(output) <= chars:
         return output[-chars:]
-    return f"{output[max(0, crash - chars):crash + 500]}\n[...]\n{output[-chars // 2:]}"
+    return f"{output[max(0, crash - chars) : crash + 500]}\n[...]\n{output[-chars // 2 :]}"
 
 
 def failure_report(out: subprocess.CompletedProcess) -> str:
@@ -53,29 +55,44 @@ def _start(command: list[str], processes: int, env: dict[str, str], logs: pathli
     """`command` as process i of `processes` (one CPU device each), its output in `logs`/process_<i>.log."""
     logs.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    return [subprocess.Popen([*command, f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}",
-                              f"--process_id={i}"], cwd=REPO, env={**env, **THREADS},
-                             stdout=open(logs / f"process_{i}.log", "w"),
-                             stderr=subprocess.STDOUT) for i in range(processes)]
+    return [
+        subprocess.Popen(
+            [*command, f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}", f"--process_id={i}"],
+            cwd=REPO,
+            env={**env, **THREADS},
+            stdout=open(logs / f"process_{i}.log", "w"),
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(processes)
+    ]
 
 
 def _outputs(logs: pathlib.Path, processes: int) -> list[str]:
     return [(logs / f"process_{i}.log").read_text() for i in range(processes)]
 
 
-def run_processes(command: list[str], processes: int, env: dict[str, str], logs: pathlib.Path,
-                  timeout_s: float = 1800) -> list[str]:
+def run_processes(
+    command: list[str], processes: int, env: dict[str, str], logs: pathlib.Path, timeout_s: float = 1800
+) -> list[str]:
     """Runs the job as `processes` processes to the end; returns each one's output. Fails unless all succeed."""
     children = _start(command, processes, env, logs)
     codes = [child.wait(timeout=timeout_s) for child in children]
     outputs = _outputs(logs, processes)
-    assert codes == [0] * processes, "\n".join(f"process {i} ({code}): {last_words(out)}" for i, (code, out)
-                                               in enumerate(zip(codes, outputs)))
+    assert codes == [0] * processes, "\n".join(
+        f"process {i} ({code}): {last_words(out)}" for i, (code, out) in enumerate(zip(codes, outputs))
+    )
     return outputs
 
 
-def kill_one_after_checkpoint(command: list[str], processes: int, env: dict[str, str], workdir: pathlib.Path,
-                              step: int, logs: pathlib.Path, timeout_s: float = 1800) -> list[str]:
+def kill_one_after_checkpoint(
+    command: list[str],
+    processes: int,
+    env: dict[str, str],
+    workdir: pathlib.Path,
+    step: int,
+    logs: pathlib.Path,
+    timeout_s: float = 1800,
+) -> list[str]:
     """Runs the job as `processes` processes, SIGKILLs the last one as soon as the checkpoint of `step` is complete
     in `workdir`, then the others (left alone they stop within JAX's heartbeat timeout, 100 s, as a cluster
     launcher would then restart them all); returns their outputs."""

@@ -19,13 +19,19 @@ def run_notebook(name: str, parameters: dict, env: dict[str, str], timeout_s: in
     assert len(tagged) == 1, f"{name}: one cell must be tagged 'parameters', found {len(tagged)}"
     settings = "\n".join(f"{key} = {value!r}" for key, value in parameters.items())
     notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(settings))
-    client = NotebookClient(notebook, timeout=timeout_s, kernel_name="python3",
-                            resources={"metadata": {"path": str(REPO)}})
+    client = NotebookClient(
+        notebook, timeout=timeout_s, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}
+    )
     client.execute(env=env)
     return notebook
 
 
 def printed(notebook: nbformat.NotebookNode) -> str:
     """Everything the executed notebook's cells printed (stdout streams)."""
-    return "".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
-                   for output in cell.get("outputs", ()) if output.get("name") == "stdout")
+    return "".join(
+        output.get("text", "")
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.get("outputs", ())
+        if output.get("name") == "stdout"
+    )

@@ -31,11 +31,16 @@ def chat_completion(request: dict, content: str, number: int) -> dict:
     prompt_tokens = sum(len(str(m.get("content", "")).split()) for m in request.get("messages", []))
     completion_tokens = len(content.split())
     return {
-        "id": f"chatcmpl-scripted-{number}", "object": "chat.completion", "created": int(time.time()),
+        "id": f"chatcmpl-scripted-{number}",
+        "object": "chat.completion",
+        "created": int(time.time()),
         "model": request.get("model", ""),
         "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
     }
 
 
@@ -54,8 +59,9 @@ class ScriptedLLMServer:
         self._lock = threading.Lock()
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler_class(self))
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02},
-                                        name="scripted-llm-server", daemon=True)  # a short poll: a quick shutdown
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, name="scripted-llm-server", daemon=True
+        )  # a short poll: a quick shutdown
 
     @property
     def base_url(self) -> str:

@@ -20,8 +20,15 @@ def tau2_environment(domain: str):
 
 def tau2_run(task, messages: list, reason: TerminationReason = TerminationReason.USER_STOP) -> SimulationRun:
     """A simulation built directly with τ²'s classes."""
-    return SimulationRun(id="reference", task_id=task.id, start_time="", end_time="", duration=0.0,
-                         termination_reason=reason, messages=messages)
+    return SimulationRun(
+        id="reference",
+        task_id=task.id,
+        start_time="",
+        end_time="",
+        duration=0.0,
+        termination_reason=reason,
+        messages=messages,
+    )
 
 
 def reference(domain_name: str, task, run: SimulationRun, kind=EvaluationType.ALL):

@@ -1,4 +1,5 @@
-"""Learner batches from rollouts: layout, token-budget packing, padding rows, and shared prefixes that change nothing."""
+"""Learner batches from rollouts: layout, token-budget packing, padding rows, and shared prefixes that change
+nothing."""
 
 import jax
 import jax.numpy as jnp
@@ -9,8 +10,8 @@ from trace_jax import lora
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.loading import load_params
 from trace_jax.rl.batching import LearnerSequence, micro_batch_rows, pack_sequences
-from trace_jax.sampling import Sampler
 from trace_jax.rl.learner import PREFIX_KEYS, token_logprobs
+from trace_jax.sampling import Sampler
 
 _logprobs = jax.jit(token_logprobs, static_argnames=("cfg", "temperature"))
 
@@ -28,8 +29,10 @@ def _sequences(prompts, completions, logprobs, advantages=None, adapter_idx=None
     n = len(prompts)
     advantages = np.zeros(n) if advantages is None else advantages
     adapter_idx = [0] * n if adapter_idx is None else adapter_idx
-    return [LearnerSequence.completion(p, c, lp, float(a), i)
-            for p, c, lp, a, i in zip(prompts, completions, logprobs, advantages, adapter_idx)]
+    return [
+        LearnerSequence.completion(p, c, lp, float(a), i)
+        for p, c, lp, a, i in zip(prompts, completions, logprobs, advantages, adapter_idx)
+    ]
 
 
 def _one(batch: dict) -> dict:
@@ -41,8 +44,13 @@ def _one(batch: dict) -> dict:
 @pytest.mark.parametrize("min_shared_prefix", [None, 8])
 def test_rows_hold_prompt_tail_then_completion_and_the_mask_covers_the_completion(min_shared_prefix):
     prompts, completions, logprobs = _rollouts()
-    packed = pack_sequences(_sequences(prompts, completions, logprobs, np.arange(5.0)), token_budget=256,
-                            row_multiple=4, min_shared_prefix=min_shared_prefix, pad_id=0)
+    packed = pack_sequences(
+        _sequences(prompts, completions, logprobs, np.arange(5.0)),
+        token_budget=256,
+        row_multiple=4,
+        min_shared_prefix=min_shared_prefix,
+        pad_id=0,
+    )
     batch = _one(packed)
     cut = 20 if min_shared_prefix else 0
     width = batch["tokens"].shape[1]
@@ -59,7 +67,9 @@ def test_rows_hold_prompt_tail_then_completion_and_the_mask_covers_the_completio
         assert batch["tokens"][row, scored + 1].tolist() == c  # logprob j scores token j + 1
         np.testing.assert_allclose(batch["old_logp"][row][learned], lp, rtol=1e-6)
     if min_shared_prefix:  # padded to a multiple of 64, so a step whose prompts share a token more does not recompile
-        assert batch["prefix_tokens"].tolist() == [prompts[0][:20] + [0] * 44] and batch["prefix_lengths"].tolist() == [20]
+        assert batch["prefix_tokens"].tolist() == [prompts[0][:20] + [0] * 44] and batch["prefix_lengths"].tolist() == [
+            20
+        ]
     else:
         assert not set(PREFIX_KEYS) & set(batch)
 
@@ -67,8 +77,12 @@ def test_rows_hold_prompt_tail_then_completion_and_the_mask_covers_the_completio
 def test_packing_by_token_budget_keeps_every_row_once_in_bucketed_shapes():
     rng = np.random.RandomState(4)
     lengths = [3, 40, 7, 90, 12, 33, 5, 61, 18, 2, 77, 25]
-    sequences = [LearnerSequence.completion(rng.randint(1, 100, 4).tolist(), rng.randint(1, 100, n).tolist(),
-                                            (-rng.rand(n)).tolist(), float(i)) for i, n in enumerate(lengths)]
+    sequences = [
+        LearnerSequence.completion(
+            rng.randint(1, 100, 4).tolist(), rng.randint(1, 100, n).tolist(), (-rng.rand(n)).tolist(), float(i)
+        )
+        for i, n in enumerate(lengths)
+    ]
     packed = pack_sequences(sequences, token_budget=256, row_multiple=2, min_shared_prefix=None)
     seen = []
     for mb in packed["micro_batches"]:
@@ -89,20 +103,33 @@ def test_mixed_adapters_get_one_prefix_each_and_logprobs_equal_full_rows(tiny_ch
     cfg = ModelConfig.from_dir(path)
     params = load_params(path, cfg)
     fresh = lora.init_adapters(jax.random.key(1), cfg, lora.LoraSpec(rank=4, targets=("q", "v", "down")), 2)
-    adapters = lora.Adapters({t: {"a": w["a"], "b": 0.1 * jax.random.normal(jax.random.key(i), w["b"].shape)}
-                              for i, (t, w) in enumerate(sorted(fresh.weights.items()))}, fresh.scale)
+    adapters = lora.Adapters(
+        {
+            t: {"a": w["a"], "b": 0.1 * jax.random.normal(jax.random.key(i), w["b"].shape)}
+            for i, (t, w) in enumerate(sorted(fresh.weights.items()))
+        },
+        fresh.scale,
+    )
     prompts, completions, logprobs = _rollouts(seed=1, n=6)
     adapter_idx = [0, 1, 1, -1, 0, 1]
-    batch = _one(pack_sequences(_sequences(prompts, completions, logprobs, np.arange(6.0), adapter_idx),
-                                token_budget=96, min_shared_prefix=8))  # 6 rows of 16
+    batch = _one(
+        pack_sequences(
+            _sequences(prompts, completions, logprobs, np.arange(6.0), adapter_idx),
+            token_budget=96,
+            min_shared_prefix=8,
+        )
+    )  # 6 rows of 16
     order = batch["advantages"][:6].astype(int)  # the row of each sequence, longest first
     adapter_idx = [adapter_idx[i] for i in order]
     prompts, completions = [prompts[i] for i in order], [completions[i] for i in order]
     assert batch["prefix_adapter"].tolist() == [-1, 0, 1]
     assert batch["prefix_adapter"][batch["prefix_of_row"]].tolist() == adapter_idx
     prefix = {k: jnp.asarray(batch[k]) for k in (*PREFIX_KEYS, "prefix_of_row")}
-    split = np.asarray(_logprobs(params, adapters, jnp.asarray(batch["tokens"]), jnp.asarray(batch["adapter_idx"]),
-                                 cfg=cfg, prefix=prefix))
+    split = np.asarray(
+        _logprobs(
+            params, adapters, jnp.asarray(batch["tokens"]), jnp.asarray(batch["adapter_idx"]), cfg=cfg, prefix=prefix
+        )
+    )
     width = max(len(p) + len(c) for p, c in zip(prompts, completions))  # full rows, right-padded (causal: exact)
     full_rows = [p + c + [0] * (width - len(p) - len(c)) for p, c in zip(prompts, completions)]
     full = np.asarray(_logprobs(params, adapters, jnp.asarray(full_rows), jnp.asarray(adapter_idx), cfg=cfg))
@@ -130,22 +157,44 @@ def test_sampler_logprobs_equal_learner_logprobs_of_the_built_batch(tiny_checkpo
     cfg = ModelConfig.from_dir(path)
     params = load_params(path, cfg)
     adapters = lora.init_adapters(jax.random.key(2), cfg, lora.LoraSpec(rank=4), 1)
-    adapters = lora.Adapters({t: {"a": w["a"], "b": 0.1 * jax.random.normal(jax.random.key(i), w["b"].shape)}
-                              for i, (t, w) in enumerate(sorted(adapters.weights.items()))}, adapters.scale)
+    adapters = lora.Adapters(
+        {
+            t: {"a": w["a"], "b": 0.1 * jax.random.normal(jax.random.key(i), w["b"].shape)}
+            for i, (t, w) in enumerate(sorted(adapters.weights.items()))
+        },
+        adapters.scale,
+    )
     prompts, _, _ = _rollouts(seed=2, n=4, prefix_len=30)
     sampler = Sampler(cfg, params, adapters=adapters, min_shared_prefix=8)
     outs, _ = sampler.generate(prompts, key=jax.random.key(5), max_new_tokens=10, temperature=0.7, adapter_idx=0)
-    batch = _one(pack_sequences(_sequences(prompts, [o.token_ids for o in outs], [o.logprobs for o in outs]),
-                                token_budget=64, min_shared_prefix=8))  # 4 rows of 16
+    batch = _one(
+        pack_sequences(
+            _sequences(prompts, [o.token_ids for o in outs], [o.logprobs for o in outs]),
+            token_budget=64,
+            min_shared_prefix=8,
+        )
+    )  # 4 rows of 16
     assert batch["prefix_lengths"].tolist() == [30]
     prefix = {k: jnp.asarray(batch[k]) for k in (*PREFIX_KEYS, "prefix_of_row")}
-    learner = np.asarray(_logprobs(params, adapters, jnp.asarray(batch["tokens"]), jnp.asarray(batch["adapter_idx"]),
-                                   cfg=cfg, prefix=prefix, temperature=0.7))
+    learner = np.asarray(
+        _logprobs(
+            params,
+            adapters,
+            jnp.asarray(batch["tokens"]),
+            jnp.asarray(batch["adapter_idx"]),
+            cfg=cfg,
+            prefix=prefix,
+            temperature=0.7,
+        )
+    )
     learner = np.take_along_axis(learner, batch["loss_positions"], axis=1)  # the scored entries
     mask = batch["loss_mask"] > 0
     assert mask.sum() == sum(len(o.token_ids) for o in outs)
     np.testing.assert_allclose(learner[mask], batch["old_logp"][mask], atol=1e-5)
-    plain = np.asarray(_logprobs(params, adapters, jnp.asarray(batch["tokens"]), jnp.asarray(batch["adapter_idx"]),
-                                 cfg=cfg, prefix=prefix))
+    plain = np.asarray(
+        _logprobs(
+            params, adapters, jnp.asarray(batch["tokens"]), jnp.asarray(batch["adapter_idx"]), cfg=cfg, prefix=prefix
+        )
+    )
     plain = np.take_along_axis(plain, batch["loss_positions"], axis=1)
     assert np.abs(plain[mask] - batch["old_logp"][mask]).max() > 1e-2  # the temperature matters

@@ -43,11 +43,15 @@ def test_group_stats_and_pass_at_k_are_the_hand_computed_values():
 
 
 def test_a_group_is_informative_only_across_success_or_a_spread_of_half_the_reward():
-    rewards = np.array([[0.0, 0.2, 0.2, 0.2],  # 0 against 0.2: a spread GRPO would learn a wrong write from
-                        [0.0, 0.3, 0.4, 0.0],  # under 0.5 apart, no success
-                        [0.0, 0.5, 0.0, 0.0],  # 0.5 apart
-                        [0.6, 1.0, 0.6, 0.6],  # across success
-                        [1.0, 1.0, 1.0, 1.0]])
+    rewards = np.array(
+        [
+            [0.0, 0.2, 0.2, 0.2],  # 0 against 0.2: a spread GRPO would learn a wrong write from
+            [0.0, 0.3, 0.4, 0.0],  # under 0.5 apart, no success
+            [0.0, 0.5, 0.0, 0.0],  # 0.5 apart
+            [0.6, 1.0, 0.6, 0.6],  # across success
+            [1.0, 1.0, 1.0, 1.0],
+        ]
+    )
     assert informative_groups(rewards, rewards == 1.0).tolist() == [False, False, True, True, False]
     assert group_stats(rewards, rewards == 1.0)["informative"] == pytest.approx(2 / 5)
 
@@ -75,10 +79,12 @@ def test_gates_apply_per_variant_and_the_released_codes_are_one_value_away():
 
 def _measure(means: dict[float, float]):
     """Rewards of mean about `means[d]`, 0 or 1 at random, all of one variant."""
+
     def measure(difficulty):
         p = means[difficulty]
         rewards = (np.random.default_rng(int(difficulty * 100) % 2**32).random((20, 8)) < p).astype(float)
         return rewards, rewards == 1.0, ["only"] * 20
+
     return measure
 
 
@@ -104,8 +110,9 @@ def test_the_difficulty_walks_to_the_gates_or_the_environment_is_dropped():
     whole = calibrate(_measure({2: 0.1, 1: 0.1, 0: 0.9}), config, bounds)
     assert not whole["calibrated"] and [t["difficulty"] for t in whole["tries"]] == [2, 1, 0]
     config.min_step = 0.5  # the same walk may mix 0 and 1
-    assert [t["difficulty"] for t in calibrate(_measure({2: 0.1, 1: 0.1, 0: 0.9, 0.5: 0.2}), config,
-                                               bounds)["tries"]] == [2, 1, 0, 0.5]
+    assert [
+        t["difficulty"] for t in calibrate(_measure({2: 0.1, 1: 0.1, 0: 0.9, 0.5: 0.2}), config, bounds)["tries"]
+    ] == [2, 1, 0, 0.5]
 
 
 def test_too_hard_at_level_0_walks_into_the_scaffolded_levels_and_drops_only_at_the_most_scaffolded():
@@ -126,11 +133,28 @@ def test_too_hard_at_level_0_walks_into_the_scaffolded_levels_and_drops_only_at_
 
 
 def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_calibrate(tmp_path):
-    base = ml_collections.ConfigDict(dict(
-        model="unused-by-scripted-agents", dtype="float32", adapter="", seed=0, env={"name": "embedded_retail"},
-        split="heldout", num_tasks=1, trials=1, log_every_s=0.0,
-        rollout=dict(batch_size=4, max_turns=8, max_tokens_per_turn=64, max_errors=4, temperature=0.0, top_p=1.0,
-                     user_temperature=0.0)))
+    base = ml_collections.ConfigDict(
+        dict(
+            model="unused-by-scripted-agents",
+            dtype="float32",
+            adapter="",
+            seed=0,
+            env={"name": "embedded_retail"},
+            split="heldout",
+            num_tasks=1,
+            trials=1,
+            log_every_s=0.0,
+            rollout=dict(
+                batch_size=4,
+                max_turns=8,
+                max_tokens_per_turn=64,
+                max_errors=4,
+                temperature=0.0,
+                top_p=1.0,
+                user_temperature=0.0,
+            ),
+        )
+    )
     config = calibration_defaults()
     config.update(seeds=3, samples=2)
     gold = calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "gold", agent="gold")
@@ -146,18 +170,22 @@ def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_cal
     assert calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "noop", agent="gold") == noop
     deeper = calibrate_capability("multi_step", (-3, 2), base, config, tmp_path / "noop", agent="noop")
     assert [t["difficulty"] for t in deeper["tries"]] == [0, -1, -2, -3]  # a new scaffold: the walk goes on
-    assert deeper["tries"][:3] == noop["tries"] and deeper["reason"].startswith("too hard even at its most "
-                                                                                 "scaffolded level (-3)")
+    assert deeper["tries"][:3] == noop["tries"] and deeper["reason"].startswith(
+        "too hard even at its most scaffolded level (-3)"
+    )
     for played in [tmp_path / "gold" / "calibration.json", *(tmp_path / "gold").rglob("episodes.jsonl")]:
         played.unlink()  # what a checkout keeps of a committed walk: each try's groups.json
     assert calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "gold", agent="noop") == gold
     families = calibrate_builtin("tool_calling", base, config, tmp_path / "families", agent="gold")
     assert families["families"] == {v: None for v in ("cancel", "return", "address", "default_address")}
     assert [(t["variant"], t["difficulty"]) for t in families["tries"]] == [
-        (v, 0) for v in ("cancel", "return", "address", "default_address")]  # each too easy at its top level, 0
+        (v, 0) for v in ("cancel", "return", "address", "default_address")
+    ]  # each too easy at its top level, 0
     assert families["reason"].startswith("cancel: too easy even at its top level (0)")
-    tasks = {json.loads(line)["family"] for line in (tmp_path / "families" / "return" / "difficulty_0" /
-                                                     "episodes.jsonl").open()}
+    tasks = {
+        json.loads(line)["family"]
+        for line in (tmp_path / "families" / "return" / "difficulty_0" / "episodes.jsonl").open()
+    }
     assert tasks == {"return"}
     table = calibration_table([gold, noop, families])
     assert table.count("\n") == 1 + 10 and "| multi_step | 2 | 6 | 1.000 |" in table
@@ -174,17 +202,36 @@ def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_cal
 
 
 def test_the_calibration_job_names_an_unknown_capability():
-    out = subprocess.run([sys.executable, "-m", "launch.calibrate", "--config=configs/trace_tiny.py",
-                          f"--workdir={REPO / 'unused'}", "--capabilities=tool_calling,telepathy"], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.calibrate",
+            "--config=configs/trace_tiny.py",
+            f"--workdir={REPO / 'unused'}",
+            "--capabilities=tool_calling,telepathy",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode != 0 and "no built-in environment for ['telepathy']" in out.stderr
     assert not (REPO / "unused").exists()
 
 
 def test_the_calibration_feedback_tells_the_writer_which_way_to_move():
     config = calibration_defaults()
-    tries = [{"difficulty": 0, "mean": 0.05, "std": 0.1, "informative": 0.2, "success": 0.0,
-              "failures": ["mean reward 0.050 outside [0.3, 0.6]"]}]
+    tries = [
+        {
+            "difficulty": 0,
+            "mean": 0.05,
+            "std": 0.1,
+            "informative": 0.2,
+            "success": 0.0,
+            "failures": ["mean reward 0.050 outside [0.3, 0.6]"],
+        }
+    ]
     hard = calibration_feedback({"tries": tries}, config)
     assert "difficulty 0: mean reward 0.050" in hard and "too hard" in hard and "make them easier" in hard
     easy = calibration_feedback({"tries": [{**tries[0], "mean": 0.9}]}, config)

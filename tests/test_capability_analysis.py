@@ -9,7 +9,6 @@ import json
 import jax
 import ml_collections
 import pytest
-
 from scripted_llm_server import ScriptedLLMServer
 
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
@@ -38,20 +37,48 @@ def _gold(e, reply=None):
 PLANS = {
     "gold_cancel": ("cancel_pending", _gold),
     "gold_status": ("order_status", _gold),
-    "skips_the_read": ("cancel_pending", lambda e: [_call(e.gold().tool_calls[0]), _call(e.gold().tool_calls[2]),
-                                                    "Cancelled."]),
-    "wrong_reason": ("cancel_pending", lambda e: [_call(c) for c in e.gold().tool_calls[:2]] + [
-        _call(e.gold().tool_calls[2], reason=({"no longer needed", "ordered by mistake"}
-                                              - {e.gold().tool_calls[2]["arguments"]["reason"]}).pop()), "Done."]),
+    "skips_the_read": (
+        "cancel_pending",
+        lambda e: [_call(e.gold().tool_calls[0]), _call(e.gold().tool_calls[2]), "Cancelled."],
+    ),
+    "wrong_reason": (
+        "cancel_pending",
+        lambda e: (
+            [_call(c) for c in e.gold().tool_calls[:2]]
+            + [
+                _call(
+                    e.gold().tool_calls[2],
+                    reason=(
+                        {"no longer needed", "ordered by mistake"} - {e.gold().tool_calls[2]["arguments"]["reason"]}
+                    ).pop(),
+                ),
+                "Done.",
+            ]
+        ),
+    ),
     "stops_early": ("cancel_pending", lambda e: [_call(e.gold().tool_calls[0]), "I have found your account."]),
-    "repeats_a_failure": ("cancel_pending", lambda e: [_call(e.gold().tool_calls[0], email="nobody@example.com")] * 2
-                          + ["Sorry, I cannot find you."]),
-    "malformed": ("cancel_pending", lambda e: ['<tool_call>\n{"name": "find_user_id_by_email", "arguments": {\n'
-                                               '</tool_call>'] + _gold(e)),
+    "repeats_a_failure": (
+        "cancel_pending",
+        lambda e: [_call(e.gold().tool_calls[0], email="nobody@example.com")] * 2 + ["Sorry, I cannot find you."],
+    ),
+    "malformed": (
+        "cancel_pending",
+        lambda e: ['<tool_call>\n{"name": "find_user_id_by_email", "arguments": {\n</tool_call>'] + _gold(e),
+    ),
     "omits_the_facts": ("order_status", lambda e: _gold(e, reply="Your order is fine.")),
-    "acts_against_policy": ("refuse", lambda e: [_call(c) for c in e.gold().tool_calls] + [format_tool_call(
-        "cancel_pending_order", {"order_id": e.gold().tool_calls[1]["arguments"]["order_id"],
-                                 "reason": "no longer needed"}), "Done: " + "; ".join(e.gold().facts)]),
+    "acts_against_policy": (
+        "refuse",
+        lambda e: (
+            [_call(c) for c in e.gold().tool_calls]
+            + [
+                format_tool_call(
+                    "cancel_pending_order",
+                    {"order_id": e.gold().tool_calls[1]["arguments"]["order_id"], "reason": "no longer needed"},
+                ),
+                "Done: " + "; ".join(e.gold().facts),
+            ]
+        ),
+    ),
 }
 
 # behaviour -> the labels that must be LACKING (every other applicable label PRESENT), and the NA ones
@@ -61,8 +88,7 @@ EXPECTED = {
     "skips_the_read": ({"precondition", "multi_step"}, {"structured_data", "communication", "error_recovery"}),
     "wrong_reason": ({"tool_calling"}, {"structured_data", "communication", "error_recovery"}),
     "stops_early": ({"multi_step"}, {"structured_data", "communication", "error_recovery"}),
-    "repeats_a_failure": ({"tool_calling", "error_recovery", "multi_step"},
-                          {"structured_data", "communication"}),
+    "repeats_a_failure": ({"tool_calling", "error_recovery", "multi_step"}, {"structured_data", "communication"}),
     "malformed": ({"tool_calling"}, {"structured_data", "communication"}),
     "omits_the_facts": ({"communication", "structured_data"}, {"precondition", "error_recovery"}),
     "acts_against_policy": ({"precondition"}, {"structured_data", "error_recovery"}),  # cancels for a bad reason
@@ -99,8 +125,10 @@ def test_each_scripted_flaw_is_labelled_lacking_the_capability_it_breaks(played)
         want = {card.name: LACKING if card.name in lacking else NA if card.name in na else PRESENT for card in CARDS}
         assert got == want, (name, {c: labelling[c][trajectories[name].id].evidence for c in got if got[c] != want[c]})
     evidence = labelling["precondition"][trajectories["skips_the_read"].id].evidence
-    assert "before order" in evidence and trajectories["skips_the_read"].gold.tool_calls[1]["arguments"]["order_id"] \
-        in evidence
+    assert (
+        "before order" in evidence
+        and trajectories["skips_the_read"].gold.tool_calls[1]["arguments"]["order_id"] in evidence
+    )
 
 
 def test_the_compact_view_is_what_the_authors_analyst_reads(played):
@@ -113,8 +141,10 @@ def test_the_compact_view_is_what_the_authors_analyst_reads(played):
     assert view["end_reason"] == "agent_stop" and view["reward"] == 0.0
     assert any(r.startswith("COMMUNICATE: the reply did not state") for r in view["failure_reasons"])
     assert "policy" not in json.dumps(view)  # the shared system prompt is left out
-    assert compact(trajectories["malformed"])["messages"][1] == {"role": "assistant",
-                                                                 "tool_calls": "<malformed tool call>"}
+    assert compact(trajectories["malformed"])["messages"][1] == {
+        "role": "assistant",
+        "tool_calls": "<malformed tool call>",
+    }
     assert trajectories["malformed"].calls[0].name == "find_user_id_by_email"  # the error observation skipped
     assert records["malformed"]["num_errors"] == 1
 
@@ -162,20 +192,42 @@ def _scripted_analyst(flaky_sample: int):
     """An LLM over the real OpenAI protocol: discovery answers prose first, then a fenced dictionary;
     labelling marks `reads_results` LACKING on failures and PRESENT on successes and `never_needed` NA,
     except the labelling sampled with seed `flaky_sample`, whose replies always leave out one id."""
+
     def answer(request):
         prompt = request["messages"][1]["content"]
         if prompt.startswith("Below are"):  # discovery
             if len(request["messages"]) == 2:
                 return "I would say the agent lacks care."
-            return "```json\n" + json.dumps({"capabilities": [
-                {"name": "reads_results", "description": "Uses values from tool results.", "lacking": "Guesses."},
-                {"name": "never_needed", "description": "Speaks Latin.", "lacking": "No Latin."}]}) + "\n```"
+            return (
+                "```json\n"
+                + json.dumps(
+                    {
+                        "capabilities": [
+                            {
+                                "name": "reads_results",
+                                "description": "Uses values from tool results.",
+                                "lacking": "Guesses.",
+                            },
+                            {"name": "never_needed", "description": "Speaks Latin.", "lacking": "No Latin."},
+                        ]
+                    }
+                )
+                + "\n```"
+            )
         views = [json.loads(line) for line in prompt.split("Trajectories:\n", 1)[1].splitlines()]
         drop = 1 if request["seed"] == flaky_sample else 0
-        return json.dumps({"labels": {
-            "reads_results": {v["id"]: {"label": "LACKING" if v["reward"] < 1 else "PRESENT", "evidence": "seen"}
-                              for v in views[drop:]},
-            "never_needed": {v["id"]: {"label": "NA", "evidence": ""} for v in views}}})
+        return json.dumps(
+            {
+                "labels": {
+                    "reads_results": {
+                        v["id"]: {"label": "LACKING" if v["reward"] < 1 else "PRESENT", "evidence": "seen"}
+                        for v in views[drop:]
+                    },
+                    "never_needed": {v["id"]: {"label": "NA", "evidence": ""} for v in views},
+                }
+            }
+        )
+
     return answer
 
 
@@ -208,9 +260,19 @@ def test_records_of_more_tasks_than_the_default_load_with_their_gold():
     environment does not have is an error naming it."""
     env = EmbeddedRetail()
     specs = env.tasks("train", 250)
-    records = [{"task_id": s.task_id, "split": "train", "family": s.family, "success": False, "reward": 0.0,
-                "components": {}, "end_reason": "agent_stop", "messages": [{"role": "user", "content": "hi"}]}
-               for s in specs]
+    records = [
+        {
+            "task_id": s.task_id,
+            "split": "train",
+            "family": s.family,
+            "success": False,
+            "reward": 0.0,
+            "components": {},
+            "end_reason": "agent_stop",
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        for s in specs
+    ]
     loaded = load_trajectories(records, env)
     assert [t.id for t in loaded] == [s.task_id for s in specs]
     assert loaded[-1].gold == env.episode(specs[-1]).gold()

@@ -34,8 +34,10 @@ def _play(env, agent, tasks):
 
 def _gold_and_empty(env, seeds):
     tasks = env.tasks("train", seeds - seeds // 4) + env.tasks("heldout", seeds // 4)
-    return ({t.outcome.reward for t in _play(env, GoldAgent(), tasks)},
-            {t.outcome.reward for t in _play(env, NoopAgent(), tasks)})
+    return (
+        {t.outcome.reward for t in _play(env, GoldAgent(), tasks)},
+        {t.outcome.reward for t in _play(env, NoopAgent(), tasks)},
+    )
 
 
 @pytest.mark.parametrize("capability", sorted(CAPABILITIES))
@@ -87,12 +89,14 @@ def test_the_reward_is_the_papers_and_a_wrong_write_costs(cut_share):
     tasks = env.tasks("train", 8)
     gold, facts = (lambda e: list(e.gold().tool_calls)), (lambda e: " ".join(e.gold().facts))
     half = lambda e: gold(e)[:2]
-    for agent, reward in [(_Planned(gold, final=facts), 1.0),
-                          (_Planned(gold), 0.6),  # every call, but the reply states no fact
-                          (_Planned(half), 0.6 * 2 / 5),
-                          (_Planned(lambda e: half(e) + [_wrong_cancel(e)]), 0.6 * 2 / 5 - 0.1),
-                          (_Planned(lambda e: [_wrong_cancel(e)]), 0.0),  # clipped at 0: no better than nothing
-                          (_Planned(gold, replies=False), 0.6 * (cut_share or 0.0))]:  # cut at the turn limit
+    for agent, reward in [
+        (_Planned(gold, final=facts), 1.0),
+        (_Planned(gold), 0.6),  # every call, but the reply states no fact
+        (_Planned(half), 0.6 * 2 / 5),
+        (_Planned(lambda e: half(e) + [_wrong_cancel(e)]), 0.6 * 2 / 5 - 0.1),
+        (_Planned(lambda e: [_wrong_cancel(e)]), 0.0),  # clipped at 0: no better than nothing
+        (_Planned(gold, replies=False), 0.6 * (cut_share or 0.0)),
+    ]:  # cut at the turn limit
         played = _play(env, agent, tasks)
         assert {round(t.outcome.reward, 6) for t in played} == {round(reward, 6)}, reward
         assert all(t.outcome.success == (reward == 1.0) for t in played)
@@ -109,15 +113,19 @@ def test_scaffolded_levels_prefill_the_calls_before_the_last_write():
         for task in env.tasks("train", TASKS):
             scenario = env.scenario(task)
             assert [c["name"] for c in scenario.gold_calls] == ["return_delivered_order_items"], level
-            assert [c["name"] for c in scenario.prefilled] == ["find_user_id_by_email", "get_order_details",
-                                                               "cancel_pending_order", "get_order_details"]
+            assert [c["name"] for c in scenario.prefilled] == [
+                "find_user_id_by_email",
+                "get_order_details",
+                "cancel_pending_order",
+                "get_order_details",
+            ]
             opening = env.episode(task).reset()
             assert opening[-1]["role"] == "tool" and not opening[-1]["content"].startswith("Error")
             assert (json.dumps(scenario.gold_calls[0]["arguments"]) in env.hint_for(task)) == (level <= -2)
             gold_turn = format_tool_call(scenario.gold_calls[0]["name"], scenario.gold_calls[0]["arguments"])
             opening_text = env.episode(task, hint=True).opening
             assert env.episode(task).opening == ""
-            assert (opening_text == gold_turn[:gold_turn.index("return_delivered_order_items") + 28]) == (level == -3)
+            assert (opening_text == gold_turn[: gold_turn.index("return_delivered_order_items") + 28]) == (level == -3)
             assert (opening_text == gold_turn) == (level == -4)
             assert opening_text == "" or opening_text.startswith('<tool_call>\n{"name": "return_delivered_order_items')
     assert all(len(plain.scenario(t).gold_calls) == 4 for t in plain.tasks("train", TASKS))
@@ -133,20 +141,40 @@ def _calls(calls):
 
 def _read_and_cancel(episode):
     order_id = episode.gold().tool_calls[0]["arguments"]["order_id"]
-    return _calls([episode.gold().tool_calls[0], {"name": "cancel_pending_order",
-                                                  "arguments": {"order_id": order_id, "reason": "no longer needed"}}])
+    return _calls(
+        [
+            episode.gold().tool_calls[0],
+            {"name": "cancel_pending_order", "arguments": {"order_id": order_id, "reason": "no longer needed"}},
+        ]
+    )
 
 
-@pytest.mark.parametrize("capability, difficulty, plan, most", [
-    ("precondition", 1, _read_and_cancel, 0.5),  # acts without checking: every forbidden task fails
-    ("precondition", 1, lambda e: _calls(e.gold().tool_calls[:1]), 0.5),  # refuses every request
-    ("multi_step", 0, lambda e: _calls(e.gold().tool_calls[:2]), 0.0),  # does only the first request
-    ("error_recovery", 0, lambda e: _calls([dict(e.scenario.prefilled[0])] * 2), 0.0),  # repeats the failing call
-    ("communication", 2, lambda e: _calls(e.gold().tool_calls), 0.0),  # reads, but states no fact
-    ("structured_data", 1, lambda e: _calls([{"name": "cancel_pending_order", "arguments": {  # takes the first order
-        "order_id": e.scenario.prefilled[2]["arguments"]["order_id"], **{
-            k: v for k, v in e.gold().tool_calls[0]["arguments"].items() if k == "reason"}}}]), 0.5),
-])
+@pytest.mark.parametrize(
+    "capability, difficulty, plan, most",
+    [
+        ("precondition", 1, _read_and_cancel, 0.5),  # acts without checking: every forbidden task fails
+        ("precondition", 1, lambda e: _calls(e.gold().tool_calls[:1]), 0.5),  # refuses every request
+        ("multi_step", 0, lambda e: _calls(e.gold().tool_calls[:2]), 0.0),  # does only the first request
+        ("error_recovery", 0, lambda e: _calls([dict(e.scenario.prefilled[0])] * 2), 0.0),  # repeats the failing call
+        ("communication", 2, lambda e: _calls(e.gold().tool_calls), 0.0),  # reads, but states no fact
+        (
+            "structured_data",
+            1,
+            lambda e: _calls(
+                [
+                    {
+                        "name": "cancel_pending_order",
+                        "arguments": {  # takes the first order
+                            "order_id": e.scenario.prefilled[2]["arguments"]["order_id"],
+                            **{k: v for k, v in e.gold().tool_calls[0]["arguments"].items() if k == "reason"},
+                        },
+                    }
+                ]
+            ),
+            0.5,
+        ),
+    ],
+)
 def test_an_agent_without_the_capability_fails_where_it_is_needed(capability, difficulty, plan, most):
     env = _env(capability, difficulty=difficulty)
     played = _play(env, PlannedAgent(plan, final="Done, as you asked."), env.tasks("train", TASKS))
@@ -164,8 +192,7 @@ def _levels():
 
 @pytest.mark.parametrize("capability, level", list(_levels()))
 def test_tasks_are_deterministic_per_seed_with_disjoint_splits_and_new_customers(capability, level):
-    first, again, other_seed = (_env(capability, **level), _env(capability, **level),
-                                _env(capability, seed=1, **level))
+    first, again, other_seed = (_env(capability, **level), _env(capability, **level), _env(capability, seed=1, **level))
     tickets = lambda env, split: [env.scenario(t).ticket for t in env.tasks(split, TASKS)]
     hints = lambda env: [env.hint_for(t) for t in env.tasks("train", TASKS)]
     assert tickets(first, "train") == tickets(again, "train") and hints(first) == hints(again)

@@ -19,8 +19,9 @@ from trace_jax.models.config import ModelConfig
 from trace_jax.rl.checkpoint import Checkpointer, TrainState
 from trace_jax.rl.learner import make_optimizer
 
-CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2, num_kv_heads=1,
-                  head_dim=8)
+CFG = ModelConfig(
+    vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8
+)
 OPTIMIZER = make_optimizer(lr=1e-2)
 
 
@@ -41,16 +42,28 @@ def _update(weights, opt_state, rng: jax.Array, step: jax.Array) -> tuple:
 def fresh_state(impl: str = "threefry2x32") -> TrainState:
     """Step 0 from a fixed seed; also the restore template. (An rbg init key: threefry compiles slowly on CPU.)"""
     weights, scale, opt_state = _init(jax.random.key(0, impl="rbg"))
-    return TrainState(step=0, adapter_weights=weights, scale=scale, opt_state=opt_state,
-                      rng=jax.random.key(1, impl=impl), cursor={"epoch": 0, "next_prompt": 0})
+    return TrainState(
+        step=0,
+        adapter_weights=weights,
+        scale=scale,
+        opt_state=opt_state,
+        rng=jax.random.key(1, impl=impl),
+        cursor={"epoch": 0, "next_prompt": 0},
+    )
 
 
 def fake_step(state: TrainState) -> TrainState:
     """A deterministic stand-in for a learner step."""
     step = state.step + 1
     weights, opt_state, rng = _update(state.adapter_weights, state.opt_state, state.rng, step)
-    return TrainState(step=step, adapter_weights=weights, scale=state.scale, opt_state=opt_state, rng=rng,
-                      cursor={"epoch": step // 5, "next_prompt": 3 * step % 11})
+    return TrainState(
+        step=step,
+        adapter_weights=weights,
+        scale=state.scale,
+        opt_state=opt_state,
+        rng=rng,
+        cursor={"epoch": step // 5, "next_prompt": 3 * step % 11},
+    )
 
 
 def state_at(step: int, impl: str = "threefry2x32") -> TrainState:

@@ -30,16 +30,22 @@ def test_notebooks_are_committed_without_outputs_and_install_only_on_colab():
 
 
 def test_the_sampling_notebook_runs_adapters_side_by_side_and_round_trips_one(tiny_chat_model, job_env, tmp_path):
-    notebook = run_notebook("01_sample_with_adapters.ipynb",
-                            {"MODEL": str(tiny_chat_model), "MAX_NEW_TOKENS": 8, "WORKDIR": str(tmp_path)}, job_env)
+    notebook = run_notebook(
+        "01_sample_with_adapters.ipynb",
+        {"MODEL": str(tiny_chat_model), "MAX_NEW_TOKENS": 8, "WORKDIR": str(tmp_path)},
+        job_env,
+    )
     assert "the base row and the reloaded adapter sample as in the shared batch" in printed(notebook)
     assert (tmp_path / "adapter_1" / "adapter_model.safetensors").is_file()
 
 
 def test_the_grpo_notebook_trains_and_plots_the_reward(tiny_chat_model, job_env, tmp_path):
     overrides = {"model": str(tiny_chat_model), "lora.first_layer": 0, "train.steps": 1, "eval.num_tasks": 0}
-    notebook = run_notebook("02_grpo_train_adapter.ipynb",
-                            {"CONFIG": "grpo_tiny", "WORKDIR": str(tmp_path), "OVERRIDES": overrides}, job_env)
+    notebook = run_notebook(
+        "02_grpo_train_adapter.ipynb",
+        {"CONFIG": "grpo_tiny", "WORKDIR": str(tmp_path), "OVERRIDES": overrides},
+        job_env,
+    )
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in steps if "rollout/reward" in row] == [1]
     assert (tmp_path / "adapter" / "adapter_config.json").is_file() and "|B| per target" in printed(notebook)

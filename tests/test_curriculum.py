@@ -18,8 +18,15 @@ def test_a_part_moves_up_after_patience_steps_above_the_gate_and_stops_at_its_to
     for rewards in [(0.7, None), (0.9, 0.8), (0.5, 0.7), (0.8, 0.1), (0.65, 0.9), (0.9, 0.9), (0.9, 0.9)]:
         state, moved = climb(state, list(rewards), tops, config)
         moves.append((state["levels"][:], moved))
-    assert moves == [([-2, -1], []), ([-1, -1], [0]), ([-1, 0], [1]), ([-1, 0], []), ([0, 0], [0]),
-                     ([0, 0], []), ([0, 0], [])]
+    assert moves == [
+        ([-2, -1], []),
+        ([-1, -1], [0]),
+        ([-1, 0], [1]),
+        ([-1, 0], []),
+        ([0, 0], [0]),
+        ([0, 0], []),
+        ([0, 0], []),
+    ]
     off, _ = climb(start_state([0]), [1.0], [2], CurriculumConfig(patience=0))
     assert off["levels"] == [0] and off["streaks"] == [1]  # off: counts, never moves
 

@@ -124,8 +124,10 @@ def test_attention_gradients_match_plain_softmax_attention(with_prefix):
     pos = jnp.broadcast_to(jnp.arange(t), (batch, t))
     k_valid = jnp.asarray(np.arange(t)[None, :] < np.array([5, 3, 4])[:, None])
     slot_of_row, prefix_len = np.array([1, 0, 1]), np.array([4, 2, 0])
-    valid = jnp.asarray((np.arange(slots * plen)[None] // plen == slot_of_row[:, None])
-                        & (np.arange(slots * plen)[None] % plen < prefix_len[:, None]))
+    valid = jnp.asarray(
+        (np.arange(slots * plen)[None] // plen == slot_of_row[:, None])
+        & (np.arange(slots * plen)[None] % plen < prefix_len[:, None])
+    )
     cotangent = normal(batch, t, heads * hd)
 
     def ours(q, k, v, pk, pv):
@@ -136,8 +138,9 @@ def test_attention_gradients_match_plain_softmax_attention(with_prefix):
         own_mask = k_valid[:, None, :] & (pos[:, None, :] <= pos[:, :, None])  # [B, T, S]
         keys, values, mask = k, v, own_mask
         if with_prefix:
-            flat = lambda x: jnp.broadcast_to(x.transpose(1, 0, 2, 3).reshape(kv_heads, slots * plen, hd),
-                                              (batch, kv_heads, slots * plen, hd))
+            flat = lambda x: jnp.broadcast_to(
+                x.transpose(1, 0, 2, 3).reshape(kv_heads, slots * plen, hd), (batch, kv_heads, slots * plen, hd)
+            )
             keys, values = jnp.concatenate([flat(pk), k], 2), jnp.concatenate([flat(pv), v], 2)
             mask = jnp.concatenate([jnp.broadcast_to(valid[:, None, :], (batch, t, slots * plen)), own_mask], 2)
         keys, values = (jnp.repeat(x, heads // kv_heads, axis=1) for x in (keys, values))  # [B, H, S, hd]

@@ -7,8 +7,14 @@ import ml_collections
 import pytest
 
 from trace_jax.evaluation import evaluate, recorded_episodes
-from trace_jax.trace.diagnostics import (diagnostics_defaults, diagnostics_table, pass_rates, sampled_evaluation,
-                                         targeted_families, validate_diagnostics_config)
+from trace_jax.trace.diagnostics import (
+    diagnostics_defaults,
+    diagnostics_table,
+    pass_rates,
+    sampled_evaluation,
+    targeted_families,
+    validate_diagnostics_config,
+)
 
 
 def test_the_targeted_families_hold_a_share_of_the_capabilitys_lacking_failures():
@@ -18,25 +24,49 @@ def test_the_targeted_families_hold_a_share_of_the_capabilitys_lacking_failures(
 
 
 def test_pass_rates_are_the_unbiased_pass_at_k_by_family():
-    records = [{"task_id": f"t{t}", "family": "a" if t < 2 else "b", "success": s}
-               for t, wins in enumerate((0, 1, 4)) for s in [True] * wins + [False] * (4 - wins)]
+    records = [
+        {"task_id": f"t{t}", "family": "a" if t < 2 else "b", "success": s}
+        for t, wins in enumerate((0, 1, 4))
+        for s in [True] * wins + [False] * (4 - wins)
+    ]
     rates = pass_rates(records, 4)
     assert rates["tickets"] == 3 and rates["pass@1"] == pytest.approx((0 + 0.25 + 1) / 3)
     assert rates["pass@4"] == pytest.approx(2 / 3)
     assert rates["by_family"]["a"] == {"pass@1": pytest.approx(0.125), "pass@4": pytest.approx(0.5)}
     two = pass_rates([{"task_id": "t", "family": "a", "success": s} for s in (True, False, False, False)], 2)
     assert two["pass@2"] == pytest.approx(1 - math.comb(3, 2) / math.comb(4, 2))
-    table = diagnostics_table({"tool_calling": {"families": ["a", "b"], "samples": 4, "base": rates,
-                                                "adapter": rates}, "other": {"families": [], "reason": "none"}})
+    table = diagnostics_table(
+        {
+            "tool_calling": {"families": ["a", "b"], "samples": 4, "base": rates, "adapter": rates},
+            "other": {"families": [], "reason": "none"},
+        }
+    )
     assert table.count("\n") == 2 and "| tool_calling | a, b | 3 | 0.417 -> 0.417 | 0.667 -> 0.667 |" in table
 
 
 def test_a_sampled_evaluation_plays_only_the_targeted_families_first_tickets(tmp_path):
-    heldout = ml_collections.ConfigDict(dict(
-        model="unused-by-scripted-agents", dtype="float32", adapter="", seed=0,
-        env={"name": "embedded_retail", "seed": 0, "families": ()}, split="heldout", num_tasks=None, trials=1,
-        log_every_s=0.0, rollout=dict(batch_size=4, max_turns=8, max_tokens_per_turn=64, max_errors=4,
-                                      temperature=0.0, top_p=1.0, user_temperature=0.0)))
+    heldout = ml_collections.ConfigDict(
+        dict(
+            model="unused-by-scripted-agents",
+            dtype="float32",
+            adapter="",
+            seed=0,
+            env={"name": "embedded_retail", "seed": 0, "families": ()},
+            split="heldout",
+            num_tasks=None,
+            trials=1,
+            log_every_s=0.0,
+            rollout=dict(
+                batch_size=4,
+                max_turns=8,
+                max_tokens_per_turn=64,
+                max_errors=4,
+                temperature=0.0,
+                top_p=1.0,
+                user_temperature=0.0,
+            ),
+        )
+    )
     config = diagnostics_defaults()
     config.update(samples=2, per_family=3)
     run = sampled_evaluation(heldout, config, ["change_address", "return_delivered"])

@@ -71,8 +71,14 @@ def tokenizer(model_dir) -> ChatTokenizer:
 
 def test_conversion_writes_hf_folder(model_dir, cache_root):
     assert model_dir == cache_root / "embedded" / NAME
-    for file in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json"):
+    for file in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ):
         assert (model_dir / file).is_file(), file
     assert not [p for p in model_dir.parent.iterdir() if p != model_dir], "staging folder left behind"
 
@@ -153,7 +159,7 @@ def test_greedy_generation_answers_paris(model_dir, tokenizer):
     prompt = tokenizer.apply_chat([{"role": "user", "content": "What is the capital of France?"}])
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
-    answer = tokenizer.decode(out[0, len(prompt):].tolist())
+    answer = tokenizer.decode(out[0, len(prompt) :].tolist())
     assert "Paris" in answer, answer
 
 
@@ -185,8 +191,11 @@ def test_tools_render_into_system_prompt(tokenizer):
 
 
 def test_tool_calls_and_results_render_without_template_support(tokenizer):
-    call = {"id": "call_0", "type": "function",
-            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})},
+    }
     messages = [
         {"role": "user", "content": "Weather in Paris and Rome?"},
         {"role": "assistant", "content": "Checking.", "tool_calls": [call]},

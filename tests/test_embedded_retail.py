@@ -46,8 +46,13 @@ def _play(env: EmbeddedRetail, spec: base.TaskSpec, calls: list[dict], text: str
     assert [m["role"] for m in messages] == ["system", "user"]
     results = []
     for k, call in enumerate(calls):
-        step = episode.step({"role": "assistant", "content": "",
-                             "tool_calls": [{"id": f"call_{k}", "name": call["name"], "arguments": call["arguments"]}]})
+        step = episode.step(
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": f"call_{k}", "name": call["name"], "arguments": call["arguments"]}],
+            }
+        )
         assert not step.done and len(step.observations) == 1 and step.observations[0]["role"] == "tool"
         results.append(step.observations[0]["content"])
     assert episode.step({"role": "assistant", "content": text}).end_reason == base.END_AGENT_STOP
@@ -81,8 +86,9 @@ def _wrong(env: EmbeddedRetail, spec: base.TaskSpec) -> tuple[list[dict], tuple[
     elif spec.family == "return_delivered":
         last["item_ids"] = last["item_ids"][:-1]
     elif task.variant == "bad_reason":
-        calls.append({"name": "cancel_pending_order", "arguments": {"order_id": last["order_id"],
-                                                                     "reason": "no longer needed"}})
+        calls.append(
+            {"name": "cancel_pending_order", "arguments": {"order_id": last["order_id"], "reason": "no longer needed"}}
+        )
     elif task.variant == "other_user":
         (other,) = {e for e in task.entities if e.startswith("#")} - {last["order_id"]}
         calls.append({"name": "cancel_pending_order", "arguments": {"order_id": other, "reason": last["reason"]}})
@@ -113,10 +119,14 @@ def test_forbidden_writes_are_refused_by_the_tools(env, tasks):
         if task.variant not in ("cancel_not_pending", "return_not_delivered"):
             continue
         order = task.gold.tool_calls[-1]["arguments"]["order_id"]
-        write = ({"name": "cancel_pending_order", "arguments": {"order_id": order, "reason": "no longer needed"}}
-                 if task.variant == "cancel_not_pending" else
-                 {"name": "return_delivered_order_items", "arguments": {"order_id": order, "item_ids": [],
-                                                                        "payment_method_id": "gift_card_0000000"}})
+        write = (
+            {"name": "cancel_pending_order", "arguments": {"order_id": order, "reason": "no longer needed"}}
+            if task.variant == "cancel_not_pending"
+            else {
+                "name": "return_delivered_order_items",
+                "arguments": {"order_id": order, "item_ids": [], "payment_method_id": "gift_card_0000000"},
+            }
+        )
         _, results = _play(env, spec, [*task.gold.tool_calls, write], _reply(task.gold.facts))
         assert results[-1].startswith("Error"), results[-1]
 
@@ -142,8 +152,12 @@ def _owners(env: EmbeddedRetail, spec: base.TaskSpec) -> set[str]:
         if "email" in args:
             users |= {u.user_id for u in db.users.values() if u.email == args["email"]}
         if "first_name" in args:
-            users |= {u.user_id for u in db.users.values()
-                      if (u.name.first_name, u.name.last_name, u.address.zip) == (args["first_name"], args["last_name"], args["zip"])}
+            users |= {
+                u.user_id
+                for u in db.users.values()
+                if (u.name.first_name, u.name.last_name, u.address.zip)
+                == (args["first_name"], args["last_name"], args["zip"])
+            }
         if "user_id" in args:
             users.add(args["user_id"])
         if "order_id" in args:
@@ -238,8 +252,9 @@ def test_gold_turns_are_recorded_as_the_models_tokens(env, smollm2):
 
     tokenizer = smollm2.tokenizer
     specs = env.tasks("train", len(FAMILIES))
-    engine = RolloutEngine(env, agent=GoldAgent(), user=StoppingUser(), tokenizer=tokenizer,
-                           config=RolloutConfig(max_turns=8))
+    engine = RolloutEngine(
+        env, agent=GoldAgent(), user=StoppingUser(), tokenizer=tokenizer, config=RolloutConfig(max_turns=8)
+    )
     for trajectory in engine.run([Job(spec) for spec in specs], key=jax.random.key(0)):
         assert trajectory.outcome.reward == 1.0
         replies = [m["content"] for m in trajectory.messages if m["role"] == "assistant"]

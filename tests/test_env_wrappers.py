@@ -2,7 +2,6 @@
 the target) and several environments played as one (the mixed-capability arm), each through the rollout engine
 with the gold agent and from an environment config."""
 
-
 import jax
 import ml_collections
 import pytest
@@ -68,8 +67,9 @@ def test_a_mixed_environment_takes_its_parts_tasks_in_turn_and_plays_each_in_its
 
 
 def test_a_mixed_environment_from_its_config_and_its_errors():
-    config = ml_collections.ConfigDict(dict(name="mixed", parts=[_capability_config("tool_calling"),
-                                                                 _capability_config("structured_data")]))
+    config = ml_collections.ConfigDict(
+        dict(name="mixed", parts=[_capability_config("tool_calling"), _capability_config("structured_data")])
+    )
     env = make_environment(config)
     assert [t.task_id.split("/")[1] for t in env.tasks("heldout", 4)] == ["tool_calling", "structured_data"] * 2
     with pytest.raises(ValueError, match="occurs in two parts"):

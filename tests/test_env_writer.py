@@ -14,7 +14,6 @@ import types
 import jax
 import ml_collections
 import pytest
-
 from scripted_llm_server import ScriptedLLMServer
 
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
@@ -30,8 +29,11 @@ from trace_jax.trace.calibration import environment_config
 from trace_jax.trace.env_writer import NO_CODE, env_writer_defaults, extract_code, write_environment
 
 EXAMPLE = pathlib.Path(example_retail.__file__).read_text()
-CARD = CapabilityCard("order_facts", "Reads the order asked about and states the facts asked for.",
-                      "Answers without reading the order, or leaves out the fact.")
+CARD = CapabilityCard(
+    "order_facts",
+    "Reads the order asked about and states the facts asked for.",
+    "Answers without reading the order, or leaves out the fact.",
+)
 EVIDENCE = ["traj 3: replied 'your order is on its way' without calling get_order_details"]
 SEEDS = 20
 TASKS = 10  # exported per split and difficulty
@@ -64,8 +66,7 @@ def _play(env, agent, tasks):
 
 
 def test_the_writer_asks_again_with_each_failure_until_a_module_passes_then_resumes(tmp_path):
-    script = ["I would build an environment where the customer asks about an order.", _fenced(RAISES),
-              _fenced(EXAMPLE)]
+    script = ["I would build an environment where the customer asks about an order.", _fenced(RAISES), _fenced(EXAMPLE)]
     folder, cache = tmp_path / "order_facts", tmp_path / "llm_cache"
     with ScriptedLLMServer(script) as server:
         synthesis = write_environment(CARD, EVIDENCE, _client(server, cache), folder, _config())
@@ -91,8 +92,13 @@ def test_the_writer_asks_again_with_each_failure_until_a_module_passes_then_resu
         env = synthesis.environment(difficulty, policy=False)
         tasks = env.tasks("train") + env.tasks("heldout")
         settings = ml_collections.ConfigDict(dict(policy=False, cut_share=0.0))
-        built = make_environment(ml_collections.ConfigDict(environment_config(  # as calibration and training build it
-            "order_facts", difficulty, settings, synthesis.scenarios)))
+        built = make_environment(
+            ml_collections.ConfigDict(
+                environment_config(  # as calibration and training build it
+                    "order_facts", difficulty, settings, synthesis.scenarios
+                )
+            )
+        )
         assert [t.task_id for t in built.tasks("train")] == [t.task_id for t in env.tasks("train")]
         assert len(tasks) == 2 * TASKS
         assert {t.outcome.reward for t in _play(env, GoldAgent(), tasks)} == {1.0}, difficulty
@@ -101,7 +107,10 @@ def test_the_writer_asks_again_with_each_failure_until_a_module_passes_then_resu
         assert [t.task_id for t in same.tasks("heldout", TASKS)] == [t.task_id for t in env.tasks("heldout")]
         for mine, theirs in zip(env.tasks("heldout"), same.tasks("heldout", TASKS)):
             assert (env.scenario(mine).ticket, env.scenario(mine).gold_calls, env.scenario(mine).db) == (
-                same.scenario(theirs).ticket, same.scenario(theirs).gold_calls, same.scenario(theirs).db)
+                same.scenario(theirs).ticket,
+                same.scenario(theirs).gold_calls,
+                same.scenario(theirs).db,
+            )
     with pytest.raises(ValueError, match=f"holds {TASKS} train tasks of difficulty 0; task {TASKS} was asked"):
         synthesis.environment().tasks("train", TASKS + 1)
     mix = synthesis.environment(0.5, policy=False)  # calibration's mix of two levels: exported tasks of each
@@ -119,8 +128,11 @@ def test_an_airline_environment_is_written_against_the_airline_api_and_played_wi
     airline tools under its policy."""
     airline = pathlib.Path(example_airline.__file__).read_text()
     wrong_domain = airline.replace('DOMAIN = "airline"', 'DOMAIN = "retail"')
-    card = CapabilityCard("reservation_facts", "Reads the reservation asked about and states the facts asked for.",
-                          "Answers without reading the reservation.")
+    card = CapabilityCard(
+        "reservation_facts",
+        "Reads the reservation asked about and states the facts asked for.",
+        "Answers without reading the reservation.",
+    )
     with ScriptedLLMServer([_fenced(wrong_domain), _fenced(airline)]) as server:
         synthesis = write_environment(card, [], _client(server, None), tmp_path, _config(), domain="airline")
         sent = server.requests
@@ -140,8 +152,11 @@ def test_an_airline_environment_is_written_against_the_airline_api_and_played_wi
         for task in tasks:
             db = env.scenario(task).db
             assert not set(db.users) & set(target.users) and not set(db.reservations) & set(target.reservations)
-            assert all(any(f.date > "2024-05-15" for f in db.reservations[r].flights)
-                       for u in db.users.values() for r in u.reservations[:1])  # each customer's first flies later
+            assert all(
+                any(f.date > "2024-05-15" for f in db.reservations[r].flights)
+                for u in db.users.values()
+                for r in u.reservations[:1]
+            )  # each customer's first flies later
         assert {t.outcome.reward for t in _play(env, GoldAgent(), tasks)} == {1.0}, difficulty
         assert {t.outcome.reward for t in _play(env, NoopAgent(), tasks)} == {0.0}, difficulty
     assert {env.scenario(t).variant for t in tasks} == {"flight_status", "cabin", "paid"}
@@ -159,8 +174,10 @@ def test_a_module_that_never_passes_is_given_up_after_max_attempts_and_the_rerun
     assert not synthesis.accepted and synthesis.attempts == 3 and synthesis.environment() is None
     loops, no_tools, not_offered = (r.failure_report() for r in synthesis.reports)
     assert "CPU-time limit of 2 s" in loops
-    assert "breaks the authoring API: the module must define NAME, DOMAIN, DESCRIPTION, TOOLS, generate; it " \
-           "does not define TOOLS" in no_tools
+    assert (
+        "breaks the authoring API: the module must define NAME, DOMAIN, DESCRIPTION, TOOLS, generate; it "
+        "does not define TOOLS" in no_tools
+    )
     assert "gold_calls use ['get_order_details'], which TOOLS[0] does not offer" in not_offered
     assert not (folder / "module.py").exists() and not (folder / "scenarios.json").exists()
     start = time.monotonic()
@@ -172,12 +189,18 @@ def test_a_module_that_never_passes_is_given_up_after_max_attempts_and_the_rerun
     assert time.monotonic() - start < 5  # no sandbox was started
 
 
-@pytest.mark.parametrize("source, limits, expected", [
-    ("import time\ntime.sleep(3600)\n", Limits(timeout_s=8, cpu_s=60), "wall-clock limit of 8 s"),
-    ("blocks = []\nwhile True:\n    blocks.append(bytearray(64 * 2**20))\n", Limits(timeout_s=120, memory_mb=256),
-     "memory limit of 256 MB"),
-    ("def generate(rng difficulty):\n", Limits(), "SyntaxError"),
-])
+@pytest.mark.parametrize(
+    "source, limits, expected",
+    [
+        ("import time\ntime.sleep(3600)\n", Limits(timeout_s=8, cpu_s=60), "wall-clock limit of 8 s"),
+        (
+            "blocks = []\nwhile True:\n    blocks.append(bytearray(64 * 2**20))\n",
+            Limits(timeout_s=120, memory_mb=256),
+            "memory limit of 256 MB",
+        ),
+        ("def generate(rng difficulty):\n", Limits(), "SyntaxError"),
+    ],
+)
 def test_the_sandbox_reports_a_module_that_sleeps_allocates_or_does_not_parse(source, limits, expected):
     start = time.monotonic()
     report = validate_module(source, checks=Checks(seeds=2), limits=limits)
@@ -192,16 +215,22 @@ def _module(**changes):
     return module
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"TOOLS": (("find_user_id_by_email", "teleport"),)}, r"TOOLS\[0\] names tools .* does not have: \['teleport'\]"),
-    ({"TOOLS": ()}, "TOOLS must be a tuple of 1 to 5 tuples"),
-    ({"NAME": "Order Facts"}, "NAME must be a snake_case string"),
-    ({"NAME": "other_thing"}, "NAME = 'other_thing', but this environment is for the capability 'order_facts'"),
-    ({"generate": lambda rng: None}, r"generate must be a function generate\(rng, difficulty, catalogue\)"),
-    ({"DOMAIN": "telecom"}, "DOMAIN must be one of 'retail', 'airline'; got 'telecom'"),
-    ({"DOMAIN": ["retail"]}, "DOMAIN must be one of 'retail', 'airline'; got \\['retail'\\]"),
-    ({"DOMAIN": "airline"}, "DOMAIN = 'airline', but this environment is for τ²'s retail domain"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"TOOLS": (("find_user_id_by_email", "teleport"),)},
+            r"TOOLS\[0\] names tools .* does not have: \['teleport'\]",
+        ),
+        ({"TOOLS": ()}, "TOOLS must be a tuple of 1 to 5 tuples"),
+        ({"NAME": "Order Facts"}, "NAME must be a snake_case string"),
+        ({"NAME": "other_thing"}, "NAME = 'other_thing', but this environment is for the capability 'order_facts'"),
+        ({"generate": lambda rng: None}, r"generate must be a function generate\(rng, difficulty, catalogue\)"),
+        ({"DOMAIN": "telecom"}, "DOMAIN must be one of 'retail', 'airline'; got 'telecom'"),
+        ({"DOMAIN": ["retail"]}, "DOMAIN must be one of 'retail', 'airline'; got \\['retail'\\]"),
+        ({"DOMAIN": "airline"}, "DOMAIN = 'airline', but this environment is for τ²'s retail domain"),
+    ],
+)
 def test_the_authoring_api_names_what_a_module_gets_wrong(changes, message):
     assert capability_from_module(_module(), "order_facts", "retail").tools == example_retail.TOOLS
     with pytest.raises(AuthoringError, match=message):
@@ -217,17 +246,27 @@ def test_scenario_checks_and_code_extraction():
         check_scenario({}, 0, example_retail.TOOLS[0], "retail")
     with pytest.raises(AuthoringError, match="Scenario.db must be a FlightDB"):  # a retail world for airline
         check_scenario(scenario, 0, example_airline.TOOLS[0], "airline")
-    with pytest.raises(AuthoringError, match=r"TOOLS\[0\] names tools τ²'s airline domain does not have: "
-                                             r"\['find_user_id_by_email', 'get_order_details'\]"):
+    with pytest.raises(
+        AuthoringError,
+        match=r"TOOLS\[0\] names tools τ²'s airline domain does not have: "
+        r"\['find_user_id_by_email', 'get_order_details'\]",
+    ):
         capability_from_module(_module(DOMAIN="airline"), "order_facts")
     assert extract_code("no code here") is None
     assert extract_code("```python\nx = 1\n```\nand\n```python\nNAME = 'a'\ny = 2\n```") == "NAME = 'a'\ny = 2\n"
 
 
 def test_a_report_names_each_failed_check_and_survives_json():
-    report = ValidationReport(passed=False, checks=Checks(seeds=4), name="x", gold_success=(0.5, 1.0),
-                              empty_reward=(0.0, 0.25), exceptions=1, first_exceptions=("1 plays (seed 2): Boom",),
-                              gold_failures=("seed 1, difficulty 0: reward 0.8",))
+    report = ValidationReport(
+        passed=False,
+        checks=Checks(seeds=4),
+        name="x",
+        gold_success=(0.5, 1.0),
+        empty_reward=(0.0, 0.25),
+        exceptions=1,
+        first_exceptions=("1 plays (seed 2): Boom",),
+        gold_failures=("seed 1, difficulty 0: reward 0.8",),
+    )
     text = report.failure_report()
     assert "played on 4 seeds at each of its difficulties (0, 1)" in text and "1 plays raised" in text
     assert "scored 1.0 on 50%, 100% of the seeds" in text and "seed 1, difficulty 0: reward 0.8" in text

@@ -40,8 +40,9 @@ def test_a_killed_evaluation_resumes_and_another_config_starts_afresh(tmp_path):
     assert sorted(r["task_id"] for r in again) == sorted(r["task_id"] for r in records)
     assert {r["task_id"]: r["reward"] for r in again} == {r["task_id"]: r["reward"] for r in records}
     assert min(r["elapsed_s"] for r in again[5:]) >= records[4]["elapsed_s"]
-    assert {k: resumed[k] for k in ("num_episodes", "success", "families")} == \
-        {k: full[k] for k in ("num_episodes", "success", "families")}
+    assert {k: resumed[k] for k in ("num_episodes", "success", "families")} == {
+        k: full[k] for k in ("num_episodes", "success", "families")
+    }
     config.num_tasks = 7
     assert evaluate(config, tmp_path, agent="gold")["num_episodes"] == 7 and len(_records(tmp_path)) == 7
     assert evaluate(config, tmp_path, agent="noop")["success"] == 0.0  # another agent: not gold's episodes
@@ -79,9 +80,10 @@ def test_evaluations_played_together_write_what_each_alone_writes_and_resume(tmp
     runs = [(train, tmp_path / "train"), (heldout, tmp_path / "heldout")]
     together = evaluate_together(runs, agent="gold")
     alone = [evaluate(config, tmp_path / f"alone_{n}", agent="gold") for n, (config, _) in enumerate(runs)]
-    for (_, workdir), summary, single in zip(runs, together, alone):
-        assert {k: summary[k] for k in ("num_episodes", "success", "families")} == \
-            {k: single[k] for k in ("num_episodes", "success", "families")}
+    for summary, single in zip(together, alone):
+        assert {k: summary[k] for k in ("num_episodes", "success", "families")} == {
+            k: single[k] for k in ("num_episodes", "success", "families")
+        }
     assert {r["split"] for r in _records(tmp_path / "train")} == {"train"}
     assert {r["split"] for r in _records(tmp_path / "heldout")} == {"heldout"}
     lines = (tmp_path / "heldout" / "episodes.jsonl").read_text().splitlines()
@@ -128,8 +130,10 @@ def test_grpo_reads_the_base_agents_episodes_from_an_evaluation_run(tmp_path, sm
     assert sorted(r["task_id"] for r in seeded) == sorted(t.task_id for t in rollouts.heldout)
     assert all(r in _records(base) for r in seeded)  # the evaluation's episodes, none played again
     assert len(seeded) == 3 and metrics["eval/success"] == 1.0
-    for key, value, message in [("rollout.max_errors", 3, "rollout.max_errors = 4"),
-                                ("eval.num_tasks", 5, "num_tasks = 4, fewer than this job's 5")]:
+    for key, value, message in [
+        ("rollout.max_errors", 3, "rollout.max_errors = 4"),
+        ("eval.num_tasks", 5, "num_tasks = 4, fewer than this job's 5"),
+    ]:
         changed = grpo_target_embedded.get_config()
         changed.model, changed.eval.base_run = evaluation.model, str(base)
         section, name = key.split(".")
@@ -172,8 +176,10 @@ def test_an_evaluation_takes_the_episodes_of_the_same_policies_from_earlier_ones
     folders = []
     for seed in range(2):  # random adapters with non-zero B: each changes what the agent writes
         stack = lora.init_adapters(jax.random.key(seed), cfg, lora.LoraSpec(rank=4, alpha=8, targets=("q_proj",)))
-        weights = {t: {"a": w["a"], "b": jax.random.normal(jax.random.key(10 + seed), w["b"].shape)}
-                   for t, w in stack.weights.items()}
+        weights = {
+            t: {"a": w["a"], "b": jax.random.normal(jax.random.key(10 + seed), w["b"].shape)}
+            for t, w in stack.weights.items()
+        }
         folders.append(str(tmp_path / f"adapter_{seed}"))
         lora.save_peft(lora.Adapters(weights, stack.scale), folders[-1])
     config = embedded_retail.get_config()
@@ -185,8 +191,10 @@ def test_an_evaluation_takes_the_episodes_of_the_same_policies_from_earlier_ones
     alone.adapter = folders[0]
     evaluate(alone, tmp_path / "alone")
     tasks = [r["task_id"] for r in _records(tmp_path / "base")]
-    played = lambda run: {r["task_id"]: {k: v for k, v in r.items() if k not in ("elapsed_s", "reused_from")}
-                          for r in _records(tmp_path / run)}
+    played = lambda run: {
+        r["task_id"]: {k: v for k, v in r.items() if k not in ("elapsed_s", "reused_from")}
+        for r in _records(tmp_path / run)
+    }
     assert played("alone") != {t: {**r, "adapter_idx": 0} for t, r in played("base").items()}  # adapters matter
     # -1, 0, 1: the base model, the adapter not evaluated alone, the one that was (there at index 0)
     routes = Routes((folders[1], folders[0]), {t: i % 3 - 1 for i, t in enumerate(sorted(tasks))})
@@ -194,8 +202,9 @@ def test_an_evaluation_takes_the_episodes_of_the_same_policies_from_earlier_ones
     taken = evaluate(config, tmp_path / "taken", routes=routes, reuse=[tmp_path / "base", tmp_path / "alone"])
     assert whole["reused_episodes"] == 0 and taken["reused_episodes"] == 2
     assert played("taken") == played("whole") and len(_records(tmp_path / "taken")) == 3
-    assert {r["task_id"] for r in _records(tmp_path / "taken") if "reused_from" in r} == \
-        {t for t, i in routes.by_task.items() if i != 0}
+    assert {r["task_id"] for r in _records(tmp_path / "taken") if "reused_from" in r} == {
+        t for t, i in routes.by_task.items() if i != 0
+    }
     other = embedded_retail.get_config()
     other.update(config.to_dict())
     other.rollout.max_turns = 1

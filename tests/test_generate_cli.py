@@ -7,8 +7,8 @@ import sys
 
 import jax
 import pytest
-
 from multiprocess import failure_report
+
 from trace_jax import lora
 from trace_jax.models.model import load_model
 from trace_jax.sampling import Sampler
@@ -22,9 +22,22 @@ def model(tiny_chat_model):
 
 
 def _run_cli(model, *flags: str) -> dict:
-    result = subprocess.run([sys.executable, "-m", "launch.generate", f"--model={model.path}",
-                             f"--prompt={PROMPT}", "--max_new_tokens=8", "--temperature=0", "--json", *flags],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.generate",
+            f"--model={model.path}",
+            f"--prompt={PROMPT}",
+            "--max_new_tokens=8",
+            "--temperature=0",
+            "--json",
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, failure_report(result)
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -34,8 +47,10 @@ def adapter_dir(model, tmp_path_factory):
     """A PEFT adapter with non-zero B, so it changes the output."""
     spec = lora.LoraSpec(rank=4, alpha=8, targets=("q_proj", "v_proj", "down_proj"))
     adapters = lora.init_adapters(jax.random.key(0), model.cfg, spec)
-    weights = {t: {"a": w["a"], "b": jax.random.normal(jax.random.key(1), w["b"].shape) * 0.05}
-               for t, w in adapters.weights.items()}
+    weights = {
+        t: {"a": w["a"], "b": jax.random.normal(jax.random.key(1), w["b"].shape) * 0.05}
+        for t, w in adapters.weights.items()
+    }
     path = tmp_path_factory.mktemp("adapter")
     lora.save_peft(lora.Adapters(weights, adapters.scale), path)
     return path
@@ -43,9 +58,13 @@ def adapter_dir(model, tmp_path_factory):
 
 def _library_generate(model, prompt_ids, adapters=None):
     sampler = Sampler(model.cfg, model.params, adapters=adapters)
-    (out,), _ = sampler.generate([prompt_ids], key=jax.random.key(0), max_new_tokens=8,
-                                 adapter_idx=0 if adapters is not None else lora.NO_ADAPTER,
-                                 stop_token_ids=sorted(model.tokenizer.eos_token_ids))
+    (out,), _ = sampler.generate(
+        [prompt_ids],
+        key=jax.random.key(0),
+        max_new_tokens=8,
+        adapter_idx=0 if adapters is not None else lora.NO_ADAPTER,
+        stop_token_ids=sorted(model.tokenizer.eos_token_ids),
+    )
     return out
 
 

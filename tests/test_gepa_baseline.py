@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("tau2")
 
 from scripted_llm_server import ScriptedLLMServer  # noqa: E402
+
 from trace_jax.agent.rollout import RolloutConfig, RolloutEngine  # noqa: E402
 from trace_jax.agent.scripted import GoldAgent, ScriptedUser  # noqa: E402
 from trace_jax.baselines import gepa as gepa_baseline  # noqa: E402
@@ -108,8 +109,9 @@ def test_a_bad_gepa_setting_fails_naming_the_key():
 def test_the_base_model_reflects_deterministically_and_a_long_prompt_keeps_its_ends(tiny_chat_model):
     model = load_model(tiny_chat_model)
     sampler = Sampler(model.cfg, model.params, max_context=256, detokenize=model.tokenizer.decode)
-    lms = [gepa_baseline.LocalReflectionLM(model, sampler, max_new_tokens=16, temperature=1.0, seed=3)
-           for _ in range(2)]
+    lms = [
+        gepa_baseline.LocalReflectionLM(model, sampler, max_new_tokens=16, temperature=1.0, seed=3) for _ in range(2)
+    ]
     prompt = "Write a better instruction for the agent."
     first = [lm(prompt) for lm in lms]
     assert first[0] == first[1] == lms[0](prompt)  # one seed and prompt, one reply (a resumed run's too)
@@ -141,7 +143,11 @@ def test_the_base_models_reflection_is_its_reply_without_the_end_of_turn_token(t
     model = load_model(tiny_chat_model)
     reply = "Read the order before you change it."
     sampler = EndsItsTurn(model.tokenizer, reply)
-    assert sampler.generate([[1]], key=None, max_new_tokens=1, temperature=0.0,
-                            stop_token_ids=model.tokenizer.eos_token_ids)[0][0].text != reply  # the marker's text
+    assert (
+        sampler.generate(
+            [[1]], key=None, max_new_tokens=1, temperature=0.0, stop_token_ids=model.tokenizer.eos_token_ids
+        )[0][0].text
+        != reply
+    )  # the marker's text
     lm = gepa_baseline.LocalReflectionLM(model, sampler, max_new_tokens=16, temperature=1.0, seed=3)
     assert lm("Write a better instruction for the agent.") == reply

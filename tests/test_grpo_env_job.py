@@ -21,10 +21,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from multiprocess import TWO_DEVICES, failure_report, kill_one_after_checkpoint, run_processes, step_metrics
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import grpo_env_tiny, warmstart_tiny
-from multiprocess import TWO_DEVICES, failure_report, kill_one_after_checkpoint, run_processes, step_metrics
 from trace_jax import lora, warmstart
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.embedded import resolve_model_dir
@@ -47,8 +47,9 @@ def tiny_agent(tmp_path_factory, job_env) -> tuple[pathlib.Path, pathlib.Path]:
     """(model cache, folder) of the tiny agent, built in a subprocess as its first use builds it."""
     cache = tmp_path_factory.mktemp("model_cache")
     build = f"import sys; from trace_jax import warmstart; print(warmstart.agent_dir({AGENT!r}, sys.argv[1]))"
-    out = subprocess.run([sys.executable, "-c", build, str(cache)], cwd=REPO, env=job_env, capture_output=True,
-                         text=True, timeout=3600)
+    out = subprocess.run(
+        [sys.executable, "-c", build, str(cache)], cwd=REPO, env=job_env, capture_output=True, text=True, timeout=3600
+    )
     assert out.returncode == 0, failure_report(out)
     return cache, pathlib.Path(out.stdout.strip().splitlines()[-1])
 
@@ -83,14 +84,17 @@ def _adapter_at(workdir: pathlib.Path, step: int) -> dict:
     """The adapter of the checkpoint of `step`, on this process's device (whatever devices saved it)."""
     checkpointer, path = ocp.StandardCheckpointer(), workdir / "checkpoints" / str(step) / "arrays"
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device),
-                          checkpointer.metadata(path).item_metadata)
+    target = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), checkpointer.metadata(path).item_metadata
+    )
     return checkpointer.restore(path, target)["adapter_weights"]
 
 
 def _max_diff(a: dict, b: dict) -> float:
-    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    return max(
+        float(np.abs(np.asarray(x) - np.asarray(y)).max())
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +102,7 @@ def env_run(tiny_agent, job_env, tmp_path_factory):
     """(workdir, summary, log, the jobs' environment) of one uninterrupted run of configs/grpo_env_tiny.py, one
     process on two CPU devices (the mesh of the two-process run below)."""
     cache, _ = tiny_agent
-    workdir, env = tmp_path_factory.mktemp("grpo_env"), {**job_env, "TRACE_JAX_CACHE": str(cache),
-                                                         **TWO_DEVICES}
+    workdir, env = tmp_path_factory.mktemp("grpo_env"), {**job_env, "TRACE_JAX_CACHE": str(cache), **TWO_DEVICES}
     out = subprocess.run(_command(workdir), cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     assert out.returncode == 0, failure_report(out)
     return workdir, json.loads(out.stdout.strip().splitlines()[-1]), out.stderr, env
@@ -117,8 +120,14 @@ def test_tiny_environment_run_raises_the_reward(env_run, tiny_agent):
     assert len(reward) == STEPS and all(0.0 <= r <= 1.0 for r in reward)
     assert np.mean(reward[-2:]) >= reward[0] + MIN_RISE
     assert [e.step for e in events.Scalars("rollout/reward")] == list(range(1, STEPS + 1))
-    assert {"learner/loss", "learner/grad_norm", "learner/clip_fraction", "learner/entropy", "learner/approx_kl",
-            "learner/dropped_fraction"} <= set(events.Tags()["scalars"])
+    assert {
+        "learner/loss",
+        "learner/grad_norm",
+        "learner/clip_fraction",
+        "learner/entropy",
+        "learner/approx_kl",
+        "learner/dropped_fraction",
+    } <= set(events.Tags()["scalars"])
     assert f"step {STEPS}/{STEPS} (100%)" in log and "ETA" in log
     for step, mean in enumerate(reward, start=1):  # every training episode is logged, as evaluations record them
         records = [json.loads(line) for line in (workdir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
@@ -129,8 +138,11 @@ def test_tiny_environment_run_raises_the_reward(env_run, tiny_agent):
     first = max(float(np.abs(np.asarray(w["b"])).max()) for w in _adapter_at(workdir, 1).values())
     moved = [first] + [_max_diff(_adapter_at(workdir, k), _adapter_at(workdir, k - 1)) for k in range(2, STEPS + 1)]
     print(f"[grpo env job] adapter change per step (max |diff|): {[f'{m:.1e}' for m in moved]}")
-    varied = [len({r["reward"] for r in map(json.loads, (workdir / "rollouts" / f"step_{k}.jsonl").read_text()
-                                             .splitlines())}) > 1 for k in range(1, STEPS + 1)]
+    varied = [
+        len({r["reward"] for r in map(json.loads, (workdir / "rollouts" / f"step_{k}.jsonl").read_text().splitlines())})
+        > 1
+        for k in range(1, STEPS + 1)
+    ]
     assert varied[0]  # the hinted half makes the call from the first step
     assert all((m > 1e-4) == v for m, v in zip(moved, varied)), (moved, varied)
     assert (workdir / "adapter" / "adapter_config.json").is_file()

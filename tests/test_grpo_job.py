@@ -15,10 +15,10 @@ import sys
 
 import numpy as np
 import pytest
+from multiprocess import TWO_DEVICES, failure_report, run_processes, step_metrics
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import grpo_tiny
-from multiprocess import TWO_DEVICES, failure_report, run_processes, step_metrics
 from trace_jax.models.model import weights_fingerprint
 from trace_jax.rl.trainer import validate_config
 
@@ -39,8 +39,14 @@ def _tiny_model_command(workdir, model):
 def tiny_run(tiny_chat_model, job_env, tmp_path_factory):
     """(workdir, summary, log) of the tiny config on the tiny random model, one process on two CPU devices."""
     workdir = tmp_path_factory.mktemp("grpo_tiny")
-    out = subprocess.run(_tiny_model_command(workdir, tiny_chat_model), cwd=REPO,
-                         env={**job_env, **TWO_DEVICES}, capture_output=True, text=True, timeout=1800)
+    out = subprocess.run(
+        _tiny_model_command(workdir, tiny_chat_model),
+        cwd=REPO,
+        env={**job_env, **TWO_DEVICES},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert out.returncode == 0, failure_report(out)
     return workdir, json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
@@ -74,7 +80,8 @@ def test_two_processes_run_the_task_set_as_one(tiny_run, tiny_chat_model, job_en
     assert {**two, "seconds": 0} == {**summary, "seconds": 0} and '"steps"' not in outputs[1]
     assert [step_metrics(two_dir, s) for s in range(STEPS + 1)] == [step_metrics(workdir, s) for s in range(STEPS + 1)]
     assert len((two_dir / "metrics.jsonl").read_text().splitlines()) == len(
-        (workdir / "metrics.jsonl").read_text().splitlines())
+        (workdir / "metrics.jsonl").read_text().splitlines()
+    )
     assert (two_dir / "adapter" / "adapter_config.json").is_file()
 
 
@@ -86,19 +93,28 @@ def test_a_finished_run_rerun_keeps_its_adapter_files(tiny_run, tiny_chat_model,
     rerun = tmp_path / "run"
     shutil.copytree(workdir, rerun)  # modification times kept
     before = weights_fingerprint(rerun / "adapter")
-    out = subprocess.run(_tiny_model_command(rerun, tiny_chat_model), cwd=REPO,
-                         env={**job_env, **TWO_DEVICES}, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        _tiny_model_command(rerun, tiny_chat_model),
+        cwd=REPO,
+        env={**job_env, **TWO_DEVICES},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, failure_report(out)
     assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == summary["steps"]
     assert weights_fingerprint(rerun / "adapter") == before
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("rollout.group_size", 1, "config.rollout.group_size = 1 is invalid"),
-    ("advantage", "grpo", "config.advantage = 'grpo' is invalid; it must be one of"),
-    ("loss.aggregation", "mean", "config.loss.aggregation"),
-    ("eval.num_tasks", -1, "config.eval.num_tasks = -1 is invalid; it must be an int >= 0"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("rollout.group_size", 1, "config.rollout.group_size = 1 is invalid"),
+        ("advantage", "grpo", "config.advantage = 'grpo' is invalid; it must be one of"),
+        ("loss.aggregation", "mean", "config.loss.aggregation"),
+        ("eval.num_tasks", -1, "config.eval.num_tasks = -1 is invalid; it must be an int >= 0"),
+    ],
+)
 def test_invalid_setting_fails_naming_the_key(key, value, message):
     config = grpo_tiny.get_config()
     section, _, name = key.rpartition(".")
@@ -115,8 +131,9 @@ def test_missing_setting_fails_naming_the_key():
 
 
 def test_unknown_override_on_the_command_line_names_the_key(tmp_path):
-    out = subprocess.run(_command(tmp_path, "--config.rollout.group_sise=2"), cwd=REPO, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        _command(tmp_path, "--config.rollout.group_sise=2"), cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode != 0 and "group_sise" in out.stderr
     assert not (tmp_path / "checkpoints").exists()
 
@@ -133,6 +150,7 @@ def test_task_or_environment_and_steps_or_budget_exactly_one_each():
     config.train.steps = None
     validate_config(config)
     from trace_jax.rl.trainer import num_steps
+
     assert num_steps(config) == 8  # 60 episodes of 2 tasks x 4 samples, rounded up
 
 

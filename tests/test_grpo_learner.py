@@ -8,14 +8,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from numerics import tree_rel
+
 from trace_jax import lora
 from trace_jax.lora import Adapters, LoraSpec
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.loading import load_params
-from trace_jax.rl.learner import (ROW_KEYS, make_grad_fn, make_optimizer, make_train_step, reference_logprobs,
-                                   token_logprobs)
+from trace_jax.rl.learner import (
+    ROW_KEYS,
+    make_grad_fn,
+    make_optimizer,
+    make_train_step,
+    reference_logprobs,
+    token_logprobs,
+)
 from trace_jax.rl.losses import LossConfig
 from trace_jax.sharding import ShardingPlan, make_mesh
 
@@ -31,8 +37,10 @@ def setup(tiny_checkpoints):
     key = jax.random.key(0)
     k_ad, k_b, k_batch = jax.random.split(key, 3)
     fresh = lora.init_adapters(k_ad, cfg, LoraSpec(rank=4, alpha=8.0), 2)  # two adapters trained side by side
-    random_b = {t: {"a": w["a"], "b": 0.05 * jax.random.normal(jax.random.fold_in(k_b, i), w["b"].shape)}
-                for i, (t, w) in enumerate(sorted(fresh.weights.items()))}
+    random_b = {
+        t: {"a": w["a"], "b": 0.05 * jax.random.normal(jax.random.fold_in(k_b, i), w["b"].shape)}
+        for i, (t, w) in enumerate(sorted(fresh.weights.items()))
+    }
     adapters = Adapters(random_b, fresh.scale)
     return cfg, params, fresh, adapters, make_batch(k_batch, cfg, params, adapters)
 
@@ -49,8 +57,11 @@ def make_batch(key, cfg, params, adapters):
     current = jax.jit(token_logprobs, static_argnums=4)(params, adapters, tokens, adapter_idx, cfg)
     old_logp = current + 0.2 * jax.random.normal(k_old, current.shape)
     return {
-        "tokens": tokens, "adapter_idx": adapter_idx, "loss_mask": loss_mask,
-        "advantages": jax.random.normal(k_adv, (B,)), "old_logp": old_logp,
+        "tokens": tokens,
+        "adapter_idx": adapter_idx,
+        "loss_mask": loss_mask,
+        "advantages": jax.random.normal(k_adv, (B,)),
+        "old_logp": old_logp,
         "sampler_logp": old_logp + 0.1 * jax.random.normal(k_samp, current.shape),
         "dropped_fraction": jnp.float32(0.25),
     }
@@ -73,8 +84,10 @@ def test_micro_batches_equal_full_batch(setup):
     full, metrics = grad_fn(cfg, LOSS, 1)(params, adapters.weights, adapters.scale, batch)
     micro, micro_metrics = grad_fn(cfg, LOSS, 4)(params, adapters.weights, adapters.scale, batch)
     err = tree_rel(micro, full)
-    print(f"\n[learner] 4 micro-batches vs full batch: grad rel diff {err:.2e}; metrics "
-          + ", ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items())))
+    print(
+        f"\n[learner] 4 micro-batches vs full batch: grad rel diff {err:.2e}; metrics "
+        + ", ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items()))
+    )
     assert err <= 1e-6
     assert float(metrics["grad_norm"]) > 0 and 0 < float(metrics["clip_fraction"]) < 1
     assert float(metrics["dropped_fraction"]) == 0.25 and float(metrics["sampler_abs_diff"]) > 0
@@ -86,7 +99,7 @@ def test_updates_per_step_take_one_optimizer_update_per_dealt_mini_batch(setup):
     cfg, params, _, adapters, batch = setup
     optimizer = make_optimizer(lr=1e-2)
     one, two = (make_train_step(cfg, LOSS, optimizer, updates=n) for n in (1, 2))
-    rows = [{k: batch[k][i:i + 2] for k in ROW_KEYS if k in batch} for i in range(0, B, 2)]
+    rows = [{k: batch[k][i : i + 2] for k in ROW_KEYS if k in batch} for i in range(0, B, 2)]
     packed = lambda parts: {"micro_batches": parts, "dropped_fraction": batch["dropped_fraction"]}
     copy = lambda: jax.tree.map(jnp.copy, adapters.weights)  # every step donates its weights
     # Two updates: micro-batches 0 and 2, then 1 and 3, each its own mean loss and AdamW step.
@@ -111,13 +124,15 @@ def test_sharded_gradients_equal_single_device(setup, shared_prefix):
         batch = _with_shared_prefixes(cfg, batch)[1]
     full, _ = grad_fn(cfg, LOSS, 1)(params, adapters.weights, adapters.scale, batch)
     plan = ShardingPlan(make_mesh(data=2, fsdp=2, tensor=2))
-    rows = {k: jax.device_put(v, plan.activation_sharding("batch", v.shape)) for k, v in batch.items()
-            if k in ROW_KEYS}
-    sharded, _ = grad_fn(cfg, LOSS, 2, plan)(plan.shard_params(params), plan.shard_params(adapters.weights),
-                                            adapters.scale, {**batch, **rows})
+    rows = {k: jax.device_put(v, plan.activation_sharding("batch", v.shape)) for k, v in batch.items() if k in ROW_KEYS}
+    sharded, _ = grad_fn(cfg, LOSS, 2, plan)(
+        plan.shard_params(params), plan.shard_params(adapters.weights), adapters.scale, {**batch, **rows}
+    )
     err = tree_rel(sharded, full)
-    print(f"\n[learner] data=2 fsdp=2 tensor=2 vs one device ({'shared prefix' if shared_prefix else 'rows'}): "
-          f"grad rel diff {err:.2e}")
+    print(
+        f"\n[learner] data=2 fsdp=2 tensor=2 vs one device ({'shared prefix' if shared_prefix else 'rows'}): "
+        f"grad rel diff {err:.2e}"
+    )
     assert err <= 1e-6
 
 
@@ -219,10 +234,16 @@ def _with_shared_prefixes(cfg, batch) -> tuple[dict, dict, list[int]]:
         for k in per_token:
             full[k][b, p : p + T - 1] = batch[k][b]
     full_batch = {"tokens": full_tokens, **full, "advantages": batch["advantages"], "adapter_idx": adapter_idx}
-    split_batch = {"tokens": batch["tokens"], **{k: batch[k] for k in per_token},
-                   "advantages": batch["advantages"], "adapter_idx": adapter_idx, "prefix_of_row": prefix_of_row,
-                   "prefix_tokens": np.stack([prefixes[0], np.pad(prefixes[1], (0, 2))]).astype(np.int32),
-                   "prefix_lengths": np.array([7, 5], np.int32), "prefix_adapter": prefix_adapter}
+    split_batch = {
+        "tokens": batch["tokens"],
+        **{k: batch[k] for k in per_token},
+        "advantages": batch["advantages"],
+        "adapter_idx": adapter_idx,
+        "prefix_of_row": prefix_of_row,
+        "prefix_tokens": np.stack([prefixes[0], np.pad(prefixes[1], (0, 2))]).astype(np.int32),
+        "prefix_lengths": np.array([7, 5], np.int32),
+        "prefix_adapter": prefix_adapter,
+    }
     return full_batch, split_batch, [len(prefixes[g]) for g in prefix_of_row]
 
 
@@ -252,8 +273,9 @@ def test_shared_prefix_equals_full_sequences(setup):
 def test_incomplete_shared_prefix_is_rejected(setup):
     cfg, params, _, adapters, batch = setup
     with pytest.raises(ValueError, match="prefix"):
-        grad_fn(cfg, LOSS, 1)(params, adapters.weights, adapters.scale,
-                              {**batch, "prefix_tokens": np.zeros((1, 3), np.int32)})
+        grad_fn(cfg, LOSS, 1)(
+            params, adapters.weights, adapters.scale, {**batch, "prefix_tokens": np.zeros((1, 3), np.int32)}
+        )
 
 
 def test_fused_logprobs_and_entropy_match_the_plain_formulas():
@@ -268,7 +290,10 @@ def test_fused_logprobs_and_entropy_match_the_plain_formulas():
     logp, entropy = _logprobs_and_entropy(logits, targets)
     np.testing.assert_allclose(logp, plain_logp, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(entropy, -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1), rtol=1e-5, atol=1e-6)
-    plain = jax.grad(lambda x: jnp.sum(weights * jnp.take_along_axis(
-        jax.nn.log_softmax(x, axis=-1), targets[..., None], axis=-1)[..., 0]))(logits)
+    plain = jax.grad(
+        lambda x: jnp.sum(
+            weights * jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), targets[..., None], axis=-1)[..., 0]
+        )
+    )(logits)
     fused = jax.grad(lambda x: jnp.sum(weights * _logprobs_and_entropy(x, targets)[0]))(logits)
     np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-6)

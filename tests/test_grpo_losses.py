@@ -23,6 +23,7 @@ def rel(a, b) -> float:
 
 # ---- NumPy references (loops, float64, written from the formulas) ----
 
+
 def np_advantages(name: str, rewards, groups) -> tuple[np.ndarray, np.ndarray, int]:
     adv, keep, dropped = np.zeros(len(rewards)), np.ones(len(rewards), bool), 0
     for g in sorted(set(groups)):
@@ -72,6 +73,7 @@ def np_loss(new, old, adv, mask, cfg: LossConfig, ref=None, sampler=None):
 
 # ---- random batches ----
 
+
 def make_batch(seed: int, estimator: str = "group_normalized"):
     rng = np.random.RandomState(seed)
     groups = np.repeat(np.arange(B // GROUP), GROUP)
@@ -93,8 +95,15 @@ def make_batch(seed: int, estimator: str = "group_normalized"):
 
 def jax_loss(cfg: LossConfig, d, sl=slice(None)):
     def value(new):
-        s, n, diag = policy_loss(new, jnp.asarray(d["old"][sl]), jnp.asarray(d["adv"][sl]), jnp.asarray(d["mask"][sl]),
-                                 cfg, ref_logp=jnp.asarray(d["ref"][sl]), sampler_logp=jnp.asarray(d["sampler"][sl]))
+        s, n, diag = policy_loss(
+            new,
+            jnp.asarray(d["old"][sl]),
+            jnp.asarray(d["adv"][sl]),
+            jnp.asarray(d["mask"][sl]),
+            cfg,
+            ref_logp=jnp.asarray(d["ref"][sl]),
+            sampler_logp=jnp.asarray(d["sampler"][sl]),
+        )
         return s, (n, diag)
 
     (s, (n, diag)), g = jax.value_and_grad(value, has_aux=True)(jnp.asarray(d["new"][sl]))
@@ -140,8 +149,9 @@ def test_loss_value_and_gradient_match_numpy(aggregation, estimator, terms):
     d = make_batch(seed=zlib.crc32(f"{aggregation}/{estimator}/{terms}".encode()) % 1000, estimator=estimator)
     assert not d["keep"].all()  # the batch has a dropped (zero-advantage) group
     f64 = {k: np.asarray(v, np.float64) for k, v in d.items()}
-    ref_s, ref_n, ref_g, ref_scale = np_loss(f64["new"], f64["old"], f64["adv"], f64["mask"], cfg, f64["ref"],
-                                             f64["sampler"])
+    ref_s, ref_n, ref_g, ref_scale = np_loss(
+        f64["new"], f64["old"], f64["adv"], f64["mask"], cfg, f64["ref"], f64["sampler"]
+    )
     # fp32: advantages sum to ~0 within a group, so the loss is a sum of cancelling terms and
     # its fp32 error is relative to the sum of their magnitudes (the conditioning), not to the
     # (small) result; each gradient entry is one product, so it is plainly relative.
@@ -161,8 +171,10 @@ def test_loss_value_and_gradient_match_numpy(aggregation, estimator, terms):
         plus, minus = f64["new"].copy(), f64["new"].copy()
         plus[b, t] += h
         minus[b, t] -= h
-        fd = (np_loss(plus, f64["old"], f64["adv"], f64["mask"], cfg, f64["ref"], f64["sampler"])[0]
-              - np_loss(minus, f64["old"], f64["adv"], f64["mask"], cfg, f64["ref"], f64["sampler"])[0]) / (2 * h)
+        fd = (
+            np_loss(plus, f64["old"], f64["adv"], f64["mask"], cfg, f64["ref"], f64["sampler"])[0]
+            - np_loss(minus, f64["old"], f64["adv"], f64["mask"], cfg, f64["ref"], f64["sampler"])[0]
+        ) / (2 * h)
         assert abs(fd - ref_g[b, t]) <= 1e-6 * max(1.0, abs(ref_g[b, t])), (b, t, fd, ref_g[b, t])
 
 
@@ -214,15 +226,18 @@ def test_diagnostics_match_numpy():
     assert 0.0 < expected["clip_fraction"] < 0.5
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(aggregation="sum"), "aggregation"),
-    (dict(eps_low=1.0), "eps_low"),
-    (dict(eps_high=-0.1), "eps_high"),
-    (dict(kl_coef=-1.0), "kl_coef"),
-    (dict(tis_cap=0.0), "tis_cap"),
-    (dict(max_len=0), "max_len"),
-    (dict(aggregation="seq_sum_fixed_len"), "max_len"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(aggregation="sum"), "aggregation"),
+        (dict(eps_low=1.0), "eps_low"),
+        (dict(eps_high=-0.1), "eps_high"),
+        (dict(kl_coef=-1.0), "kl_coef"),
+        (dict(tis_cap=0.0), "tis_cap"),
+        (dict(max_len=0), "max_len"),
+        (dict(aggregation="seq_sum_fixed_len"), "max_len"),
+    ],
+)
 def test_loss_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=f"LossConfig.{field}"):
         LossConfig(**kwargs)

@@ -16,8 +16,8 @@ import json
 import re
 
 import jax
-import ml_collections
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -56,8 +56,9 @@ def _config(capability: str = "tool_calling", difficulty: int = 0, **rollout):
 
 @pytest.mark.parametrize("capability", sorted(CAPABILITIES))
 def test_a_hinted_episode_differs_from_its_twin_by_the_task_hint_after_the_system_prompt_alone(capability):
-    env = CapabilityEnvironment(CAPABILITIES[capability], difficulty=CAPABILITIES[capability].max_difficulty,
-                                policy=False)
+    env = CapabilityEnvironment(
+        CAPABILITIES[capability], difficulty=CAPABILITIES[capability].max_difficulty, policy=False
+    )
     for task in env.tasks("train", 3):
         hint, gold = env.hint_for(task), env.scenario(task).gold_calls
         assert hint.startswith(env.capability.hint) and all(f"call {c['name']} with" in hint for c in gold)
@@ -74,9 +75,11 @@ def test_a_hint_names_each_call_with_where_its_arguments_are_and_an_exact_hint_s
     for task, exact_task in zip(env.tasks("train", 6), exact.tasks("train", 6)):
         scenario = env.scenario(task)
         to_gift_card = "gift card" in scenario.ticket
-        assert (f"call return_delivered_order_items with order_id from the ticket, item_ids from the result of "
-                f"get_order_details above, payment_method_id from the result of "
-                f"{'get_user_details' if to_gift_card else 'get_order_details'} above.") in env.hint_for(task)
+        assert (
+            f"call return_delivered_order_items with order_id from the ticket, item_ids from the result of "
+            f"get_order_details above, payment_method_id from the result of "
+            f"{'get_user_details' if to_gift_card else 'get_order_details'} above."
+        ) in env.hint_for(task)
         (exact_call,) = exact.scenario(exact_task).gold_calls  # an exact hint pre-fills nothing more here
         assert f"call return_delivered_order_items({json.dumps(exact_call['arguments'])})" in exact.hint_for(exact_task)
     refusal = CapabilityEnvironment(CAPABILITIES["precondition"], difficulty=0, policy=False)
@@ -85,8 +88,11 @@ def test_a_hint_names_each_call_with_where_its_arguments_are_and_an_exact_hint_s
     cancels = CapabilityEnvironment(capability, difficulty=0, variant="cancel", policy=False)
     for task in cancels.tasks("train", 12):  # a reason the ticket words its own way is no value on the page
         reason = cancels.scenario(task).gold_calls[0]["arguments"]["reason"]
-        worded = "reason from the ticket" if reason in cancels.scenario(task).ticket else \
-            "reason as the ticket's words mean it (one of the allowed values)"
+        worded = (
+            "reason from the ticket"
+            if reason in cancels.scenario(task).ticket
+            else "reason as the ticket's words mean it (one of the allowed values)"
+        )
         assert worded in cancels.hint_for(task)
 
 
@@ -102,8 +108,13 @@ def test_the_hinted_row_is_the_unhinted_rendering_of_the_same_turns(tokenizer, t
     per position) are the hinted ones moved to the new positions."""
     rollouts = EnvironmentRollouts(_config("multi_step", 1), tokenizer, 1, tmp_path)
     env = rollouts.env
-    engine = RolloutEngine(env, agent=GoldAgent(), user=ScriptedUser(), tokenizer=tokenizer,
-                           config=RolloutConfig(batch_size=4, max_turns=8))
+    engine = RolloutEngine(
+        env,
+        agent=GoldAgent(),
+        user=ScriptedUser(),
+        tokenizer=tokenizer,
+        config=RolloutConfig(batch_size=4, max_turns=8),
+    )
     tasks = env.tasks("train", 3)
     played = engine.run([Job(task, hint=hint) for task in tasks for hint in (True, False)], key=jax.random.key(0))
     for hinted, plain in zip(played[::2], played[1::2]):
@@ -121,7 +132,7 @@ def test_the_hinted_row_is_the_unhinted_rendering_of_the_same_turns(tokenizer, t
         assert np.array_equal(np.asarray(row.logprobs)[sampled], np.asarray(made_up)[sampled + shift])
         assert not np.asarray(row.logprobs)[np.asarray(row.loss_mask) == 0].any()
         # The mask covers exactly the agent's turns: each span is one turn's text and its end-of-turn token.
-        turns = [m["content"] for m in plain.messages if m["role"] == "assistant"][-plain.num_turns:]
+        turns = [m["content"] for m in plain.messages if m["role"] == "assistant"][-plain.num_turns :]
         spans = _spans(row.loss_mask)
         assert [tokenizer.decode(row.tokens[start : end - 1]) for start, end in spans] == turns
     with pytest.raises(ValueError, match="does not open with the hinted first prompt"):
@@ -133,8 +144,13 @@ def tiny_smollm2(tiny_chat_model):
     """(model, adapters): the tiny random model with SmolLM2's tokenizer, and a random rank-4 adapter."""
     model = load_model(tiny_chat_model)
     fresh = lora.init_adapters(jax.random.key(0), model.cfg, lora.LoraSpec(rank=4, alpha=8.0), 1)
-    adapters = lora.Adapters({t: {"a": w["a"], "b": 0.05 * jax.random.normal(jax.random.key(i), w["b"].shape)}
-                              for i, (t, w) in enumerate(sorted(fresh.weights.items()))}, fresh.scale)
+    adapters = lora.Adapters(
+        {
+            t: {"a": w["a"], "b": 0.05 * jax.random.normal(jax.random.key(i), w["b"].shape)}
+            for i, (t, w) in enumerate(sorted(fresh.weights.items()))
+        },
+        fresh.scale,
+    )
     return model, adapters
 
 
@@ -156,16 +172,19 @@ def test_sampled_hinted_rows_carry_the_hinted_logprobs_and_rescore_to_the_unhint
     assert list(hinted.tokens[: len(prompt)]) == list(plain.tokens[: len(prompt)]) == prompt
 
     score = jax.jit(token_logprobs, static_argnames="cfg")
-    logp = lambda ids: np.asarray(score(model.params, adapters, jnp.asarray([ids]), jnp.zeros(1, jnp.int32),
-                                        cfg=model.cfg))[0]
+    logp = lambda ids: np.asarray(
+        score(model.params, adapters, jnp.asarray([ids]), jnp.zeros(1, jnp.int32), cfg=model.cfg)
+    )[0]
     sampled = np.flatnonzero(hinted.loss_mask)
     shift = len(hinted_prompt) - len(prompt)
     sampler_logp = np.asarray(hinted.logprobs, np.float32)[sampled]
-    as_sampled = logp(hinted_prompt + list(hinted.tokens[len(prompt):]))[sampled + shift - 1]
+    as_sampled = logp(hinted_prompt + list(hinted.tokens[len(prompt) :]))[sampled + shift - 1]
     unhinted = logp(list(hinted.tokens))[sampled - 1]
     gap = np.abs(unhinted - sampler_logp).max()
-    print(f"\n[hints] {len(sampled)} sampled tokens: |sampler - hinted rendering| "
-          f"{np.abs(as_sampled - sampler_logp).max():.2e}, |sampler - unhinted rendering| {gap:.2e}")
+    print(
+        f"\n[hints] {len(sampled)} sampled tokens: |sampler - hinted rendering| "
+        f"{np.abs(as_sampled - sampler_logp).max():.2e}, |sampler - unhinted rendering| {gap:.2e}"
+    )
     np.testing.assert_allclose(as_sampled, sampler_logp, atol=1e-4)
     assert gap > 1e-2  # the hint changes this policy's logprobs: a row scored with the hint would be told apart
 
@@ -174,13 +193,18 @@ def test_sampled_hinted_rows_carry_the_hinted_logprobs_and_rescore_to_the_unhint
     rescore = make_rescore_fn(model.cfg, LossConfig(tis_cap=TIS_CAP))
     rescored, metrics = rescore(model.params, adapters.weights, adapters.scale, batch, [True, False])
     cut = int(batch["prefix_lengths"][0])
-    rows = [(mb, before, row, index) for mb, before in zip(rescored["micro_batches"], batch["micro_batches"])
-            for row, index in enumerate(mb["sequence"]) if index >= 0]
+    rows = [
+        (mb, before, row, index)
+        for mb, before in zip(rescored["micro_batches"], batch["micro_batches"])
+        for row, index in enumerate(mb["sequence"])
+        if index >= 0
+    ]
     assert sorted(index for *_, index in rows) == [0, 1]
     for mb, before, row, index in rows:
         scored = mb["loss_mask"][row] > 0
         assert (mb["loss_positions"][row][scored] + cut + 1).tolist() == np.flatnonzero(
-            sequences[index].loss_mask).tolist()
+            sequences[index].loss_mask
+        ).tolist()
         assert np.array_equal(mb["sampler_logp"][row], before["old_logp"][row])
         if index == 0:
             np.testing.assert_allclose(mb["old_logp"][row][scored], unhinted, atol=1e-4)
@@ -191,8 +215,9 @@ def test_sampled_hinted_rows_carry_the_hinted_logprobs_and_rescore_to_the_unhint
     assert abs(metrics["hinted_is_weight"] - weights.mean()) <= 1e-4
 
 
-def test_a_grpo_step_with_hints_learns_from_the_hinted_row_and_logs_the_hint_metrics(tiny_smollm2, tmp_path,
-                                                                                    monkeypatch):
+def test_a_grpo_step_with_hints_learns_from_the_hinted_row_and_logs_the_hint_metrics(
+    tiny_smollm2, tmp_path, monkeypatch
+):
     """One step of the GRPO job (in process, the tiny model on the 8 test devices), its two episodes given
     rewards 1 and 0 so that the group is learned from: the hinted row is rescored before the update, and
     the hint metrics are logged with the step's."""
@@ -201,8 +226,11 @@ def test_a_grpo_step_with_hints_learns_from_the_hinted_row_and_logs_the_hint_met
     config.model, config.lora.first_layer = str(model.path), 0
     config.train.update(steps=1, micro_batch_tokens=64)  # and no held-out evaluation (configs/grpo_env_tiny.py)
     sample = EnvironmentRollouts.sample
-    monkeypatch.setattr(EnvironmentRollouts, "sample", lambda self, *args, **kwargs: dataclasses.replace(
-        sample(self, *args, **kwargs), rewards=np.array([1.0, 0.0])))
+    monkeypatch.setattr(
+        EnvironmentRollouts,
+        "sample",
+        lambda self, *args, **kwargs: dataclasses.replace(sample(self, *args, **kwargs), rewards=np.array([1.0, 0.0])),
+    )
     assert train(config, tmp_path)["steps"] == 1
     logged = {}
     for line in (tmp_path / "metrics.jsonl").read_text().splitlines():
@@ -216,12 +244,15 @@ def test_a_grpo_step_with_hints_learns_from_the_hinted_row_and_logs_the_hint_met
     assert logged["learner/tis_weight"] != 1.0 and logged["learner/sampler_abs_diff"] > 1e-2  # the hinted row's
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(hint_share=1.5), "config.rollout.hint_share = 1.5 is invalid; it must be a number in [0, 1]"),
-    (dict(hint_share=-0.25), "config.rollout.hint_share = -0.25 is invalid; it must be a number in [0, 1]"),
-    (dict(hint_share=0.01), "config.rollout.hint_share = 0.01 is invalid: it hints no episode of a group of 16"),
-    (dict(hint_share=0.25, tis_cap=0.5), "config.loss.tis_cap = 0.5 is invalid; it must be None (hinted rows"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(hint_share=1.5), "config.rollout.hint_share = 1.5 is invalid; it must be a number in [0, 1]"),
+        (dict(hint_share=-0.25), "config.rollout.hint_share = -0.25 is invalid; it must be a number in [0, 1]"),
+        (dict(hint_share=0.01), "config.rollout.hint_share = 0.01 is invalid: it hints no episode of a group of 16"),
+        (dict(hint_share=0.25, tis_cap=0.5), "config.loss.tis_cap = 0.5 is invalid; it must be None (hinted rows"),
+    ],
+)
 def test_bad_hint_settings_fail_at_start_naming_the_key(changes, message):
     config = grpo_env_tiny.get_config()
     validate_config(config)
@@ -237,8 +268,13 @@ def test_a_share_on_an_environment_without_hints_fails_at_start(tokenizer, tmp_p
     config.env = ml_collections.ConfigDict(dict(name="tau2", domain="retail", split="train"))  # τ²'s own tasks
     config.rollout.hint_share = 0.25
     validate_config(config)  # well-formed; only the environment can tell it offers no hints
-    with pytest.raises(ValueError, match=re.escape("config.rollout.hint_share = 0.25 is invalid here: the environment "
-                                                   "of config.env (name = 'tau2') offers no hints")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "config.rollout.hint_share = 0.25 is invalid here: the environment "
+            "of config.env (name = 'tau2') offers no hints"
+        ),
+    ):
         EnvironmentRollouts(config, tokenizer, 4, tmp_path)
 
 
@@ -250,8 +286,10 @@ def test_the_targets_tickets_offer_hints_naming_each_gold_call_and_its_arguments
         hint, gold = env.hint_for(task), env.retail_task(task).gold.tool_calls
         assert [c["name"] for c in gold][1:] == ["get_order_details", "return_delivered_order_items"]
         assert f"call {gold[0]['name']} with" in hint
-        assert ("call return_delivered_order_items with order_id from the ticket, item_ids from the result of your "
-                "get_order_details call") in hint
+        assert (
+            "call return_delivered_order_items with order_id from the ticket, item_ids from the result of your "
+            "get_order_details call"
+        ) in hint
         assert env.episode(task, hint=True).reset()[0]["content"].endswith("\n\nHint: " + hint)
 
 

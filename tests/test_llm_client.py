@@ -4,8 +4,8 @@
 import json
 
 import pytest
-
 from scripted_llm_server import Fail, ScriptedLLMServer
+
 from trace_jax.llm import ChatClient, LLMError, MalformedReply, extract_json, llm_defaults, validate_llm_config
 
 MESSAGES = [{"role": "system", "content": "You list capabilities."}, {"role": "user", "content": "List them."}]
@@ -124,8 +124,10 @@ def test_the_exhausted_script_answers_500(tmp_path):
             client.complete(MESSAGES)
 
 
-@pytest.mark.parametrize("key, value", [("model", ""), ("temperature", -1.0), ("max_json_attempts", 0),
-                                        ("api_key_env", ""), ("max_retries", -1)])
+@pytest.mark.parametrize(
+    "key, value",
+    [("model", ""), ("temperature", -1.0), ("max_json_attempts", 0), ("api_key_env", ""), ("max_retries", -1)],
+)
 def test_a_bad_config_names_its_key(key, value):
     cfg = llm_defaults()
     cfg.model = "m"
@@ -151,14 +153,17 @@ def test_base_url_and_api_key_come_from_the_environment(tmp_path, monkeypatch):
     assert [h["authorization"] for h in server.headers] == ["Bearer sk-test-123", "Bearer unused"]
 
 
-@pytest.mark.parametrize("text, value", [
-    ('{"a": 1}', {"a": 1}),
-    ("  [1, 2]\n", [1, 2]),
-    ('```json\n{"a": "x"}\n```', {"a": "x"}),
-    ('Note {braces} here, then:\n```\n[{"a": 2}]\n```', [{"a": 2}]),
-    ('The answer is {"a": "}"} as asked.', {"a": "}"}),
-    ('Try {nope} or ["ok"] instead.', ["ok"]),
-])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ('{"a": 1}', {"a": 1}),
+        ("  [1, 2]\n", [1, 2]),
+        ('```json\n{"a": "x"}\n```', {"a": "x"}),
+        ('Note {braces} here, then:\n```\n[{"a": 2}]\n```', [{"a": 2}]),
+        ('The answer is {"a": "}"} as asked.', {"a": "}"}),
+        ('Try {nope} or ["ok"] instead.', ["ok"]),
+    ],
+)
 def test_extract_json(text, value):
     assert extract_json(text) == value
 

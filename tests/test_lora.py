@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hf_checkpoints import make_checkpoint
 from safetensors.numpy import load_file, save_file
 
-from hf_checkpoints import make_checkpoint
 from trace_jax import lora
 from trace_jax.lora import ALL_TARGETS, NO_ADAPTER, Adapters, LoraSpec
 from trace_jax.models import decoder
@@ -83,8 +83,9 @@ def random_tokens(cfg: ModelConfig, batch: int, length: int = 10, seed: int = 0)
     return np.random.RandomState(seed).randint(0, cfg.vocab_size, (batch, length)).astype(np.int32)
 
 
-def random_adapter(key, cfg: ModelConfig, spec: LoraSpec, num: int = 1, a_scale: float | None = None,
-                   b_scale: float = 0.1) -> Adapters:
+def random_adapter(
+    key, cfg: ModelConfig, spec: LoraSpec, num: int = 1, a_scale: float | None = None, b_scale: float = 0.1
+) -> Adapters:
     """init_adapters with a random normal B (and optionally a random normal A) so it changes the model."""
     ad = lora.init_adapters(key, cfg, spec, num)
     weights = {}
@@ -98,10 +99,12 @@ def random_adapter(key, cfg: ModelConfig, spec: LoraSpec, num: int = 1, a_scale:
 def three_adapters(cfg: ModelConfig) -> Adapters:
     """Three all-target rank-4 adapters with different weights and different alpha (scale 2, 1, 4)."""
     keys = jax.random.split(jax.random.key(7), 3)
-    return lora.stack_adapters([
-        random_adapter(k, cfg, LoraSpec(rank=4, alpha=alpha, targets=ALL_TARGETS))
-        for k, alpha in zip(keys, (8.0, 4.0, 16.0))
-    ])
+    return lora.stack_adapters(
+        [
+            random_adapter(k, cfg, LoraSpec(rank=4, alpha=alpha, targets=ALL_TARGETS))
+            for k, alpha in zip(keys, (8.0, 4.0, 16.0))
+        ]
+    )
 
 
 # 1. Mixed adapters in one batch == each row alone.
@@ -233,8 +236,9 @@ def test_stack_of_different_ranks_and_targets_equals_each_alone(models):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_save_peft_loads_in_peft_with_same_logits(models, family, tmp_path):
     m = models(family)
-    adapter = random_adapter(jax.random.key(5), m.cfg, LoraSpec(rank=4, alpha=8, targets=ALL_TARGETS),
-                             a_scale=0.1, b_scale=0.1)
+    adapter = random_adapter(
+        jax.random.key(5), m.cfg, LoraSpec(rank=4, alpha=8, targets=ALL_TARGETS), a_scale=0.1, b_scale=0.1
+    )
     lora.save_peft(adapter, tmp_path, base_model=str(m.path))
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0
@@ -258,15 +262,19 @@ def test_save_peft_loads_in_peft_with_same_logits(models, family, tmp_path):
 
 # 6. Import: an adapter made and saved by PEFT -> load_peft gives PEFT's logits.
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("rslora,targets", [
-    (False, list(ALL_TARGETS)),
-    (True, ["q_proj", "v_proj", "up_proj", "down_proj"]),
-])
+@pytest.mark.parametrize(
+    "rslora,targets",
+    [
+        (False, list(ALL_TARGETS)),
+        (True, ["q_proj", "v_proj", "up_proj", "down_proj"]),
+    ],
+)
 def test_load_peft_matches_peft_logits(models, family, rslora, targets, tmp_path):
     m = models(family)
     torch.manual_seed(0)
-    config = peft.LoraConfig(r=4, lora_alpha=16, target_modules=targets, lora_dropout=0.0,
-                             init_lora_weights=False, use_rslora=rslora)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=16, target_modules=targets, lora_dropout=0.0, init_lora_weights=False, use_rslora=rslora
+    )
     peft_model = peft.get_peft_model(copy.deepcopy(m.torch_model), config).eval()
     tokens = random_tokens(m.cfg, 4, seed=5)
     ref = torch_logits(peft_model, tokens)
@@ -285,8 +293,9 @@ def test_load_peft_matches_peft_logits(models, family, rslora, targets, tmp_path
 def test_load_peft_layers_to_transform(models, layers, tmp_path):
     m = models("llama")
     torch.manual_seed(1)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(ALL_TARGETS), init_lora_weights=False,
-                             layers_to_transform=layers)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=list(ALL_TARGETS), init_lora_weights=False, layers_to_transform=layers
+    )
     peft_model = peft.get_peft_model(copy.deepcopy(m.torch_model), config).eval()
     tokens = random_tokens(m.cfg, 4, seed=6)
     ref = torch_logits(peft_model, tokens)
@@ -329,10 +338,13 @@ def test_load_peft_rejects_dora(saved_adapter, tmp_path):
         lora.load_peft(bad, m.cfg)
 
 
-@pytest.mark.parametrize("missing", [
-    "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight",
-    "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight",
-])
+@pytest.mark.parametrize(
+    "missing",
+    [
+        "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight",
+        "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight",
+    ],
+)
 def test_load_peft_names_a_missing_tensor(saved_adapter, tmp_path, missing):
     m, ok = saved_adapter
     bad = _copy_with(ok, tmp_path / "missing", drop_tensor=missing)

@@ -16,14 +16,17 @@ from trace_jax import distributed
 LAUNCH = pathlib.Path(__file__).resolve().parents[1] / "launch"
 
 
-@pytest.mark.parametrize("environ, detected", [
-    ({}, False),
-    ({"TPU_WORKER_HOSTNAMES": "t1v-n-0"}, False),  # a single-host TPU VM
-    ({"TPU_WORKER_HOSTNAMES": "t1v-n-0,t1v-n-1"}, True),  # a pod slice's workers
-    ({"SLURM_NTASKS": "1"}, False),
-    ({"SLURM_NTASKS": "4"}, True),
-    ({"OMPI_COMM_WORLD_SIZE": "2"}, True),
-])
+@pytest.mark.parametrize(
+    "environ, detected",
+    [
+        ({}, False),
+        ({"TPU_WORKER_HOSTNAMES": "t1v-n-0"}, False),  # a single-host TPU VM
+        ({"TPU_WORKER_HOSTNAMES": "t1v-n-0,t1v-n-1"}, True),  # a pod slice's workers
+        ({"SLURM_NTASKS": "1"}, False),
+        ({"SLURM_NTASKS": "4"}, True),
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, True),
+    ],
+)
 def test_a_cluster_launcher_is_detected_only_when_it_started_several_processes(environ, detected):
     assert distributed.cluster_detected(environ) is detected
 
@@ -46,11 +49,17 @@ def _tpu_pod(*args: str, **environ: str) -> subprocess.CompletedProcess:
 def test_the_tpu_pod_script_runs_the_same_command_on_every_worker():
     """launch/tpu_pod.sh's gcloud commands (DRY_RUN=1 prints them): the job's command runs on every worker from
     the installed checkout; install copies the committed tree and sets up jax[tpu] and the embedded model."""
-    job = [".venv/bin/python", "-m", "launch.trace", "--config=configs/trace_tau2_retail_pod.py",
-           "--workdir=/mnt/shared/trace", "--config.model=/mnt/shared/Qwen3 8B"]
+    job = [
+        ".venv/bin/python",
+        "-m",
+        "launch.trace",
+        "--config=configs/trace_tau2_retail_pod.py",
+        "--workdir=/mnt/shared/trace",
+        "--config.model=/mnt/shared/Qwen3 8B",
+    ]
     command = shlex.split(_tpu_pod("run", *job).stdout)
     assert command[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "pod"] and "--worker=all" in command
-    remote = next(arg for arg in command if arg.startswith("--command="))[len("--command="):]
+    remote = next(arg for arg in command if arg.startswith("--command="))[len("--command=") :]
     assert shlex.split(remote) == ["cd", "trace-jax", "&&", *job]
     install = [shlex.split(line) for line in _tpu_pod("install").stdout.splitlines()]
     assert install[0][:2] == ["git", "archive"] and install[1][4] == "scp" and "--worker=all" in install[1]

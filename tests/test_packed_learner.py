@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from numerics import tree_rel
+
 from trace_jax import lora
 from trace_jax.models import decoder
 from trace_jax.models.config import ModelConfig
@@ -41,12 +41,17 @@ def setup(tiny_checkpoints):
     cfg = ModelConfig.from_dir(path)
     params = load_params(path, cfg)
     fresh = lora.init_adapters(jax.random.key(0), cfg, lora.LoraSpec(rank=4, alpha=8.0), 1)
-    adapters = lora.Adapters({t: {"a": w["a"], "b": 0.05 * jax.random.normal(jax.random.key(i), w["b"].shape)}
-                              for i, (t, w) in enumerate(sorted(fresh.weights.items()))}, fresh.scale)
+    adapters = lora.Adapters(
+        {
+            t: {"a": w["a"], "b": 0.05 * jax.random.normal(jax.random.key(i), w["b"].shape)}
+            for i, (t, w) in enumerate(sorted(fresh.weights.items()))
+        },
+        fresh.scale,
+    )
     rng = np.random.RandomState(0)
     head = rng.randint(1, cfg.vocab_size, HEAD).tolist()
     sequences = []
-    for i, turns in enumerate([1, 3, 2, 5, 1, 4, 2, 3, 6]):
+    for turns in [1, 3, 2, 5, 1, 4, 2, 3, 6]:
         tokens, mask = list(head), [0] * HEAD
         for _ in range(turns):
             observation, sampled = rng.randint(1, cfg.vocab_size, rng.randint(2, 9)), rng.randint(1, 12)
@@ -85,8 +90,10 @@ def test_token_budget_micro_batches_equal_the_full_batch(setup, objective):
     assert len(full_batch["micro_batches"]) == 1 and len(batch["micro_batches"]) >= 4 and len(widths) >= 2
     assert batch["prefix_lengths"].tolist() == [HEAD] and "prefix_tokens" not in plain_batch
     err, err_plain = tree_rel(packed, full), tree_rel(plain, full)
-    print(f"\n[packed learner] {objective}: {len(batch['micro_batches'])} micro-batches, widths {sorted(widths)}: "
-          f"grad rel diff {err:.2e}; without the shared head {err_plain:.2e}")
+    print(
+        f"\n[packed learner] {objective}: {len(batch['micro_batches'])} micro-batches, widths {sorted(widths)}: "
+        f"grad rel diff {err:.2e}; without the shared head {err_plain:.2e}"
+    )
     assert err <= 1e-6 and err_plain <= 1e-6
     for k, v in full_metrics.items():
         assert abs(float(metrics[k]) - float(v)) <= 1e-5 * max(1.0, abs(float(v))), k
@@ -98,12 +105,23 @@ def test_packed_logprobs_are_those_of_the_full_sequences(setup):
     shared = {k: batch[k] for k in ("prefix_tokens", "prefix_lengths", "prefix_adapter")}
     found = {}
     for mb in batch["micro_batches"]:
-        logp = np.asarray(_LOGPROBS(params, adapters, mb["tokens"], mb["adapter_idx"], cfg=cfg,
-                                   prefix={**shared, "prefix_of_row": mb["prefix_of_row"]}))
+        logp = np.asarray(
+            _LOGPROBS(
+                params,
+                adapters,
+                mb["tokens"],
+                mb["adapter_idx"],
+                cfg=cfg,
+                prefix={**shared, "prefix_of_row": mb["prefix_of_row"]},
+            )
+        )
         for row in np.flatnonzero(mb["loss_mask"].sum(axis=1)):
             scored = mb["loss_mask"][row] > 0
-            found[round(float(mb["advantages"][row]), 5)] = (logp[row], mb["loss_positions"][row][scored],
-                                                              mb["old_logp"][row][scored])
+            found[round(float(mb["advantages"][row]), 5)] = (
+                logp[row],
+                mb["loss_positions"][row][scored],
+                mb["old_logp"][row][scored],
+            )
     assert len(found) == len(sequences)
     for s in sequences:
         logp, positions, old = found[round(s.advantage, 5)]
@@ -163,8 +181,13 @@ def test_frozen_bottom_layers_give_the_same_gradients(setup):
     cfg, params, _, sequences = setup
     fresh = lora.init_adapters(jax.random.key(3), cfg, lora.LoraSpec(rank=4, alpha=8.0, first_layer=1), 1)
     on_top = (jnp.arange(cfg.num_layers) >= 1)[None, :, None, None]
-    adapters = lora.Adapters({t: {"a": w["a"], "b": 0.05 * jax.random.normal(jax.random.key(i), w["b"].shape) * on_top}
-                              for i, (t, w) in enumerate(sorted(fresh.weights.items()))}, fresh.scale)
+    adapters = lora.Adapters(
+        {
+            t: {"a": w["a"], "b": 0.05 * jax.random.normal(jax.random.key(i), w["b"].shape) * on_top}
+            for i, (t, w) in enumerate(sorted(fresh.weights.items()))
+        },
+        fresh.scale,
+    )
     assert all(float(jnp.abs(w["a"][:, 0]).max()) == 0 for w in adapters.weights.values())
     batch = pack_sequences(sequences, token_budget=ONE_MICRO_BATCH, min_shared_prefix=8)
     streams = frozen_inputs(params, cfg, 1, batch)
@@ -175,8 +198,10 @@ def test_frozen_bottom_layers_give_the_same_gradients(setup):
     frozen, _ = frozen_fn(params, adapters.weights, adapters.scale, batch)
     cached, _ = frozen_fn(params, adapters.weights, adapters.scale, streams)
     err, err_cached = tree_rel(frozen, whole), tree_rel(cached, whole)
-    print(f"\n[packed learner] layer 0 frozen vs the whole pass: grad rel diff {err:.2e}; "
-          f"from its outputs computed once {err_cached:.2e}")
+    print(
+        f"\n[packed learner] layer 0 frozen vs the whole pass: grad rel diff {err:.2e}; "
+        f"from its outputs computed once {err_cached:.2e}"
+    )
     assert err <= 1e-6 and err_cached <= 1e-6
     for g in jax.tree.leaves(jax.tree.map(lambda w: w[:, 0], (frozen, cached, whole))):
         assert float(jnp.abs(g).max()) == 0.0
@@ -230,8 +255,10 @@ def test_rescoring_gives_hinted_rows_the_policys_logprobs_and_leaves_the_others_
             np.testing.assert_allclose(mb["old_logp"][row][mb["loss_mask"][row] > 0], full, atol=1e-5)
             weights += np.minimum(np.exp(full - np.asarray(s.logprobs)[learned + 1]), HINT_LOSS.tis_cap).tolist()
     assert seen == set(range(len(hinted)))
-    print(f"\n[packed learner] hinted rows rescored: mean IS weight {metrics['hinted_is_weight']:.4f} "
-          f"(NumPy {np.mean(weights):.4f}), capped {metrics['hinted_capped']:.2f}")
+    print(
+        f"\n[packed learner] hinted rows rescored: mean IS weight {metrics['hinted_is_weight']:.4f} "
+        f"(NumPy {np.mean(weights):.4f}), capped {metrics['hinted_capped']:.2f}"
+    )
     assert abs(metrics["hinted_is_weight"] - np.mean(weights)) <= 1e-5
     assert 0.0 < metrics["hinted_capped"] < 1.0
 

@@ -21,17 +21,26 @@ def test_pass_hat_k_rejects_k_beyond_trials():
         pass_hat_k(1, 2, 3)
 
 
-@pytest.mark.parametrize("successes, n, low, high", [
-    (0, 10, 0.0, 0.2775), (5, 10, 0.2366, 0.7634), (81, 263, 0.2553, 0.3662)])  # Wilson 1927; Newcombe 1998
+@pytest.mark.parametrize(
+    "successes, n, low, high", [(0, 10, 0.0, 0.2775), (5, 10, 0.2366, 0.7634), (81, 263, 0.2553, 0.3662)]
+)  # Wilson 1927; Newcombe 1998
 def test_wilson_interval_matches_published_values(successes, n, low, high):
     got = wilson_interval(successes, n)
     assert got == pytest.approx((low, high), abs=5e-4)
 
 
 def test_summary_rows_per_family_and_overall():
-    episodes = [{"task_id": t, "family": f, "reward": r, "success": r == 1.0}
-                for t, f, r in [("a", "x", 1.0), ("a", "x", 0.0), ("b", "x", 1.0), ("b", "x", 1.0),
-                                ("c", "y", 0.0), ("c", "y", 0.0)]]
+    episodes = [
+        {"task_id": t, "family": f, "reward": r, "success": r == 1.0}
+        for t, f, r in [
+            ("a", "x", 1.0),
+            ("a", "x", 0.0),
+            ("b", "x", 1.0),
+            ("b", "x", 1.0),
+            ("c", "y", 0.0),
+            ("c", "y", 0.0),
+        ]
+    ]
     rows = summarize(episodes, k=2)
     assert [r["family"] for r in rows] == ["x", "y", "all"]
     x, y, overall = rows

@@ -22,8 +22,14 @@ def _draws(rewards_by_task: dict[int, list[float]]):
         drawn.append((attempt, tasks))
         rewards = np.array([r for t in tasks for r in rewards_by_task[t]])
         sequences = [LearnerSequence([t, 1], [0, 1], [0.0, -1.0], 0.0, 0) for t in tasks for _ in range(GROUP)]
-        return StepRollouts(sequences, rewards, np.repeat(np.arange(num), GROUP), {"rollout/reward": rewards.mean()},
-                            [{"task": t} for t in tasks for _ in range(GROUP)])
+        return StepRollouts(
+            sequences,
+            rewards,
+            np.repeat(np.arange(num), GROUP),
+            {"rollout/reward": rewards.mean()},
+            [{"task": t} for t in tasks for _ in range(GROUP)],
+        )
+
     return draw, drawn
 
 
@@ -33,16 +39,31 @@ VARIES, ZEROS = [0.0, 1.0, 0.0, 0.0], [0.0] * GROUP
 
 def test_constant_groups_are_replaced_by_the_next_tasks_until_half_vary():
     # the step's tasks 0-3: one varies; then 4-6 all constant; then 7 and 9 vary
-    draw, drawn = _draws({0: VARIES, 1: ZEROS, 2: ZEROS, 3: [1.0] * GROUP, 4: ZEROS, 5: ZEROS, 6: [0.2] * GROUP,
-                          7: VARIES, 8: ZEROS, 9: VARIES})
+    draw, drawn = _draws(
+        {
+            0: VARIES,
+            1: ZEROS,
+            2: ZEROS,
+            3: [1.0] * GROUP,
+            4: ZEROS,
+            5: ZEROS,
+            6: [0.2] * GROUP,
+            7: VARIES,
+            8: ZEROS,
+            9: VARIES,
+        }
+    )
     rollouts, used, played = sample_informative(draw, STEP_TASKS, resamples=3, min_informative=0.5)
     assert drawn == [(0, [0, 1, 2, 3]), (1, [4, 5, 6]), (2, [7, 8, 9])]  # 1 of 4 varies, 1 of 4, then 3 of 4
     assert (used, played) == (10, 10 * GROUP) and len(rollouts.records) == played  # every episode counted
     assert [s.tokens[0] for s in rollouts.sequences[::GROUP]] == [0, 7, 8, 9]  # the batch: four groups
     assert constant_groups(rollouts.rewards, rollouts.group_ids).tolist() == [False, False, True, False]
     assert rollouts.metrics["rollout/reward"] == pytest.approx(np.mean(VARIES + ZEROS * 2 + [1.0] * GROUP))
-    assert (rollouts.metrics["rollout/episodes"], rollouts.metrics["rollout/resampled_groups"],
-            rollouts.metrics["rollout/informative_groups"]) == (40.0, 6.0, 0.75)
+    assert (
+        rollouts.metrics["rollout/episodes"],
+        rollouts.metrics["rollout/resampled_groups"],
+        rollouts.metrics["rollout/informative_groups"],
+    ) == (40.0, 6.0, 0.75)
 
 
 def test_re_sampling_stops_after_its_rounds_and_is_off_by_default():
@@ -60,8 +81,9 @@ def test_a_budget_counts_the_re_sampled_episodes():
     assert not budget_spent(config, 10_000)
 
 
-def test_a_grpo_run_that_re_samples_stops_when_its_episodes_reach_the_budget_and_resumes_there(tiny_chat_model,
-                                                                                                tmp_path, monkeypatch):
+def test_a_grpo_run_that_re_samples_stops_when_its_episodes_reach_the_budget_and_resumes_there(
+    tiny_chat_model, tmp_path, monkeypatch
+):
     """The GRPO job in process (the tiny model): every group scores 0, so each step re-samples twice (three groups
     of 2 played); a budget of 8 episodes, 4 steps as planned, is spent after 2 steps (12 episodes), and a rerun on
     the workdir plays nothing more."""

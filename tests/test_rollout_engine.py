@@ -69,8 +69,15 @@ def test_max_turns_ends_an_episode_with_its_reason(env):
 
 
 def test_the_profile_splits_a_run_into_prefill_decode_and_host():
-    stats = collections.Counter(run_s=10.0, prefill_s=4.0, decode_s=5.0, decode_steps=20, decode_tokens=50,
-                                prefix_prefills=1, prefix_tokens=1200)
+    stats = collections.Counter(
+        run_s=10.0,
+        prefill_s=4.0,
+        decode_s=5.0,
+        decode_steps=20,
+        decode_tokens=50,
+        prefix_prefills=1,
+        prefix_tokens=1200,
+    )
     profile = rollout_profile(stats)
     assert (profile["prefill_s"], profile["decode_s"], profile["host_s"]) == (4.0, 5.0, 1.0)
     assert profile["rows_per_decode_step"] == 2.5 and profile["s_per_decode_step"] == 0.25
@@ -94,8 +101,9 @@ def test_sampled_episodes_are_the_same_in_any_batch_or_order(env, tiny_chat_mode
 
     def play(batch_size, order):
         config = RolloutConfig(batch_size=batch_size, max_turns=2, max_tokens_per_turn=12, temperature=1.0)
-        engine = RolloutEngine(env, agent=MODEL, user=StoppingUser(), sampler=sampler, tokenizer=model.tokenizer,
-                               config=config)
+        engine = RolloutEngine(
+            env, agent=MODEL, user=StoppingUser(), sampler=sampler, tokenizer=model.tokenizer, config=config
+        )
         played = engine.run([jobs[i] for i in order], key=jax.random.key(5))
         return {(t.job.task.task_id, t.job.trial): t.token_ids for t in played}
 
@@ -120,12 +128,12 @@ def test_an_opened_turn_is_fed_and_recorded_as_the_agents_own(tiny_chat_model):
     forced = model.tokenizer.encode(opening)
     assert opening.endswith("return_delivered_order_items") and forced
     start = hinted.loss_mask.index(1)
-    assert hinted.token_ids[start:start + len(forced)] == forced
-    assert hinted.loss_mask[start:start + len(forced)] == [1] * len(forced)
-    assert hinted.logprobs[start:start + len(forced)] == [0.0] * len(forced)
-    assert all(p < 0 for p in hinted.logprobs[start + len(forced):] if p)  # then sampled, at temperature 1
+    assert hinted.token_ids[start : start + len(forced)] == forced
+    assert hinted.loss_mask[start : start + len(forced)] == [1] * len(forced)
+    assert hinted.logprobs[start : start + len(forced)] == [0.0] * len(forced)
+    assert all(p < 0 for p in hinted.logprobs[start + len(forced) :] if p)  # then sampled, at temperature 1
     assert hinted.generated_tokens == len(hinted.token_ids) - start - len(forced)
     turn = [m for m in hinted.messages if m["role"] == "assistant"][-1]  # after the pre-filled look-ups
     assert turn["content"].startswith(opening) and turn["content"] != opening
     first = plain.loss_mask.index(1)
-    assert plain.token_ids[first:first + len(forced)] != forced
+    assert plain.token_ids[first : first + len(forced)] != forced

@@ -27,9 +27,35 @@ TURNS = 600
 # copies and hashes the retail DB twice per episode (~0.3 s), which short episodes would pay per few turns.
 _KIND_WEIGHTS = (1, 10, 10, 10, 10, 10, 10, 1, 1)
 
-_JUNK = ["", " ", "{", "}", "null", "[]", '"', "\\", "\\u0000", "\x00", "é漢🙂", "<tool_call>", "</tool_call>",
-         "<tool_response>", "<|im_end|>", "<|im_start|>assistant", "###STOP###", "###TRANSFER###",
-         "###OUT-OF-SCOPE###", "NaN", "Infinity", "1e999", "-0", "true", '{"name": ', '"arguments": {', "x" * 5000]
+_JUNK = [
+    "",
+    " ",
+    "{",
+    "}",
+    "null",
+    "[]",
+    '"',
+    "\\",
+    "\\u0000",
+    "\x00",
+    "é漢🙂",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "<|im_end|>",
+    "<|im_start|>assistant",
+    "###STOP###",
+    "###TRANSFER###",
+    "###OUT-OF-SCOPE###",
+    "NaN",
+    "Infinity",
+    "1e999",
+    "-0",
+    "true",
+    '{"name": ',
+    '"arguments": {',
+    "x" * 5000,
+]
 
 
 class FuzzAgent:
@@ -52,8 +78,17 @@ class FuzzAgent:
             value = rng.choice([None, 1, -1.5, True, [], {}, "x" * rng.choice([0, 10, 100000]), ["#W1"], {"a": 1}])
             return format_tool_call(rng.choice(names), {rng.choice(["order_id", "user_id", "email", "zzz"]): value})
         if kind == 4:  # invalid JSON inside a block
-            body = rng.choice(['{"name": "x", "arguments": {', "{'name': 'x'}", '{"name": 1}', "[1, 2]",
-                               '{"name": "x", "arguments": "not json"}', '{"arguments": {}}', "{" * 500])
+            body = rng.choice(
+                [
+                    '{"name": "x", "arguments": {',
+                    "{'name': 'x'}",
+                    '{"name": 1}',
+                    "[1, 2]",
+                    '{"name": "x", "arguments": "not json"}',
+                    '{"arguments": {}}',
+                    "{" * 500,
+                ]
+            )
             return f"<tool_call>\n{body}\n</tool_call>"
         if kind == 5:  # many blocks, some fine
             return "\n".join(self.reply(episode) for _ in range(rng.randint(2, 4)))
@@ -99,8 +134,10 @@ def test_random_and_adversarial_turns_never_crash_the_engine():
     engine = RolloutEngine(env, agent=FuzzAgent(seed=0), user=StoppingUser(), config=config)
     tasks, trajectories, turns = env.tasks("train", TURNS), [], 0
     while turns < TURNS:  # episodes end early on text turns, so play them in batches until enough turns
-        batch = engine.run([Job(task) for task in tasks[len(trajectories) : len(trajectories) + 64]],
-                           key=jax.random.key(len(trajectories)))
+        batch = engine.run(
+            [Job(task) for task in tasks[len(trajectories) : len(trajectories) + 64]],
+            key=jax.random.key(len(trajectories)),
+        )
         turns += _check(batch)
         trajectories += batch
     ends = {t.end_reason for t in trajectories}

@@ -13,12 +13,23 @@ from trace_jax.envs.embedded_retail import EmbeddedRetail
 from trace_jax.models.model import load_model
 from trace_jax.trace.routing import NO_ADAPTER, RouteOption, Router, calibrate, label_token_ids, router_messages
 
-OPTIONS = [RouteOption("tool_calling", "Makes the write call a request needs with exactly the right arguments.",
-                       'cancel_pending_order(order_id="#W1", reason="no longer needed")'),
-           RouteOption("communication", "States the facts the customer asked for in the final reply.",
-                       "Your order #W2 is delivered; you paid 52.1."),
-           RouteOption("precondition", "Checks the order's status before acting and refuses what the policy forbids.",
-                       "Order #W3 is delivered, so it cannot be cancelled.")]
+OPTIONS = [
+    RouteOption(
+        "tool_calling",
+        "Makes the write call a request needs with exactly the right arguments.",
+        'cancel_pending_order(order_id="#W1", reason="no longer needed")',
+    ),
+    RouteOption(
+        "communication",
+        "States the facts the customer asked for in the final reply.",
+        "Your order #W2 is delivered; you paid 52.1.",
+    ),
+    RouteOption(
+        "precondition",
+        "Checks the order's status before acting and refuses what the policy forbids.",
+        "Order #W3 is delivered, so it cannot be cancelled.",
+    ),
+]
 
 
 @pytest.fixture(scope="module")

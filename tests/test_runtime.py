@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from multiprocess import failure_report
+
 from trace_jax.runtime import compilation_cache_dir, computes_on_cpu, full_precision_matmuls
 
 
@@ -45,8 +46,14 @@ def test_compiled_programs_persist_in_a_folder_named_after_the_machine(tmp_path,
     assert compilation_cache_dir({}) == folder
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS")}
     show = "import launch, jax; print(jax.config.jax_compilation_cache_dir)"
-    out = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=pathlib.Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", show],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+    )
     assert out.returncode == 0, failure_report(out)
     assert out.stdout.strip() == str(folder)
 
@@ -65,8 +72,14 @@ print(json.dumps({"start": start, "freed": resident_memory_gb(), "released": rel
                   "peak": peak_memory_gb()}))
 """
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", measure], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=pathlib.Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", measure],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+    )
     assert out.returncode == 0, failure_report(out)
     gb = json.loads(out.stdout)
     print(f"\n[runtime] resident GB: {gb}")
@@ -95,8 +108,13 @@ again = [float(f(jnp.arange(64.0 + i)).sum()) for i, f in enumerate(fns)]
 print(json.dumps(dict(held=held, after=after, kept=kept, cached=cached, dropped=dropped, repeat=repeat,
                       throttled=throttled, left=left, same=again == first)))
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         cwd=pathlib.Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+    )
     assert out.returncode == 0, failure_report(out)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert not result["kept"] and result["cached"] == 40

@@ -10,8 +10,16 @@ from trace_jax import lora
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.decoder import forward, init_cache
 from trace_jax.models.loading import load_params
-from trace_jax.sampling import (FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, Sampler, common_prefix_length,
-                                sample_from_logits, shared_prefix_length, truncate_logits)
+from trace_jax.sampling import (
+    FINISH_CONTEXT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Sampler,
+    common_prefix_length,
+    sample_from_logits,
+    shared_prefix_length,
+    truncate_logits,
+)
 from trace_jax.sharding import ShardingPlan, make_mesh
 
 
@@ -59,8 +67,9 @@ def test_greedy_matches_transformers_generate_and_logprobs_rescore(model):
     outs, _ = sampler.generate(prompts, key=jax.random.key(0), max_new_tokens=12)
     for prompt, out in zip(prompts, outs):
         with torch.no_grad():
-            ref = torch_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                       eos_token_id=None, pad_token_id=0)[0].tolist()
+            ref = torch_model.generate(
+                torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0].tolist()
         assert prompt + out.token_ids == ref and out.finish_reason == FINISH_LENGTH
         assert np.abs(_full_logprobs(params, cfg, prompt, out.token_ids) - np.array(out.logprobs)).max() <= 1e-4
 
@@ -71,8 +80,9 @@ def test_continuing_a_row_equals_a_fresh_prefill(model):
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [11]]
     first, cache = sampler.generate(prompts, key=jax.random.key(0), max_new_tokens=6)
     turn2 = [[20, 21], [22]]
-    cont, cache = sampler.generate(turn2, key=jax.random.key(5), max_new_tokens=7, cache=cache, rows=[2, 0],
-                                   temperature=1.0)
+    cont, cache = sampler.generate(
+        turn2, key=jax.random.key(5), max_new_tokens=7, cache=cache, rows=[2, 0], temperature=1.0
+    )
     for row, extra, out in zip([2, 0], turn2, cont):
         history = prompts[row] + first[row].token_ids + extra
         fresh, _ = sampler.generate([history], key=jax.random.key(5), max_new_tokens=7, temperature=1.0)
@@ -100,8 +110,9 @@ def test_a_row_started_from_a_stored_prefix_equals_a_full_prefill(model):
     prompt = head + rng.randint(0, cfg.vocab_size, 9).tolist()
     cache = sampler.start_row(cache, 1, slot, 150)
     assert int(cache.lengths[1]) == 0 and int(cache.prefix_len[1]) == 150 and int(cache.lengths[0]) == 3 + 4
-    out, cache = sampler.generate([prompt[150:]], key=jax.random.key(1), max_new_tokens=6, temperature=1.0,
-                                  cache=cache, rows=[1])
+    out, cache = sampler.generate(
+        [prompt[150:]], key=jax.random.key(1), max_new_tokens=6, temperature=1.0, cache=cache, rows=[1]
+    )
     assert np.abs(_full_logprobs(params, cfg, prompt, out[0].token_ids) - np.array(out[0].logprobs)).max() <= 1e-4
     assert int(cache.lengths[1]) == len(prompt) - 150 + 6
     emptied = sampler.start_row(cache, 1)
@@ -146,7 +157,7 @@ def test_a_session_feeds_rows_while_others_sample(model):
                 history[2] = history[2] + [10, 11]
                 session.feed([2], [[10, 11]], max_new_tokens=5)
     assert [row for row, _, _ in outputs][:1] == [2] and len(outputs) == 4
-    for row, prompt, out in outputs:
+    for _, prompt, out in outputs:
         alone, _ = sampler.generate([prompt], key=jax.random.key(0), max_new_tokens=len(out.token_ids))
         assert out.token_ids == alone[0].token_ids and out.finish_reason == FINISH_LENGTH
         assert np.abs(_full_logprobs(params, cfg, prompt, out.token_ids) - np.array(out.logprobs)).max() <= 1e-4
@@ -160,7 +171,7 @@ def test_a_session_feeds_rows_while_others_sample(model):
     session.release([1])
     assert session.cache.max_len < grown and np.asarray(session.cache.lengths)[1] == 0
     session.feed([0], [[12, 13]], max_new_tokens=4)
-    (row, out), = session.step(jax.random.key(9)).items()
+    ((row, out),) = session.step(jax.random.key(9)).items()
     alone, _ = sampler.generate([history[0] + [12, 13]], key=jax.random.key(0), max_new_tokens=4)
     assert row == 0 and out.token_ids == alone[0].token_ids
 
@@ -180,7 +191,10 @@ def test_rows_that_open_alike_are_prefilled_once_and_copied(model):
     alone, _ = sampler.generate([p, q], key=jax.random.key(0), max_new_tokens=6)
     for row, prompt, out in zip((0, 1, 2, 3, 5), (p, q, p, p, q), (alone[0], alone[1], alone[0], alone[0], alone[1])):
         assert done[row].token_ids == out.token_ids
-        assert np.abs(_full_logprobs(params, cfg, prompt, done[row].token_ids) - np.array(done[row].logprobs)).max() <= 1e-4
+        assert (
+            np.abs(_full_logprobs(params, cfg, prompt, done[row].token_ids) - np.array(done[row].logprobs)).max()
+            <= 1e-4
+        )
     sampled, _ = sampler.generate([p] * 4, key=jax.random.key(1), max_new_tokens=8, temperature=1.0)
     assert len({tuple(o.token_ids) for o in sampled}) > 1  # copies draw their own tokens
 
@@ -228,8 +242,11 @@ def test_a_session_compiles_few_programs_whatever_it_is_fed(model):
     before = programs("_take_rows")
     for _ in range(10):
         rows = rng.choice(16, size=int(rng.integers(1, 17)), replace=False)
-        session.feed(rows, [rng.integers(1, 100, size=int(rng.integers(1, 90))).tolist() for _ in rows],
-                     max_new_tokens=int(rng.integers(1, 9)))
+        session.feed(
+            rows,
+            [rng.integers(1, 100, size=int(rng.integers(1, 90))).tolist() for _ in rows],
+            max_new_tokens=int(rng.integers(1, 9)),
+        )
         capacities.add(session.cache.max_len)
         while session.running:
             session.step(jax.random.key(0))
@@ -245,13 +262,31 @@ def test_sampling_parameters_do_not_recompile_and_key_decides(model):
     cfg, params, _ = model
     sampler = Sampler(cfg, params)
     kwargs = dict(max_new_tokens=20)
-    a, _ = sampler.generate([[1, 2]] * 3, key=jax.random.key(1), temperature=[1.0, 0.7, 0.0], top_p=[1.0, 0.9, 1.0],
-                            top_k=[0, 0, 5], **kwargs)
+    a, _ = sampler.generate(
+        [[1, 2]] * 3,
+        key=jax.random.key(1),
+        temperature=[1.0, 0.7, 0.0],
+        top_p=[1.0, 0.9, 1.0],
+        top_k=[0, 0, 5],
+        **kwargs,
+    )
     compiled = sampler._decode._cache_size()
-    b, _ = sampler.generate([[1, 2]] * 3, key=jax.random.key(1), temperature=[1.0, 0.7, 0.0], top_p=[1.0, 0.9, 1.0],
-                            top_k=[0, 0, 5], **kwargs)
-    c, _ = sampler.generate([[1, 2]] * 3, key=jax.random.key(2), temperature=[0.5, 1.3, 1.0], top_p=[0.5, 1.0, 0.8],
-                            top_k=[3, 0, 0], **kwargs)
+    b, _ = sampler.generate(
+        [[1, 2]] * 3,
+        key=jax.random.key(1),
+        temperature=[1.0, 0.7, 0.0],
+        top_p=[1.0, 0.9, 1.0],
+        top_k=[0, 0, 5],
+        **kwargs,
+    )
+    c, _ = sampler.generate(
+        [[1, 2]] * 3,
+        key=jax.random.key(2),
+        temperature=[0.5, 1.3, 1.0],
+        top_p=[0.5, 1.0, 0.8],
+        top_k=[3, 0, 0],
+        **kwargs,
+    )
     assert sampler._decode._cache_size() == compiled
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
@@ -320,8 +355,9 @@ def test_truncation_matches_sorting_reference():
 def test_top_k_restricts_support():
     logits = jax.random.normal(jax.random.key(0), (2, 30))
     allowed = np.argsort(-np.asarray(logits), -1)[:, :3]
-    sample = jax.jit(lambda key: sample_from_logits(logits, jax.random.split(key, 2), jnp.ones(2), jnp.ones(2),
-                                                    jnp.full(2, 3)))
+    sample = jax.jit(
+        lambda key: sample_from_logits(logits, jax.random.split(key, 2), jnp.ones(2), jnp.ones(2), jnp.full(2, 3))
+    )
     for seed in range(20):
         tokens, _ = sample(jax.random.key(seed))
         assert all(t in allowed[b] for b, t in enumerate(np.asarray(tokens)))
@@ -392,14 +428,22 @@ def _two_adapters(cfg):
 def _recorded_sampler(cfg, params, min_shared_prefix, **options):
     """A sampler over two adapters whose prefill calls append ("prefix" or "rows", each row's num_new) to
     `.prefills`: of prefix slots, and of rows."""
-    sampler = Sampler(cfg, params, adapters=_two_adapters(cfg), decode_chunk=4, min_cache=32,
-                      min_shared_prefix=min_shared_prefix, **options)
+    sampler = Sampler(
+        cfg,
+        params,
+        adapters=_two_adapters(cfg),
+        decode_chunk=4,
+        min_cache=32,
+        min_shared_prefix=min_shared_prefix,
+        **options,
+    )
     sampler.prefills = []
 
     def recording(prefill, kind):
         def call(*args):
             sampler.prefills.append((kind, np.asarray(args[-2]).tolist()))  # (..., num_new, adapter_idx)
             return prefill(*args)
+
         return call
 
     sampler._prefill = recording(sampler._prefill, "prefix")
@@ -435,15 +479,19 @@ def test_shared_prefix_prefill_equals_per_row_prefill(model, case):
     # Either way a row that opens like an earlier one (same adapter and tokens) is copied, not prefilled.
     assert sharing.prefills[0][0] == "prefix" and _prefilled(sharing, "prefix") == [shared_len] * groups
     first: dict[tuple, int] = {}
-    prefilled = [first.setdefault((a, tuple(p)), i) == i
-                 for i, (p, a) in enumerate(zip(prompts, np.broadcast_to(adapter_idx, len(prompts)).tolist()))]
+    prefilled = [
+        first.setdefault((a, tuple(p)), i) == i
+        for i, (p, a) in enumerate(zip(prompts, np.broadcast_to(adapter_idx, len(prompts)).tolist()))
+    ]
     assert _prefilled(sharing) == sorted(n for p, f in zip(prompts, prefilled) if (n := (len(p) - shared_len) * f))
-    assert _prefilled(plain, "prefix") == [] and _prefilled(plain) == sorted(len(p) for p, f in zip(prompts, prefilled)
-                                                                             if f)
+    assert _prefilled(plain, "prefix") == [] and _prefilled(plain) == sorted(
+        len(p) for p, f in zip(prompts, prefilled) if f
+    )
 
     turn2, rows = [[70, 71], [72]], [3, 0]
-    kwargs = dict(key=jax.random.key(1), max_new_tokens=6, rows=rows,
-                  adapter_idx=np.broadcast_to(adapter_idx, len(prompts))[rows])
+    kwargs = dict(
+        key=jax.random.key(1), max_new_tokens=6, rows=rows, adapter_idx=np.broadcast_to(adapter_idx, len(prompts))[rows]
+    )
     shared_next, shared_cache = sharing.generate(turn2, cache=shared_cache, **kwargs)
     plain_next, plain_cache = plain.generate(turn2, cache=plain_cache, **kwargs)
     _assert_same_outputs(shared_next, plain_next)

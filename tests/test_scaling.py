@@ -11,8 +11,10 @@ from trace_jax.baselines.scaling import plot_scaling, scaling_table, snapshot_fo
 from trace_jax.rl.trainer import snapshot_step
 
 
-@pytest.mark.parametrize("fraction, steps, step", [(0.25, 8, 2), (0.75, 8, 6), (0.5, 3, 2), (0.25, 3, 1),
-                                                   (0.25, 1, 0), (0.5, 1, 1), (0.75, 2, 2)])
+@pytest.mark.parametrize(
+    "fraction, steps, step",
+    [(0.25, 8, 2), (0.75, 8, 6), (0.5, 3, 2), (0.25, 3, 1), (0.25, 1, 0), (0.5, 1, 1), (0.75, 2, 2)],
+)
 def test_a_share_of_a_run_is_its_nearest_step_rounded_half_up(fraction, steps, step):
     assert snapshot_step(fraction, steps) == step
 
@@ -39,12 +41,16 @@ def test_trace_at_a_share_routes_each_task_as_its_run_did_to_that_share_of_its_a
 
 def test_the_curve_is_tabled_per_share_and_plotted(tmp_path):
     point = lambda f, r, s: {"fraction": f, "rollouts": r, "success": s, "ci_low": s - 0.1, "ci_high": s + 0.1}
-    curves = {"TRACE": [point(0.0, 0, 0.4), point(0.5, 64, 0.45), point(1.0, 128, 0.5)],
-              "GEPA": [point(0.0, 0, 0.4), point(1.0, 120, 0.42)]}
+    curves = {
+        "TRACE": [point(0.0, 0, 0.4), point(0.5, 64, 0.45), point(1.0, 128, 0.5)],
+        "GEPA": [point(0.0, 0, 0.4), point(1.0, 120, 0.42)],
+    }
     lines = scaling_table(curves)
     assert lines[0] == "| arm | 0 of the budget | 0.5 of the budget | 1 of the budget |"
-    assert lines[2] == "| TRACE | 40.0% [30.0, 50.0], 0 rollouts | 45.0% [35.0, 55.0], 64 rollouts | " \
-                       "50.0% [40.0, 60.0], 128 rollouts |"
+    assert (
+        lines[2] == "| TRACE | 40.0% [30.0, 50.0], 0 rollouts | 45.0% [35.0, 55.0], 64 rollouts | "
+        "50.0% [40.0, 60.0], 128 rollouts |"
+    )
     assert lines[3] == "| GEPA | 40.0% [30.0, 50.0], 0 rollouts | - | 42.0% [32.0, 52.0], 120 rollouts |"
     plot_scaling(curves, tmp_path / "plots" / "scaling.png")
     assert (tmp_path / "plots" / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

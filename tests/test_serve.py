@@ -16,9 +16,9 @@ import httpx
 import jax
 import openai
 import pytest
+from multiprocess import failure_report
 
 from launch.bench_serve import load, start_server
-from multiprocess import failure_report
 from trace_jax import lora
 from trace_jax.agent.tool_calls import format_tool_call
 from trace_jax.models.model import load_model
@@ -26,9 +26,16 @@ from trace_jax.sampling import Sampler
 from trace_jax.serve.protocol import TextDeltas, assistant_reply
 
 BATCH = 4
-TOOLS = [{"type": "function", "function": {
-    "name": "get_order_details", "description": "Look up an order.",
-    "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_order_details",
+            "description": "Look up an order.",
+            "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}}, "required": ["order_id"]},
+        },
+    }
+]
 ASK = [{"role": "user", "content": "Where is my order #W2378156?"}]
 
 
@@ -44,8 +51,10 @@ def adapters(model, tmp_path_factory) -> dict[str, str]:
     for seed, name in enumerate(("alpha", "beta")):
         spec = lora.LoraSpec(rank=4, alpha=8, targets=("q_proj", "v_proj"))
         stack = lora.init_adapters(jax.random.key(seed), model.cfg, spec)
-        weights = {t: {"a": w["a"], "b": jax.random.normal(jax.random.key(10 + seed), w["b"].shape) * 0.5}
-                   for t, w in stack.weights.items()}
+        weights = {
+            t: {"a": w["a"], "b": jax.random.normal(jax.random.key(10 + seed), w["b"].shape) * 0.5}
+            for t, w in stack.weights.items()
+        }
         folders[name] = str(tmp_path_factory.mktemp(name))
         lora.save_peft(lora.Adapters(weights, stack.scale), folders[name])
     return folders
@@ -55,8 +64,16 @@ def adapters(model, tmp_path_factory) -> dict[str, str]:
 def server(tiny_chat_model, adapters, job_env):
     """The server's /v1 URL: the base as "tiny", the adapters by name, a batch of BATCH rows."""
     named = ",".join(f"{name}={folder}" for name, folder in adapters.items())
-    process, url = start_server([f"--model={tiny_chat_model}", "--served_name=tiny", f"--adapters={named}",
-                                 f"--batch={BATCH}", "--decode_chunk=8"], env=job_env)
+    process, url = start_server(
+        [
+            f"--model={tiny_chat_model}",
+            "--served_name=tiny",
+            f"--adapters={named}",
+            f"--batch={BATCH}",
+            "--decode_chunk=8",
+        ],
+        env=job_env,
+    )
     yield url
     process.terminate()
     process.wait(timeout=60)
@@ -70,17 +87,26 @@ def client(server):
 def _generate(model, adapters, name: str, prompt_ids: list[int], max_new_tokens: int) -> str:
     """The library's greedy text for `prompt_ids` with adapter `name` ("tiny": none)."""
     stack = lora.load_peft(adapters[name], model.cfg) if name != "tiny" else None
-    sampler = Sampler(model.cfg, model.params, adapters=stack,
-                      detokenize=lambda ids: model.tokenizer.decode(ids, skip_special_tokens=True))
-    (out,), _ = sampler.generate([prompt_ids], key=jax.random.key(0), max_new_tokens=max_new_tokens,
-                                 adapter_idx=lora.NO_ADAPTER if stack is None else 0,
-                                 stop_token_ids=sorted(model.tokenizer.eos_token_ids))
+    sampler = Sampler(
+        model.cfg,
+        model.params,
+        adapters=stack,
+        detokenize=lambda ids: model.tokenizer.decode(ids, skip_special_tokens=True),
+    )
+    (out,), _ = sampler.generate(
+        [prompt_ids],
+        key=jax.random.key(0),
+        max_new_tokens=max_new_tokens,
+        adapter_idx=lora.NO_ADAPTER if stack is None else 0,
+        stop_token_ids=sorted(model.tokenizer.eos_token_ids),
+    )
     return out.text
 
 
 def _chat(client, model: str = "tiny", messages=ASK, **settings):
-    return client.chat.completions.create(model=model, messages=messages, **{"max_tokens": 12, "temperature": 0,
-                                                                              **settings})
+    return client.chat.completions.create(
+        model=model, messages=messages, **{"max_tokens": 12, "temperature": 0, **settings}
+    )
 
 
 def test_each_served_model_answers_as_the_sampler_and_generate_do(client, model, adapters, job_env):
@@ -93,9 +119,23 @@ def test_each_served_model_answers_as_the_sampler_and_generate_do(client, model,
         assert reply.model == name and reply.usage.prompt_tokens == len(prompt_ids)
         assert texts[name] == _generate(model, adapters, name, prompt_ids, 12), name
     assert len(set(texts.values())) == 3  # each adapter is applied
-    out = subprocess.run([sys.executable, "-m", "launch.generate", f"--model={model.path}", "--chat", "--json",
-                          f"--prompt={ASK[0]['content']}", f"--adapter={adapters['beta']}", "--max_new_tokens=12"],
-                         capture_output=True, text=True, timeout=600, env=job_env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.generate",
+            f"--model={model.path}",
+            "--chat",
+            "--json",
+            f"--prompt={ASK[0]['content']}",
+            f"--adapter={adapters['beta']}",
+            "--max_new_tokens=12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=job_env,
+    )
     assert out.returncode == 0, failure_report(out)
     assert json.loads(out.stdout.strip().splitlines()[-1])["text"] == texts["beta"]
 
@@ -103,10 +143,15 @@ def test_each_served_model_answers_as_the_sampler_and_generate_do(client, model,
 def test_concurrent_requests_sample_what_they_sample_alone(client):
     """Mixed adapters, lengths, greedy and seeded sampling, n > 1: more choices than rows, so rows are refilled as
     requests end; each reply equals the same request sent alone."""
-    requests = [dict(model=["tiny", "alpha", "beta"][i % 3], max_tokens=[5, 17, 30][i % 3],
-                     messages=[{"role": "user", "content": f"Question {i}: " + "where is it? " * (i % 4)}],
-                     **({"temperature": 1.0, "seed": 100 + i, "n": 2} if i % 2 else {"temperature": 0}))
-                for i in range(8)]
+    requests = [
+        dict(
+            model=["tiny", "alpha", "beta"][i % 3],
+            max_tokens=[5, 17, 30][i % 3],
+            messages=[{"role": "user", "content": f"Question {i}: " + "where is it? " * (i % 4)}],
+            **({"temperature": 1.0, "seed": 100 + i, "n": 2} if i % 2 else {"temperature": 0}),
+        )
+        for i in range(8)
+    ]
     texts = lambda reply: [c.message.content for c in reply.choices]
     with ThreadPoolExecutor(len(requests)) as pool:
         together = list(pool.map(lambda r: texts(client.chat.completions.create(**r)), requests))
@@ -119,27 +164,31 @@ def test_streaming_gives_the_whole_reply_with_usage_logprobs_and_stop_strings(cl
     whole = _chat(client, "alpha", max_tokens=24, logprobs=True)
     content = whole.choices[0].message.content
     assert len(whole.choices[0].logprobs.content) == whole.usage.completion_tokens
-    chunks = list(_chat(client, "alpha", max_tokens=24, logprobs=True, stream=True,
-                        stream_options={"include_usage": True}))
+    chunks = list(
+        _chat(client, "alpha", max_tokens=24, logprobs=True, stream=True, stream_options={"include_usage": True})
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == content
-    assert sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs) \
+    assert (
+        sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices and c.choices[0].logprobs)
         == whole.usage.completion_tokens
+    )
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    stop = content[len(content) // 2:][:4]  # a stop string in the middle of the reply
+    stop = content[len(content) // 2 :][:4]  # a stop string in the middle of the reply
     cut = _chat(client, "alpha", max_tokens=24, stop=[stop])
-    assert cut.choices[0].message.content == content[:content.index(stop)]
+    assert cut.choices[0].message.content == content[: content.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
     streamed = _chat(client, "alpha", max_tokens=24, stop=[stop], stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in streamed) == content[:content.index(stop)]
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == content[: content.index(stop)]
 
 
 def test_text_completions_take_strings_and_token_ids(client, model, adapters):
     ids = model.tokenizer.encode("The order was")
     reply = client.completions.create(model="beta", prompt=[ids, "The order was"], max_tokens=10, temperature=0, n=2)
     assert [c.index for c in reply.choices] == [0, 1, 2, 3]
-    assert len({c.text for c in reply.choices}) == 1 and reply.choices[0].text == _generate(model, adapters, "beta",
-                                                                                            ids, 10)
+    assert len({c.text for c in reply.choices}) == 1 and reply.choices[0].text == _generate(
+        model, adapters, "beta", ids, 10
+    )
     chunks = list(client.completions.create(model="beta", prompt=ids, max_tokens=10, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == reply.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -148,10 +197,16 @@ def test_text_completions_take_strings_and_token_ids(client, model, adapters):
 def test_tools_and_tool_results_render_into_the_prompt(client, model):
     """A conversation with a tool call and its result, tools given: the prompt is the chat template's rendering
     of both (a random model makes no tool call itself: the reply side is checked below on a written one)."""
-    call = {"id": "call_0", "type": "function",
-            "function": {"name": "get_order_details", "arguments": json.dumps({"order_id": "#W2378156"})}}
-    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_0", "content": '{"status": "delivered"}'}]
+    call = {
+        "id": "call_0",
+        "type": "function",
+        "function": {"name": "get_order_details", "arguments": json.dumps({"order_id": "#W2378156"})},
+    }
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_0", "content": '{"status": "delivered"}'},
+    ]
     reply = _chat(client, "beta", messages=messages, tools=TOOLS)
     assert reply.usage.prompt_tokens == len(model.tokenizer.apply_chat(messages, tools=TOOLS))
     assert reply.choices[0].finish_reason in ("stop", "length")
@@ -168,40 +223,57 @@ def test_a_written_tool_call_becomes_openai_tool_calls_whole_and_streamed(model)
     rest, streamed_calls = deltas.finish(text)
     assert (streamed + rest).strip() == content and "<tool" not in streamed
     assert [c["function"] for c in streamed_calls] == [c["function"] for c in calls]
-    broken = "Let me look.\n<tool_call>\n{\"name\": \"get_order_details\", \"arguments\": {\"order_id\": 5}}"
+    broken = 'Let me look.\n<tool_call>\n{"name": "get_order_details", "arguments": {"order_id": 5}}'
     assert assistant_reply(broken, TOOLS) == (broken, None)  # schema-invalid: returned as written
     assert assistant_reply(text, None) == (text, None)  # no tools: text
 
 
 def test_a_conversation_continues_its_row(client, model, adapters):
     first = _chat(client, "alpha", max_tokens=8)
-    messages = [*ASK, {"role": "assistant", "content": first.choices[0].message.content},
-                {"role": "user", "content": "And when will it arrive?"}]
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And when will it arrive?"},
+    ]
     second = _chat(client, "alpha", messages=messages, max_tokens=8)
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
     prompt_ids = model.tokenizer.apply_chat(messages)
     assert second.choices[0].message.content == _generate(model, adapters, "alpha", prompt_ids, 8)
 
 
-@pytest.mark.parametrize("body, status, message", [
-    ("{not json", 400, "not valid JSON"),
-    ({"model": "gpt-9", "messages": ASK}, 404, "does not exist here"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "order " * 9000}]}, 400, "context holds"),
-    ({"model": "tiny", "messages": ASK, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, 400,
-     "tools\\[0\\].function.name"),
-    ({"model": "tiny", "messages": ASK, "tools": [{"type": "function", "function": {
-        "name": "f", "parameters": {"type": "array"}}}]}, 400, "parameters must be a JSON schema"),
-    ({"model": "tiny", "messages": ASK, "temperature": 3}, 400, "temperature must be"),
-    ({"model": "tiny", "messages": ASK, "n": BATCH + 1}, 400, "n must be"),
-    ({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages\\[0\\]"),
-    ({"model": "tiny", "messages": ASK, "top_logprobs": 3}, 400, "top_logprobs is not supported"),
-    ({"model": "tiny", "messages": ASK, "stop": 5}, 400, "stop must be"),
-    ({"model": "tiny", "messages": ASK, "response_format": "json"}, 400, "response_format"),
-])
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ("{not json", 400, "not valid JSON"),
+        ({"model": "gpt-9", "messages": ASK}, 404, "does not exist here"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "order " * 9000}]}, 400, "context holds"),
+        (
+            {"model": "tiny", "messages": ASK, "tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            400,
+            "tools\\[0\\].function.name",
+        ),
+        (
+            {
+                "model": "tiny",
+                "messages": ASK,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+            },
+            400,
+            "parameters must be a JSON schema",
+        ),
+        ({"model": "tiny", "messages": ASK, "temperature": 3}, 400, "temperature must be"),
+        ({"model": "tiny", "messages": ASK, "n": BATCH + 1}, 400, "n must be"),
+        ({"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages\\[0\\]"),
+        ({"model": "tiny", "messages": ASK, "top_logprobs": 3}, 400, "top_logprobs is not supported"),
+        ({"model": "tiny", "messages": ASK, "stop": 5}, 400, "stop must be"),
+        ({"model": "tiny", "messages": ASK, "response_format": "json"}, 400, "response_format"),
+    ],
+)
 def test_a_bad_request_gets_a_4xx_and_the_server_goes_on(server, client, body, status, message):
     content = body if isinstance(body, str) else json.dumps(body)
-    reply = httpx.post(f"{server}/chat/completions", content=content, headers={"content-type": "application/json"},
-                       timeout=60)
+    reply = httpx.post(
+        f"{server}/chat/completions", content=content, headers={"content-type": "application/json"}, timeout=60
+    )
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert re.search(message, error["message"]), error

@@ -38,7 +38,7 @@ def test_rules_shard_and_fall_back_when_indivisible():
         make_mesh(data=3)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: "-".join(f"{k}{v}" for k, v in l.items()))
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: "-".join(f"{k}{v}" for k, v in layout.items()))
 def test_sharded_logits_and_greedy_samples_equal_single_device(model, layout):
     cfg, params, adapters = model
     plan = ShardingPlan(make_mesh(**layout))
@@ -49,7 +49,12 @@ def test_sharded_logits_and_greedy_samples_equal_single_device(model, layout):
     sharded_params = plan.shard_params(params)
     assert any(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(sharded_params))
     fn = jax.jit(lambda p, a, t, i: forward(p, t, cfg, row_lora=lora.for_rows(a, i), constrain=plan.constrain)[0])
-    sharded = fn(sharded_params, plan.shard_params(adapters), jax.device_put(tokens, plan.activation_sharding("batch", tokens.shape)), adapter_idx)
+    sharded = fn(
+        sharded_params,
+        plan.shard_params(adapters),
+        jax.device_put(tokens, plan.activation_sharding("batch", tokens.shape)),
+        adapter_idx,
+    )
     assert np.abs(np.asarray(sharded) - np.asarray(single)).max() <= 1e-5
 
     prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11], [12, 13]]

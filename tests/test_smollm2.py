@@ -10,8 +10,10 @@ import transformers
 from trace_jax.models.decoder import forward
 from trace_jax.sampling import Sampler
 
-LONG_QUESTIONS = ["List three colours of the rainbow and explain why the sky is blue.",
-                  "Write a short story about a robot who learns to paint."]
+LONG_QUESTIONS = [
+    "List three colours of the rainbow and explain why the sky is blue.",
+    "Write a short story about a robot who learns to paint.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +35,17 @@ def test_greedy_decoding_matches_transformers_generate(smollm2, hf_model):
     questions = {q: 32 for q in LONG_QUESTIONS} | {"What is the capital of France?": None}
     prompts = [tok.apply_chat([{"role": "user", "content": q}]) for q in questions]
     sampler = Sampler(smollm2.cfg, smollm2.params)
-    outs, _ = sampler.generate(prompts, key=jax.random.key(0), max_new_tokens=32,  # rows of different lengths
-                               stop_token_ids=sorted(tok.eos_token_ids))
+    outs, _ = sampler.generate(
+        prompts,
+        key=jax.random.key(0),
+        max_new_tokens=32,  # rows of different lengths
+        stop_token_ids=sorted(tok.eos_token_ids),
+    )
     for prompt, out, expected_len in zip(prompts, outs, questions.values()):
         with torch.no_grad():
-            ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                                    pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
+            ref = hf_model.generate(
+                torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id
+            )[0, len(prompt) :].tolist()
         assert out.token_ids == ref
         assert len(ref) == expected_len if expected_len else ref[-1] in tok.eos_token_ids
     assert "Paris" in tok.decode(outs[-1].token_ids)

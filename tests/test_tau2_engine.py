@@ -67,16 +67,21 @@ def test_noop_agent_scores_what_tau2_gives_an_empty_trajectory(tmp_path):
     assert sum(expected.values()) == 7
     for record in records:  # greeting, the user's request, the agent's empty turn; then the user stopped
         assert [(m["role"], m["content"][:6]) for m in record["messages"][1:]] == [
-            ("assistant", "Hi! Ho"), ("user", "Hi, I "), ("assistant", "")]
+            ("assistant", "Hi! Ho"),
+            ("user", "Hi, I "),
+            ("assistant", ""),
+        ]
 
 
 def test_a_user_who_runs_tools_sees_their_results():
     """Telecom's dual control: after the user's own tool turn, the user (not the agent) gets the results."""
     env = Tau2Environment("telecom")
-    tasks = [t for t in env.tasks("base") if any(c.get("requestor") == "user"
-                                                  for c in env.episode(t).gold().tool_calls)][:3]
-    engine = RolloutEngine(env, agent=GoldAgent(), user=ScriptedUser(user_actions=True),
-                           config=RolloutConfig(batch_size=4))
+    tasks = [
+        t for t in env.tasks("base") if any(c.get("requestor") == "user" for c in env.episode(t).gold().tool_calls)
+    ][:3]
+    engine = RolloutEngine(
+        env, agent=GoldAgent(), user=ScriptedUser(user_actions=True), config=RolloutConfig(batch_size=4)
+    )
     for trajectory in engine.run([Job(task) for task in tasks], key=jax.random.key(0)):
         user_view = trajectory.user_messages
         calls = [i for i, m in enumerate(user_view) if m["role"] == "assistant" and "<tool_call>" in m["content"]]

@@ -41,9 +41,13 @@ def environment(domain: str) -> Tau2Environment:
 
 def _agent_calls(i: int, *calls: dict) -> base.Message:
     """An agent tool turn holding `calls`, with ids as the engine's parser gives them."""
-    return {"role": "assistant", "content": "",
-            "tool_calls": [{"id": f"call_{i}_{j}", "name": c["name"], "arguments": c["arguments"]}
-                           for j, c in enumerate(calls)]}
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": f"call_{i}_{j}", "name": c["name"], "arguments": c["arguments"]} for j, c in enumerate(calls)
+        ],
+    }
 
 
 def play_gold(episode: Tau2Episode, *, stop: bool = True, state_facts: bool = True) -> None:
@@ -104,8 +108,9 @@ def test_noop_agent_scores_what_tau2_gives_an_empty_trajectory():
     for spec in env.tasks("base")[::2]:
         episode = env.episode(spec)
         play_noop(episode)
-        assert [(m.role, m.content, m.tool_calls) for m in to_tau2_messages(episode.messages)] == \
-            [(m.role, m.content, m.tool_calls) for m in empty]
+        assert [(m.role, m.content, m.tool_calls) for m in to_tau2_messages(episode.messages)] == [
+            (m.role, m.content, m.tool_calls) for m in empty
+        ]
         outcome = episode.evaluate()
         task = env.tau2_task(spec)
         assert_same(outcome, reference(cached_domain_name("retail"), task, tau2_run(task, empty)))
@@ -150,10 +155,22 @@ def test_tool_errors_are_observations_and_leave_the_db_unchanged():
         {"name": "no_such_tool", "arguments": {}},  # unknown tool
         {"name": "get_user_details", "arguments": {}},  # missing argument
         {"name": "cancel_reservation", "arguments": {"reservation_id": "ZZZZZZ", "extra": 1}},  # unknown argument
-        {"name": "book_reservation", "arguments": {  # wrong type: flights must be a list of objects
-            "user_id": user_id, "origin": "JFK", "destination": "LAX", "flight_type": "one_way", "cabin": "economy",
-            "flights": "HAT001", "passengers": [], "payment_methods": [], "total_baggages": 0, "nonfree_baggages": 0,
-            "insurance": "no"}},
+        {
+            "name": "book_reservation",
+            "arguments": {  # wrong type: flights must be a list of objects
+                "user_id": user_id,
+                "origin": "JFK",
+                "destination": "LAX",
+                "flight_type": "one_way",
+                "cabin": "economy",
+                "flights": "HAT001",
+                "passengers": [],
+                "payment_methods": [],
+                "total_baggages": 0,
+                "nonfree_baggages": 0,
+                "insurance": "no",
+            },
+        },
         {"name": "cancel_reservation", "arguments": {"reservation_id": "ZZZZZZ"}},  # domain error
     ]
     env = environment("airline")
@@ -213,10 +230,15 @@ def test_copy_on_read_tables_hand_out_private_rows():
     db = state.fresh_environment().tools.db
     reservation_id = next(iter(state.db.reservations))
     pristine = dict.__getitem__(state.db.reservations, reservation_id)
-    reads = [db.reservations[reservation_id], db.reservations.get(reservation_id),
-             dict(db.reservations)[reservation_id], next(r for r in db.reservations.values()),
-             dict(db.reservations.items())[reservation_id], (db.reservations | {})[reservation_id],
-             db.reservations.copy()[reservation_id]]
+    reads = [
+        db.reservations[reservation_id],
+        db.reservations.get(reservation_id),
+        dict(db.reservations)[reservation_id],
+        next(r for r in db.reservations.values()),
+        dict(db.reservations.items())[reservation_id],
+        (db.reservations | {})[reservation_id],
+        db.reservations.copy()[reservation_id],
+    ]
     assert all(row is not pristine and row == pristine for row in reads)
     db.reservations.pop(reservation_id).status = "cancelled"
     assert pristine.status != "cancelled" and reservation_id in state.db.reservations
@@ -232,20 +254,31 @@ def test_read_tools_read_pristine_rows_without_copies():
         hashes = pristine.get_db_hash(), pristine.get_user_db_hash()
         theirs = tau2_environment(domain)
         side = lambda requestor: "user" if requestor == "user" else "agent"
-        reads = [(action.requestor, action.name, action.arguments) for spec in env.tasks("base")
-                 for action in env.tau2_task(spec).evaluation_criteria.actions or ()
-                 if action.name in state._read_tools[side(action.requestor)]]
-        reads += [(requestor, schema["function"]["name"], {})
-                  for requestor, schemas in (("assistant", state.tool_schemas), ("user", state.user_tool_schemas))
-                  for schema in schemas if schema["function"]["name"] in state._read_tools[side(requestor)]
-                  and not schema["function"]["parameters"].get("required")]
+        reads = [
+            (action.requestor, action.name, action.arguments)
+            for spec in env.tasks("base")
+            for action in env.tau2_task(spec).evaluation_criteria.actions or ()
+            if action.name in state._read_tools[side(action.requestor)]
+        ]
+        reads += [
+            (requestor, schema["function"]["name"], {})
+            for requestor, schemas in (("assistant", state.tool_schemas), ("user", state.user_tool_schemas))
+            for schema in schemas
+            if schema["function"]["name"] in state._read_tools[side(requestor)]
+            and not schema["function"]["parameters"].get("required")
+        ]
         assert reads, domain
         for i, (requestor, name, arguments) in enumerate(reads):
             ours = state.fresh_environment()
             call = {"id": f"c{i}", "name": name, "arguments": arguments}
             assert execute(ours, call, requestor) == execute(theirs, call, requestor), call
-            tables = [t for db in (ours.tools.db, getattr(ours.user_tools, "db", None)) if db is not None
-                      for t in vars(db).values() if isinstance(t, dict) and hasattr(t, "_own")]
+            tables = [
+                t
+                for db in (ours.tools.db, getattr(ours.user_tools, "db", None))
+                if db is not None
+                for t in vars(db).values()
+                if isinstance(t, dict) and hasattr(t, "_own")
+            ]
             assert not any(t._own for t in tables), call
         fresh = state.fresh_environment()
         assert (fresh.get_db_hash(), fresh.get_user_db_hash()) == hashes, domain
@@ -254,8 +287,14 @@ def test_read_tools_read_pristine_rows_without_copies():
     email = next(iter(retail.db.users.values())).email
     execute(users, {"id": "r", "name": "find_user_id_by_email", "arguments": {"email": email}})
     assert not users.tools.db.users._own  # the look-up over every customer copied none of them
-    execute(users, {"id": "w", "name": "cancel_pending_order",
-                    "arguments": {"order_id": _pending_order(retail, set()), "reason": "ordered by mistake"}})
+    execute(
+        users,
+        {
+            "id": "w",
+            "name": "cancel_pending_order",
+            "arguments": {"order_id": _pending_order(retail, set()), "reason": "ordered by mistake"},
+        },
+    )
     assert users.tools.db.orders._own  # a write tool still works on copies
 
 
@@ -279,8 +318,14 @@ def test_db_hashes_equal_tau2s_own_after_gold_actions():
     hashes = set()
     for order_id in (first, second, first):
         ours = retail.fresh_environment()
-        execute(ours, {"id": "w", "name": "cancel_pending_order",
-                       "arguments": {"order_id": order_id, "reason": "ordered by mistake"}})
+        execute(
+            ours,
+            {
+                "id": "w",
+                "name": "cancel_pending_order",
+                "arguments": {"order_id": order_id, "reason": "ordered by mistake"},
+            },
+        )
         hashes.add(ours.get_db_hash())
     assert len(hashes) == 2  # two different states, the third equal to the first
 
@@ -302,8 +347,9 @@ def _first_task(domain: str, predicate) -> int:
 
 
 def _writes(criteria) -> bool:
-    return any(a.name.startswith(("cancel", "update", "modify", "book", "return", "exchange"))
-               for a in criteria.actions or ())
+    return any(
+        a.name.startswith(("cancel", "update", "modify", "book", "return", "exchange")) for a in criteria.actions or ()
+    )
 
 
 def _with_wrong_write(domain: str) -> Tau2Episode:
@@ -361,8 +407,13 @@ def test_nl_assertions_use_the_judge_or_are_flagged(monkeypatch):
     play_gold(episode)
     task = episode.tau2_task
     criteria = task.evaluation_criteria
-    nl_task = task.model_copy(update={"evaluation_criteria": criteria.model_copy(
-        update={"reward_basis": [*criteria.reward_basis, RewardType.NL_ASSERTION]})})
+    nl_task = task.model_copy(
+        update={
+            "evaluation_criteria": criteria.model_copy(
+                update={"reward_basis": [*criteria.reward_basis, RewardType.NL_ASSERTION]}
+            )
+        }
+    )
     assert len(criteria.nl_assertions) == 1
     state = env.state
 
@@ -381,8 +432,12 @@ def test_nl_assertions_use_the_judge_or_are_flagged(monkeypatch):
 
         monkeypatch.setattr(NLAssertionsEvaluator, "evaluate_nl_assertions", tau2_judge)
         judged = score(nl_task, state, episode.messages, episode.end_reason, judge=judge)
-        expected = reference("mock", nl_task, tau2_run(nl_task, to_tau2_messages(episode.messages)),
-                             EvaluationType.ALL_WITH_NL_ASSERTIONS)
+        expected = reference(
+            "mock",
+            nl_task,
+            tau2_run(nl_task, to_tau2_messages(episode.messages)),
+            EvaluationType.ALL_WITH_NL_ASSERTIONS,
+        )
         assert_same(judged, expected)
         assert seen == [(criteria.nl_assertions, episode.messages)]
         assert judged.info["failed_nl_assertions"] == ([] if verdict else criteria.nl_assertions)
@@ -417,8 +472,11 @@ def test_prompts_are_tau2s():
 
 def test_mock_message_history_opens_the_episode():
     env = environment("mock")
-    spec = next(s for s in env.tasks("base") if env.tau2_task(s).initial_state is not None
-                and env.tau2_task(s).initial_state.message_history)
+    spec = next(
+        s
+        for s in env.tasks("base")
+        if env.tau2_task(s).initial_state is not None and env.tau2_task(s).initial_state.message_history
+    )
     episode = env.episode(spec)
     messages = episode.reset()
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
@@ -467,7 +525,9 @@ def test_telecom_user_tool_turn_reports_parse_errors_to_the_user():
     assert len(episode.messages) == before  # a malformed call never reaches τ²'s trajectory
     result = episode.user_turn(format_tool_call("check_status_bar", {}))
     assert result.awaiting_user and not result.observations[0]["content"].startswith("Error")
-    assert episode.messages[-2]["role"] == "user" and episode.messages[-2]["tool_calls"][0]["name"] == "check_status_bar"
+    assert (
+        episode.messages[-2]["role"] == "user" and episode.messages[-2]["tool_calls"][0]["name"] == "check_status_bar"
+    )
 
 
 def test_splits_families_and_errors():
@@ -480,7 +540,10 @@ def test_splits_families_and_errors():
     assert len(airline.tasks("base", 7)) == 7
     assert {s.family for s in airline.tasks("base")} == {"airline"}
     assert {s.family for s in telecom.tasks("base")} == {
-        "telecom/mms_issue", "telecom/mobile_data_issue", "telecom/service_issue"}
+        "telecom/mms_issue",
+        "telecom/mobile_data_issue",
+        "telecom/service_issue",
+    }
     with pytest.raises(ValueError, match="train, test, base"):
         airline.tasks("validation")
     with pytest.raises(ValueError, match="airline, retail, mock, telecom"):

@@ -19,8 +19,9 @@ def _opens_text_without_encoding(call: ast.Call) -> bool:
     if name != "open":
         return True
     mode_at = 1 if isinstance(func, ast.Name) else 0  # open(path, mode) or path.open(mode)
-    mode = next((k.value for k in call.keywords if k.arg == "mode"),
-                call.args[mode_at] if len(call.args) > mode_at else None)
+    mode = next(
+        (k.value for k in call.keywords if k.arg == "mode"), call.args[mode_at] if len(call.args) > mode_at else None
+    )
     return not (isinstance(mode, ast.Constant) and "b" in mode.value)
 
 
@@ -29,8 +30,11 @@ def test_every_text_file_the_package_opens_names_its_encoding():
     for folder in ("trace_jax", "launch", "configs"):
         for path in sorted((REPO / folder).rglob("*.py")):
             tree = ast.parse(path.read_text(encoding="utf-8"))
-            found += [f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}" for node in ast.walk(tree)
-                      if isinstance(node, ast.Call) and _opens_text_without_encoding(node)]
+            found += [
+                f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}"
+                for node in ast.walk(tree)
+                if isinstance(node, ast.Call) and _opens_text_without_encoding(node)
+            ]
     assert not found, "text files opened in the locale's encoding:\n" + "\n".join(found)
 
 
@@ -53,7 +57,13 @@ assert recorded_episodes(folder / "episodes.jsonl") == [record, {**record, "tria
 
 def test_json_files_round_trip_non_ascii_text_under_an_ascii_locale(tmp_path):
     env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}  # locale encoding: ASCII
-    out = subprocess.run([sys.executable, "-c", ROUND_TRIP, str(tmp_path)], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", ROUND_TRIP, str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "value.json").read_bytes().decode("utf-8").count(USER) == 1

@@ -3,8 +3,8 @@
 SmolLM2 plays a few embedded-retail tickets (τ²'s real retail tools) through the rollout
 engine at temperature 1. Re-scoring each trajectory's token ids as the learner gets them
 (shared head run once, rows packed by a token budget) must reproduce the sampler's logprobs
-on every sampled token, and decoding the ids must give back the conversation: each sampled span is its assistant message, and
-the whole is the chat rendering of the messages.
+on every sampled token, and decoding the ids must give back the conversation: each sampled span is its
+assistant message, and the whole is the chat rendering of the messages.
 """
 
 from __future__ import annotations
@@ -56,23 +56,35 @@ def test_learner_batches_of_the_trajectories_reproduce_the_sampler_logprobs(smol
     """The trajectories as the learner gets them (the shared head cut off and run once, rows packed into
     micro-batches by a token budget): its logprobs on the loss tokens are the sampler's, and the loss
     mask covers exactly the agent's sampled tokens."""
-    batch = pack_sequences([trajectory_sequence(t, advantage=i) for i, t in enumerate(trajectories)],
-                           token_budget=1, min_shared_prefix=64)  # one row per micro-batch
+    batch = pack_sequences(
+        [trajectory_sequence(t, advantage=i) for i, t in enumerate(trajectories)], token_budget=1, min_shared_prefix=64
+    )  # one row per micro-batch
     assert len(batch["micro_batches"]) == len(trajectories)
     shared = {k: batch[k] for k in ("prefix_tokens", "prefix_lengths", "prefix_adapter")}
     cut = int(batch["prefix_lengths"][0])
     rescore = jax.jit(token_logprobs, static_argnames=("cfg", "temperature"))
     for mb in batch["micro_batches"]:
         trajectory = trajectories[int(mb["advantages"][0])]
-        row = np.asarray(rescore(smollm2.params, None, mb["tokens"], mb["adapter_idx"], cfg=smollm2.cfg,
-                                 prefix={**shared, "prefix_of_row": mb["prefix_of_row"]}, temperature=TEMPERATURE))[0]
+        row = np.asarray(
+            rescore(
+                smollm2.params,
+                None,
+                mb["tokens"],
+                mb["adapter_idx"],
+                cfg=smollm2.cfg,
+                prefix={**shared, "prefix_of_row": mb["prefix_of_row"]},
+                temperature=TEMPERATURE,
+            )
+        )[0]
         scored = mb["loss_positions"][0][mb["loss_mask"][0] > 0]
         sampled = np.flatnonzero(trajectory.loss_mask)
         assert (scored + cut + 1).tolist() == sampled.tolist()
         assert len(sampled) == trajectory.generated_tokens > 0
         diff = np.abs(row[scored] - np.asarray(trajectory.logprobs)[sampled]).max()
-        print(f"\n[token fidelity] {trajectory.job.task.task_id}: {len(trajectory.token_ids)} ids ({cut} shared), "
-              f"{len(sampled)} sampled over {trajectory.num_turns} turns, max |logprob diff| {diff:.2e}")
+        print(
+            f"\n[token fidelity] {trajectory.job.task.task_id}: {len(trajectory.token_ids)} ids ({cut} shared), "
+            f"{len(sampled)} sampled over {trajectory.num_turns} turns, max |logprob diff| {diff:.2e}"
+        )
         assert diff <= 1e-4
 
 
@@ -90,11 +102,12 @@ def test_decoding_the_ids_gives_back_the_messages(smollm2, env, trajectories):
         # The whole: the rendering of the conversation through its last assistant turn (observations
         # after it were never fed to the model); a turn cut at max_tokens lacks only the end-of-turn tag.
         last = max(i for i, m in enumerate(trajectory.messages) if m["role"] == "assistant")
-        rendered = tokenizer.render_chat(trajectory.messages[: last + 1], tools=env.episode(trajectory.job.task).tools,
-                                         add_generation_prompt=False)
+        rendered = tokenizer.render_chat(
+            trajectory.messages[: last + 1], tools=env.episode(trajectory.job.task).tools, add_generation_prompt=False
+        )
         decoded = tokenizer.decode(trajectory.token_ids)
         assert rendered.startswith(decoded)
-        assert rendered[len(decoded):] in ("\n", "<|im_end|>\n"), rendered[len(decoded):][:200]
+        assert rendered[len(decoded) :] in ("\n", "<|im_end|>\n"), rendered[len(decoded) :][:200]
 
 
 def test_a_turn_cut_at_max_tokens_is_closed_before_the_next_messages(smollm2):
@@ -108,4 +121,4 @@ def test_a_turn_cut_at_max_tokens_is_closed_before_the_next_messages(smollm2):
     cut = codec.continuation(history, new, closed=False)
     assert cut == smollm2.tokenizer.encode("<|im_end|>") + closed
     full = smollm2.tokenizer.apply_chat(history + new)
-    assert full[-len(cut):] == cut  # the first prompt + sampled ids + cut continuation = a full rendering
+    assert full[-len(cut) :] == cut  # the first prompt + sampled ids + cut continuation = a full rendering

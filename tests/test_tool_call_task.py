@@ -61,12 +61,16 @@ def test_train_and_heldout_are_disjoint(heldout_split, same_phrasings):
         assert train_values and heldout_values, key
         assert not train_values & heldout_values, key
     # E-mail addresses differ in their local part, not only as whole strings.
-    local = lambda tasks: {t.expected_arguments.get("to", t.expected_arguments.get("email", "@")).split("@")[0]
-                           for t in tasks} - {""}
+    local = lambda tasks: (
+        {t.expected_arguments.get("to", t.expected_arguments.get("email", "@")).split("@")[0] for t in tasks} - {""}
+    )
     assert not local(train) & local(heldout)
     # Phrasings: "heldout" reuses the training wordings, "heldout_phrasings" shares none of them.
-    shapes = lambda tasks: {_request_template(t.messages[-1]["content"], t) for t in tasks
-                            if t.expected_name in ("get_order_status", "send_email", "reset_password")}
+    shapes = lambda tasks: {
+        _request_template(t.messages[-1]["content"], t)
+        for t in tasks
+        if t.expected_name in ("get_order_status", "send_email", "reset_password")
+    }
     assert (shapes(heldout) <= shapes(train)) if same_phrasings else not shapes(heldout) & shapes(train)
 
 
@@ -87,8 +91,10 @@ def test_reward_levels():
         "number by value": (_call("book_table", {**args, "people": float(args["people"])}), 1.0),
         "number as string": (_call("book_table", {**args, "people": str(args["people"])}), 0.5 + 0.5 * 2 / 3),
         "one wrong argument": (_call("book_table", {**args, "time": "03:15"}), 0.5 + 0.5 * 2 / 3),
-        "one missing argument": (_call("book_table", {k: v for k, v in args.items() if k != "time"}),
-                                 0.5 + 0.5 * 2 / 3),
+        "one missing argument": (
+            _call("book_table", {k: v for k, v in args.items() if k != "time"}),
+            0.5 + 0.5 * 2 / 3,
+        ),
         "one extra argument": (_call("book_table", {**args, "notes": "window"}), 0.5 + 0.5 * 3 / 4),
         "right tool, no arguments": (_call("book_table", {}), 0.5),
         "wrong tool": (_call("send_email", {"to": "a@b.c", "subject": "x"}), 0.2),
@@ -98,8 +104,7 @@ def test_reward_levels():
         "empty": ("", 0.0),
         "two correct calls": (_call("book_table", args) + "\n" + _call("book_table", args), 0.5),
         "correct then broken": (_call("book_table", args) + f"\n{TOOL_CALL_OPEN}{{oops", 0.5),
-        "wrong then correct": (_call("send_email", {"to": "a@b.c", "subject": "x"}) + _call("book_table", args),
-                               0.2),
+        "wrong then correct": (_call("send_email", {"to": "a@b.c", "subject": "x"}) + _call("book_table", args), 0.2),
         "prose around": (f"Sure, booking now.\n{_call('book_table', args)}\nDone!", 1.0),
         "unclosed block": (_call("book_table", args).removesuffix(TOOL_CALL_CLOSE), 1.0),
     }
@@ -121,8 +126,24 @@ def test_diagnostics():
 def test_reward_stays_in_unit_interval_under_fuzz():
     rng = random.Random(0)
     tasks = make_tasks("heldout", 20, seed=0)
-    pieces = [TOOL_CALL_OPEN, TOOL_CALL_CLOSE, "{", "}", '"name"', '"arguments"', ":", ",", '"', "null", "1",
-              "x", " ", "\n", "[", "]"]
+    pieces = [
+        TOOL_CALL_OPEN,
+        TOOL_CALL_CLOSE,
+        "{",
+        "}",
+        '"name"',
+        '"arguments"',
+        ":",
+        ",",
+        '"',
+        "null",
+        "1",
+        "x",
+        " ",
+        "\n",
+        "[",
+        "]",
+    ]
     for task in tasks:
         correct = _call(task.expected_name, task.expected_arguments)
         pieces_here = pieces + [json.dumps(task.expected_name), correct]

@@ -75,7 +75,7 @@ def test_format_is_exact_hermes_text():
     [
         {},
         {"order_id": "#W123"},
-        {"city": "Zürich", "greeting": "こんにちは 👋", "rtl": "שלום", "ctrl": "a\nb\t\"c\"\\d\x00"},
+        {"city": "Zürich", "greeting": "こんにちは 👋", "rtl": "שלום", "ctrl": 'a\nb\t"c"\\d\x00'},
         {"nested": {"list": [1, 2.5, -3e10, True, False, None, {"deep": [[["x"]]]}]}, "empty": {"a": []}},
         {"tags": "</tool_call> and <tool_call> and <tool_call></tool_call>", "\\</tool_call>": "\\"},
     ],
@@ -119,9 +119,13 @@ def test_random_round_trips_with_surrounding_text():
 
 
 def test_several_blocks_with_text_between_and_after():
-    text = "  I'll check.\n" + block('{"name": "a", "arguments": {"x": 1}}') + "\nthen\n" + block(
-        '{"name": "b", "arguments": {}}'
-    ) + " done  "
+    text = (
+        "  I'll check.\n"
+        + block('{"name": "a", "arguments": {"x": 1}}')
+        + "\nthen\n"
+        + block('{"name": "b", "arguments": {}}')
+        + " done  "
+    )
     parsed = parse_assistant_output(text)
     assert parsed.content == "I'll check.\nthen\ndone"
     assert parsed.tool_calls == (ToolCall("a", {"x": 1}, "call_0"), ToolCall("b", {}, "call_1"))
@@ -167,7 +171,7 @@ def test_invalid_json_error_names_the_block_position_and_format():
         ('{"name": "a", "arguments": "[1]"}', 'Error: tool call 1 (a): "arguments" must be a JSON object, got array.'),
         ('{"name": "a", "arguments": "{x"}', 'Error: tool call 1 (a): "arguments" must be a JSON object, got string.'),
         ('{"name": "a", "parameters": 5}', 'Error: tool call 1 (a): "arguments" must be a JSON object, got integer.'),
-('{"a": ' * 5000, "Error: tool call 1 is not valid JSON: nested too deeply."),
+        ('{"a": ' * 5000, "Error: tool call 1 is not valid JSON: nested too deeply."),
         ('{"name": "a", "arguments": {"n": ' + "7" * 5000 + "}}", "Error: tool call 1 is not valid JSON: Exceeds"),
     ],
 )
@@ -209,7 +213,11 @@ def test_valid_calls_pass_schema_check():
     ("name", "arguments", "expected"),
     [
         ("refund", {}, "Error: tool call 1 uses unknown tool 'refund'. Available tools: get_order, exchange_items."),
-        ("get_order", {}, "Error: tool call 1 (get_order) has invalid arguments: missing required argument 'order_id'."),
+        (
+            "get_order",
+            {},
+            "Error: tool call 1 (get_order) has invalid arguments: missing required argument 'order_id'.",
+        ),
         (
             "get_order",
             {"order_id": "#W1", "user": "x"},
@@ -255,8 +263,10 @@ def test_without_tools_any_name_is_accepted_and_empty_tools_reject_all():
 def test_bare_function_specs_are_accepted():
     bare = [tool["function"] for tool in TOOLS]
     assert tool_names(bare) == tool_names(TOOLS) == ["get_order", "exchange_items"]
-    assert parse_assistant_output(format_tool_call("get_order", {}), bare).errors[0].endswith(
-        "missing required argument 'order_id'."
+    assert (
+        parse_assistant_output(format_tool_call("get_order", {}), bare)
+        .errors[0]
+        .endswith("missing required argument 'order_id'.")
     )
 
 
@@ -272,7 +282,7 @@ def test_bare_function_specs_are_accepted():
         ({"n": 0}, {"properties": {"n": {"type": "null"}}}, ["argument 'n' must be null, got integer"]),
         ({"n": {}}, {"properties": {"n": {"type": "array"}}}, ["argument 'n' must be array, got object"]),
         ({"n": []}, {"properties": {"n": {"type": "object"}}}, ["argument 'n' must be object, got array"]),
-        ({"n": 1}, {"properties": {"n": {"enum": [True, "1"]}}}, ['argument \'n\' must be one of [true, "1"], got 1']),
+        ({"n": 1}, {"properties": {"n": {"enum": [True, "1"]}}}, ["argument 'n' must be one of [true, \"1\"], got 1"]),
         ({"n": 2}, {"properties": {"n": {"enum": [1, 2]}}}, []),
         ({"n": "x"}, {"properties": {"n": {"type": "uuid"}}}, ["argument 'n' must be uuid, got string"]),
         ([], {"type": "object"}, ["arguments must be object, got array"]),
@@ -282,9 +292,7 @@ def test_bare_function_specs_are_accepted():
                 "properties": {
                     "a": {
                         "type": "object",
-                        "properties": {
-                            "b": {"items": {"properties": {"c": {"type": "integer"}}, "required": ["c"]}}
-                        },
+                        "properties": {"b": {"items": {"properties": {"c": {"type": "integer"}}, "required": ["c"]}}},
                     }
                 }
             },
@@ -326,8 +334,30 @@ def test_render_example_uses_placeholder_of_each_required_type():
 def _fuzz_strings(rng: random.Random) -> list[str]:
     valid = [format_tool_call("get_order", {"order_id": "#W1"}), format_tool_call("f", {"a": [1, {"b": "ü"}]})]
     stops = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", TOOL_CALL_CLOSE, TOOL_CALL_OPEN, "</tool_response>"]
-    tokens = [TOOL_CALL_OPEN, TOOL_CALL_CLOSE, "<tool_", "call>", "{", "}", "[", "]", '"', "\\", ":", ",",
-              '"name"', '"arguments"', '"parameters"', '"get_order"', "null", "1e999", "\n", " ", "é", "😀"]
+    tokens = [
+        TOOL_CALL_OPEN,
+        TOOL_CALL_CLOSE,
+        "<tool_",
+        "call>",
+        "{",
+        "}",
+        "[",
+        "]",
+        '"',
+        "\\",
+        ":",
+        ",",
+        '"name"',
+        '"arguments"',
+        '"parameters"',
+        '"get_order"',
+        "null",
+        "1e999",
+        "\n",
+        " ",
+        "é",
+        "😀",
+    ]
     strings = []
     for i in range(3000):
         kind = i % 6

@@ -21,13 +21,13 @@ import ml_collections
 import numpy as np
 import openai
 import pytest
+from multiprocess import failure_report, run_processes
 from notebooks import printed, run_notebook
 from scripted_llm_server import ScriptedLLMServer
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import experiment_tiny, trace_tiny
 from launch.bench_serve import start_server
-from multiprocess import failure_report, run_processes
 from trace_jax.baselines.experiment import Experiment, scalar_name
 from trace_jax.baselines.experiment import validate_config as validate_experiment_config
 from trace_jax.baselines.gepa import joined_guidance
@@ -50,8 +50,15 @@ from trace_jax.trace.trace_report import oracle_routes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = trace_tiny.get_config()
-LLM_OVERRIDES = {"analysis.analyst": "llm", "environments.source": "auto", "environments.max_trained": 2,
-                 "llm.model": "scripted", "llm.max_retries": 0, "env_writer.seeds": 10, "env_writer.export_tasks": 8}
+LLM_OVERRIDES = {
+    "analysis.analyst": "llm",
+    "environments.source": "auto",
+    "environments.max_trained": 2,
+    "llm.model": "scripted",
+    "llm.max_retries": 0,
+    "env_writer.seeds": 10,
+    "env_writer.export_tasks": 8,
+}
 LLM_PATH = [f"--config.{key}={value}" for key, value in LLM_OVERRIDES.items()]
 _FENCED_EXAMPLE = f"```python\n{pathlib.Path(example_retail.__file__).read_text()}```"
 
@@ -72,15 +79,37 @@ def _scripted_llm(request):
         return _FENCED_EXAMPLE if len(messages) > 2 else "I would write an environment about order facts."
     prompt = messages[1]["content"]
     if prompt.startswith("Below are"):  # discovery
-        return "```json\n" + json.dumps({"capabilities": [
-            {"name": "tool_calling", "description": "Makes the write call with exact arguments.",
-             "lacking": "Wrong tool or arguments."},
-            {"name": "order_facts", "description": "Reads the order asked about and states the facts asked for.",
-             "lacking": "Answers without reading the order."}]}) + "\n```"
+        return (
+            "```json\n"
+            + json.dumps(
+                {
+                    "capabilities": [
+                        {
+                            "name": "tool_calling",
+                            "description": "Makes the write call with exact arguments.",
+                            "lacking": "Wrong tool or arguments.",
+                        },
+                        {
+                            "name": "order_facts",
+                            "description": "Reads the order asked about and states the facts asked for.",
+                            "lacking": "Answers without reading the order.",
+                        },
+                    ]
+                }
+            )
+            + "\n```"
+        )
     views = [json.loads(line) for line in prompt.split("Trajectories:\n", 1)[1].splitlines()]
-    return json.dumps({"labels": {name: {v["id"]: {"label": "LACKING" if v["reward"] < 1 else "PRESENT",
-                                                   "evidence": "seen"} for v in views}
-                                  for name in ("tool_calling", "order_facts")}})
+    return json.dumps(
+        {
+            "labels": {
+                name: {
+                    v["id"]: {"label": "LACKING" if v["reward"] < 1 else "PRESENT", "evidence": "seen"} for v in views
+                }
+                for name in ("tool_calling", "order_facts")
+            }
+        }
+    )
 
 
 def _airline_llm(request):
@@ -91,20 +120,43 @@ def _airline_llm(request):
         return f"```python\n{pathlib.Path(example_airline.__file__).read_text()}```"
     prompt = messages[1]["content"]
     if prompt.startswith("Below are"):
-        return json.dumps({"capabilities": [{"name": "reservation_facts", "description": "Reads the reservation "
-                                             "asked about and states the facts.", "lacking": "Answers unread."}]})
+        return json.dumps(
+            {
+                "capabilities": [
+                    {
+                        "name": "reservation_facts",
+                        "description": "Reads the reservation asked about and states the facts.",
+                        "lacking": "Answers unread.",
+                    }
+                ]
+            }
+        )
     views = [json.loads(line) for line in prompt.split("Trajectories:\n", 1)[1].splitlines()]
-    return json.dumps({"labels": {"reservation_facts": {v["id"]: {"label": "LACKING" if v["reward"] < 1 else "PRESENT",
-                                                                  "evidence": "seen"} for v in views}}})
+    return json.dumps(
+        {
+            "labels": {
+                "reservation_facts": {
+                    v["id"]: {"label": "LACKING" if v["reward"] < 1 else "PRESENT", "evidence": "seen"} for v in views
+                }
+            }
+        }
+    )
 
 
 def test_an_airline_target_gets_its_environments_written_against_the_airline_api(tiny_chat_model, job_env, tmp_path):
     """configs/trace_tiny_airline.py: the base model plays τ²'s airline tasks (as the agent and the user), the LLM
     writes the selected capability's environment in the airline domain, and it is calibrated, trained and routed."""
     with ScriptedLLMServer(_airline_llm) as server:
-        summary, _ = _run(tmp_path, job_env, f"--config.llm.base_url={server.base_url}", "--config.llm.model=scripted",
-                          "--config.env_writer.seeds=10", "--config.env_writer.export_tasks=8",
-                          *_model(tiny_chat_model), config="configs/trace_tiny_airline.py")
+        summary, _ = _run(
+            tmp_path,
+            job_env,
+            f"--config.llm.base_url={server.base_url}",
+            "--config.llm.model=scripted",
+            "--config.env_writer.seeds=10",
+            "--config.env_writer.export_tasks=8",
+            *_model(tiny_chat_model),
+            config="configs/trace_tiny_airline.py",
+        )
         writer = [r["messages"] for r in server.requests if "expert Python" in r["messages"][0]["content"]]
     assert summary["capabilities"] == summary["trained"] == ["reservation_facts"]
     assert summary["episodes"] == {"base": 4, "trace": 4}
@@ -157,12 +209,19 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
     assert sorted(summary["capabilities"]) == sorted(summary["trained"]) == ["order_facts", "tool_calling"]
     stages = json.loads((tmp_path / "stages.json").read_text())
     assert list(stages) == list(STAGES) and all(stage["seconds"] >= 0 for stage in stages.values())
-    for path in ["base_analysis/episodes.jsonl", "heldout/base/summary.json", "analysis/capabilities.json",
-                 "analysis/analysis.md", "environments/tool_calling/calibration.json",
-                 "environments/order_facts/written/module.py", "environments/order_facts/written/scenarios.json",
-                 "environments/order_facts/written/calibration_2/calibration.json", "report.md",
-                 *(f"adapters/{name}/adapter/adapter_config.json" for name in summary["capabilities"]),
-                 *(f"plots/{p}.png" for p in ("selection", "calibration", "training", "heldout"))]:
+    for path in [
+        "base_analysis/episodes.jsonl",
+        "heldout/base/summary.json",
+        "analysis/capabilities.json",
+        "analysis/analysis.md",
+        "environments/tool_calling/calibration.json",
+        "environments/order_facts/written/module.py",
+        "environments/order_facts/written/scenarios.json",
+        "environments/order_facts/written/calibration_2/calibration.json",
+        "report.md",
+        *(f"adapters/{name}/adapter/adapter_config.json" for name in summary["capabilities"]),
+        *(f"plots/{p}.png" for p in ("selection", "calibration", "training", "heldout")),
+    ]:
         assert (tmp_path / path).is_file(), path
     written = tmp_path / "environments" / "order_facts" / "written"
     assert "no ```python code block" in json.loads((written / "attempt_1.json").read_text())["error"]
@@ -180,8 +239,10 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
             assert "| all |" in (folder / "eval" / f"step_{step}.md").read_text(), name
         events = EventAccumulator(str(folder / "tensorboard"))
         events.Reload()
-        assert [(e.step, round(e.value, 6)) for e in events.Scalars("eval/reward")] == \
-            [(0, round(job["base_reward"], 6)), (steps, round(job["final_reward"], 6))], name
+        assert [(e.step, round(e.value, 6)) for e in events.Scalars("eval/reward")] == [
+            (0, round(job["base_reward"], 6)),
+            (steps, round(job["final_reward"], 6)),
+        ], name
     routed = stages["routing"]["result"]["by_task"]
     records = _records(tmp_path / "heldout" / "trace")
     assert len(records) == heldout and all(r["adapter_idx"] == routed[r["task_id"]] for r in records)
@@ -199,24 +260,35 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
     assert all(not r["families"] or {"pass@1", "pass@2"} <= set(r["adapter"]) for r in diagnostics.values())
     assert "| all |" in out.stdout  # the held-out table is printed
     assert f"conversation {heldout}/{heldout} (100%)" in out.stderr  # the routing stage's progress
-    assert {k: v for k, v in again.items() if k != "this_run_seconds"} == \
-        {k: v for k, v in summary.items() if k != "this_run_seconds"}
+    assert {k: v for k, v in again.items() if k != "this_run_seconds"} == {
+        k: v for k, v in summary.items() if k != "this_run_seconds"
+    }
     assert again["this_run_seconds"] < 120  # nothing replayed, nothing retrained (a replay takes minutes)
 
 
-def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budget(tiny_run, tiny_chat_model,
-                                                                                 job_env, tmp_path):
+def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budget(
+    tiny_run, tiny_chat_model, job_env, tmp_path
+):
     """configs/experiment_tiny.py on the tiny pipeline's run: every adapter alone, oracle routing chosen on the
     analysis tickets, GRPO on the target (without and with TRACE's hints), one adapter on both capability
     environments mixed and GEPA, each with TRACE's budget, and TRACE routed to its first capability only, all on
     the same held-out tickets; a rerun repeats nothing."""
     trace_dir = tiny_run[0]
-    overrides = [f"--config.trace_run={trace_dir}", *(f"--config.trace.{o[len('--config.'):]}" for o in
-                                                       [*LLM_PATH, *_model(tiny_chat_model)])]
-    command = [sys.executable, "-m", "launch.experiment", "--config=configs/experiment_tiny.py",
-               f"--workdir={tmp_path}", *overrides]
-    outputs = [subprocess.run(command, cwd=REPO, env=job_env, capture_output=True, text=True, timeout=3600)
-               for _ in range(2)]
+    overrides = [
+        f"--config.trace_run={trace_dir}",
+        *(f"--config.trace.{o[len('--config.') :]}" for o in [*LLM_PATH, *_model(tiny_chat_model)]),
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "launch.experiment",
+        "--config=configs/experiment_tiny.py",
+        f"--workdir={tmp_path}",
+        *overrides,
+    ]
+    outputs = [
+        subprocess.run(command, cwd=REPO, env=job_env, capture_output=True, text=True, timeout=3600) for _ in range(2)
+    ]
     for out in outputs:
         assert out.returncode == 0, failure_report(out)
     summary, again = (json.loads(out.stdout.strip().splitlines()[-1]) for out in outputs)
@@ -224,8 +296,9 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["pending"] == []
     log = outputs[0].stderr  # the table so far, rewritten after each arm (a long experiment's partial results)
-    assert ("report.md: 4 arms; still to run: oracle, grpo_target, grpo_target_hinted, mixed, gepa, subsets, "
-            "scaling") in log
+    assert (
+        "report.md: 4 arms; still to run: oracle, grpo_target, grpo_target_hinted, mixed, gepa, subsets, scaling"
+    ) in log
     assert "report.md: 5 arms; still to run: grpo_target, grpo_target_hinted, mixed, gepa, subsets, scaling" in log
     trained = tiny_run[1]["trained"]
     budget = sum(json.loads((trace_dir / "adapters" / n / "summary.json").read_text())["rollouts"] for n in trained)
@@ -233,44 +306,69 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     arms = {row["arm"]: row for row in results["arms"]}
     names = list(arms)
     analysis = CONFIG.target.analysis_tasks
-    assert names[:4] == ["base", "TRACE", f"TRACE, oracle routing (chosen on {analysis} train tasks)",
-                         "per family the best system on held-out (upper bound)"]
+    assert names[:4] == [
+        "base",
+        "TRACE",
+        f"TRACE, oracle routing (chosen on {analysis} train tasks)",
+        "per family the best system on held-out (upper bound)",
+    ]
     assert names[4].startswith("best single adapter (")
-    assert names[5:] == ["GRPO on the target", "GRPO on the target, hinted as TRACE",
-                         "one adapter, environments mixed", "GEPA", "TRACE, top 1 of 2 capabilities"]
+    assert names[5:] == [
+        "GRPO on the target",
+        "GRPO on the target, hinted as TRACE",
+        "one adapter, environments mixed",
+        "GEPA",
+        "TRACE, top 1 of 2 capabilities",
+    ]
     assert set(summary["success"]) == set(arms)
     heldout = CONFIG.target.heldout_tasks
     assert all(row["episodes"] == heldout for row in arms.values())
-    for name in ("GRPO on the target", "GRPO on the target, hinted as TRACE", "one adapter, environments mixed",
-                 "GEPA"):  # the budget, as counted
+    for name in (
+        "GRPO on the target",
+        "GRPO on the target, hinted as TRACE",
+        "one adapter, environments mixed",
+        "GEPA",
+    ):  # the budget, as counted
         assert abs(arms[name]["rollouts"] - budget) <= 0.05 * budget, name
     stages = json.loads((trace_dir / "stages.json").read_text())
     first = stages["analysis"]["result"]["selected"][0]
     top_1 = _records(tmp_path / "subsets" / "top_1")
-    assert arms["TRACE, top 1 of 2 capabilities"]["rollouts"] == json.loads(
-        (trace_dir / "adapters" / first / "summary.json").read_text())["rollouts"]
+    assert (
+        arms["TRACE, top 1 of 2 capabilities"]["rollouts"]
+        == json.loads((trace_dir / "adapters" / first / "summary.json").read_text())["rollouts"]
+    )
     assert len(top_1) == heldout and {e["adapter_idx"] for e in top_1} <= {-1, 0}  # the first adapter or none
     taken = json.loads((tmp_path / "subsets" / "top_1" / "summary.json").read_text())["reused_episodes"]
     assert taken == heldout  # the first adapter's episodes alone and the base agent's: nothing played
-    hinted = [json.loads(line) for path in sorted((tmp_path / "grpo_target_hinted" / "rollouts").glob("*.jsonl"))
-              for line in path.read_text().splitlines()]
+    hinted = [
+        json.loads(line)
+        for path in sorted((tmp_path / "grpo_target_hinted" / "rollouts").glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
     assert any(r["hint"] for r in hinted) and not all(r["hint"] for r in hinted)  # TRACE's share of each group
-    mixed = [json.loads(line)["task_id"] for path in sorted((tmp_path / "mixed" / "rollouts").glob("step_*.jsonl"))
-             for line in path.read_text().splitlines()]
+    mixed = [
+        json.loads(line)["task_id"]
+        for path in sorted((tmp_path / "mixed" / "rollouts").glob("step_*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
     print(f"[experiment] the mixed arm's episodes: {mixed}")
     assert {task_id.split("/")[1] for task_id in mixed} == set(trained)  # one adapter, every environment
     gepa = json.loads((tmp_path / "gepa" / "result.json").read_text())
     assert sorted(gepa["texts"]) == sorted(trained)
     share = budget // len(trained)  # each capability's; GEPA may pass it by one iteration
-    assert all(share <= run["metric_calls"] <= share + 2 * 2 + 2 and run["episodes_played"] <= run["metric_calls"]
-               for run in gepa["capabilities"].values())
+    assert all(
+        share <= run["metric_calls"] <= share + 2 * 2 + 2 and run["episodes_played"] <= run["metric_calls"]
+        for run in gepa["capabilities"].values()
+    )
     episodes = _records(tmp_path / "gepa" / "heldout")
     assert all(e["messages"][0]["content"].endswith(gepa["guidance"]) for e in episodes)
     # Oracle routing: per family the system with the most successes on the analysis tickets (the base agent's
     # episodes taken from the analysis run), scored by those systems' held-out episodes.
     chosen = json.loads((tmp_path / "stages.json").read_text())["oracle"]["result"]
-    systems = {"general_service": tmp_path / "oracle" / "general_service",
-               **{n: tmp_path / "oracle" / n for n in trained}}
+    systems = {
+        "general_service": tmp_path / "oracle" / "general_service",
+        **{n: tmp_path / "oracle" / n for n in trained},
+    }
     train = {name: _records(folder) for name, folder in systems.items()}
     assert all(len(records) == analysis and {r["split"] for r in records} == {"train"} for records in train.values())
     assert json.loads((systems["general_service"] / "summary.json").read_text())["reused_episodes"] == analysis
@@ -279,12 +377,15 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     print(f"[experiment] oracle routing's choice on the analysis tickets: {chosen['by_family']}")
     for family, name in chosen["by_family"].items():
         assert wins(name, family) == max(wins(other, family) for other in systems), family
-    heldout_of = {"general_service": _records(stages["base"]["result"]["heldout_dir"]),
-                  **{n: _records(trace_dir / "heldout" / n) for n in trained}}
+    heldout_of = {
+        "general_service": _records(stages["base"]["result"]["heldout_dir"]),
+        **{n: _records(trace_dir / "heldout" / n) for n in trained},
+    }
     by_task = {name: {r["task_id"]: r["success"] for r in records} for name, records in heldout_of.items()}
     system = lambda family: chosen["by_family"].get(family, "general_service")  # a family it never met: the base
     assert arms[names[2]]["success"] == pytest.approx(
-        np.mean([by_task[system(r["family"])][r["task_id"]] for r in heldout_of["general_service"]]))
+        np.mean([by_task[system(r["family"])][r["task_id"]] for r in heldout_of["general_service"]])
+    )
     routed = stages["routing"]["result"]["by_task"]
     for index, name in enumerate(stages["training"]["result"]):  # each adapter alone: TRACE's tasks under it taken
         alone = json.loads((trace_dir / "heldout" / name / "summary.json").read_text())
@@ -295,7 +396,8 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
         if name != "TRACE":
             pair = row["vs_trace"]
             assert pair["tasks"] == heldout and pair["only_a"] - pair["only_b"] == round(
-                (arms["TRACE"]["success"] - row["success"]) * heldout), name
+                (arms["TRACE"]["success"] - row["success"]) * heldout
+            ), name
             assert f"| {name} | {pair['only_a']} | {pair['only_b']} | {pair['p_value']:.3g} |" in report, name
     # The scaling curve: each arm from the base agent to its finished run through its shares of the budget.
     # TRACE's one GRPO step per adapter rounds to step 0 or 1, so its points are the base and itself; GRPO on
@@ -312,8 +414,9 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     grpo_steps = [snapshot_step(f, 2) for f in fractions]  # a budget of 4 episodes: 2 steps of 1 task x 2
     assert [p["rollouts"] for p in curves["GRPO on the target"]][1:-1] == [2 * k for k in grpo_steps]
     played = json.loads((tmp_path / "stages.json").read_text())["scaling"]["result"]  # each point's episodes
-    assert [pathlib.Path(p["episodes_dir"]).name for p in played["GRPO on the target"][1:-1]] == \
-        [f"step_{k}" if k == 1 else "heldout" for k in grpo_steps]
+    assert [pathlib.Path(p["episodes_dir"]).name for p in played["GRPO on the target"][1:-1]] == [
+        f"step_{k}" if k == 1 else "heldout" for k in grpo_steps
+    ]
     assert len(_records(tmp_path / "scaling" / "grpo_target" / "step_1")) == heldout
     # The same successes in TensorBoard against training rollouts, each point once although the table was
     # written after every arm and by both runs.
@@ -323,18 +426,21 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     for row in arms.values():
         assert logged(scalar_name("heldout", row["arm"])) == [(row["rollouts"], round(row["success"], 6))], row
     for arm, points in curves.items():
-        assert logged(scalar_name("scaling", arm)) == sorted({p["rollouts"]: round(p["success"], 6)
-                                                               for p in points}.items()), arm
+        assert logged(scalar_name("scaling", arm)) == sorted(
+            {p["rollouts"]: round(p["success"], 6) for p in points}.items()
+        ), arm
     assert (tmp_path / "grpo_target" / "snapshots" / "step_1").is_dir()
     assert not (tmp_path / "mixed" / "snapshots").exists()  # no curve for the mixed arm
     assert [p["rollouts"] for p in curves["GEPA"]][1:-1] == [
-        sum(int(f * run["metric_calls"]) for run in gepa["capabilities"].values()) for f in fractions]
+        sum(int(f * run["metric_calls"]) for run in gepa["capabilities"].values()) for f in fractions
+    ]
     seeds = joined_guidance({n: run["seed_text"] for n, run in gepa["capabilities"].items()})
     for point in played["GEPA"][1:-1]:  # within 1 call of 2 per capability, GEPA had only its seed texts
         assert all(r["messages"][0]["content"].endswith(seeds) for r in _records(point["episodes_dir"]))
     assert (tmp_path / "plots" / "scaling.png").is_file()
-    assert {k: v for k, v in again.items() if k != "this_run_seconds"} == \
-        {k: v for k, v in summary.items() if k != "this_run_seconds"}
+    assert {k: v for k, v in again.items() if k != "this_run_seconds"} == {
+        k: v for k, v in summary.items() if k != "this_run_seconds"
+    }
     assert again["this_run_seconds"] < 60  # nothing trained or played again
 
 
@@ -344,8 +450,11 @@ def test_the_stages_and_evaluation_notebooks_read_the_pipelines_run(tiny_run, ti
     routing; colabs/04 tabulates and plots the run's held-out base evaluation."""
     workdir = tiny_run[0]
     stages = (workdir / "stages.json").read_text()
-    settings = {"CONFIG": "trace_tiny", "WORKDIR": str(workdir),
-                "OVERRIDES": {**LLM_OVERRIDES, **_model_overrides(tiny_chat_model)}}
+    settings = {
+        "CONFIG": "trace_tiny",
+        "WORKDIR": str(workdir),
+        "OVERRIDES": {**LLM_OVERRIDES, **_model_overrides(tiny_chat_model)},
+    }
     out = printed(run_notebook("03_trace_stages.ipynb", settings, job_env))
     assert "selected: ['order_facts', 'tool_calling']" in out and "gold calls: [" in out
     assert (workdir / "stages.json").read_text() == stages
@@ -372,8 +481,11 @@ def test_the_server_routes_each_conversation_as_the_routing_stage_did(tiny_run, 
             reply = client.chat.completions.create(model="trace", messages=messages, max_tokens=2, temperature=0)
             chosen = routing["labels"][routing["by_task"][task.task_id] + 1]
             assert reply.model_extra["route"]["adapter"] == chosen, task.task_id
-            later = [*messages, {"role": "assistant", "content": reply.choices[0].message.content},
-                     {"role": "user", "content": "Thanks. Anything else?"}]
+            later = [
+                *messages,
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": "Thanks. Anything else?"},
+            ]
             again = client.chat.completions.create(model="trace", messages=later, max_tokens=2, temperature=0)
             assert again.model_extra["route"] == reply.model_extra["route"], task.task_id
     finally:
@@ -383,8 +495,10 @@ def test_the_server_routes_each_conversation_as_the_routing_stage_did(tiny_run, 
 
 def _played(folder: pathlib.Path) -> list[dict]:
     """An evaluation's episodes in task order, less their timings."""
-    return sorted(({k: v for k, v in r.items() if k != "elapsed_s"} for r in _records(folder)),
-                  key=lambda r: (r["task_id"], r["trial"]))
+    return sorted(
+        ({k: v for k, v in r.items() if k != "elapsed_s"} for r in _records(folder)),
+        key=lambda r: (r["task_id"], r["trial"]),
+    )
 
 
 def test_two_processes_run_the_pipeline_as_one(tiny_run, tiny_chat_model, job_env, tmp_path):
@@ -393,8 +507,15 @@ def test_two_processes_run_the_pipeline_as_one(tiny_run, tiny_chat_model, job_en
     single-process run's (the LLM path changes no base setting), and the trained capability's calibration
     (episodes at temperature 1, each process playing every other one) equals one process's (the test's own)."""
     workdir, heldout = tmp_path / "two", CONFIG.target.heldout_tasks
-    command = [sys.executable, "-m", "launch.trace", "--config=configs/trace_tiny.py", f"--workdir={workdir}",
-               *_model(tiny_chat_model), "--config.training.eval.num_tasks=0"]
+    command = [
+        sys.executable,
+        "-m",
+        "launch.trace",
+        "--config=configs/trace_tiny.py",
+        f"--workdir={workdir}",
+        *_model(tiny_chat_model),
+        "--config.training.eval.num_tasks=0",
+    ]
     outputs = run_processes(command, 2, job_env, tmp_path / "logs")
     summary = json.loads(outputs[0].strip().splitlines()[-1])
     print(f"\n[trace pipeline] two processes: {summary}")
@@ -442,8 +563,18 @@ def test_a_capability_dropped_by_calibration_gives_its_place_to_the_next_by_cove
     assert list(calibrate_in_order(list(passes), 0, calibrate)) == list(passes)  # 0: every selected one
 
 
-@pytest.mark.parametrize("name", ["trace_embedded", "trace_quick", "trace_tiny", "trace_tiny_airline",
-                                  "trace_tau2_retail", "trace_tau2_retail_pod", "trace_tau2_airline"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "trace_embedded",
+        "trace_quick",
+        "trace_tiny",
+        "trace_tiny_airline",
+        "trace_tau2_retail",
+        "trace_tau2_retail_pod",
+        "trace_tau2_airline",
+    ],
+)
 def test_every_pipeline_config_validates_or_names_the_key_a_user_must_set(name):
     config = importlib.import_module(f"configs.{name}").get_config()
     assert target_domain(config.target.env) == ("airline" if name.endswith("airline") else "retail")
@@ -465,8 +596,9 @@ def test_every_pipeline_config_validates_or_names_the_key_a_user_must_set(name):
         validate_config(config)
 
 
-@pytest.mark.parametrize("name", ["experiment_embedded", "experiment_tiny", "experiment_tau2_retail",
-                                  "experiment_tau2_airline"])
+@pytest.mark.parametrize(
+    "name", ["experiment_embedded", "experiment_tiny", "experiment_tau2_retail", "experiment_tau2_airline"]
+)
 def test_every_experiment_config_validates_or_names_the_key_a_user_must_set(name):
     config = importlib.import_module(f"configs.{name}").get_config()
     if name.startswith("experiment_tau2"):
@@ -520,8 +652,9 @@ def test_a_base_run_of_other_episodes_fails_at_start_naming_the_key(tmp_path, sm
 def _episodes(folder, outcomes):
     """An evaluation folder whose episodes.jsonl holds one record per (task id, family, success)."""
     folder.mkdir(parents=True)
-    lines = [json.dumps({"task_id": t, "family": f, "success": s, "reward": float(s), "trial": 0})
-             for t, f, s in outcomes]
+    lines = [
+        json.dumps({"task_id": t, "family": f, "success": s, "reward": float(s), "trial": 0}) for t, f, s in outcomes
+    ]
     (folder / "episodes.jsonl").write_text("\n".join(lines) + "\n")
 
 
@@ -547,16 +680,28 @@ def test_the_experiments_oracle_routing_is_chosen_on_train_tasks_and_scored_on_h
     config = experiment_tiny.get_config()
     config.trace_run = str(trace_dir)
     experiment = Experiment(config, workdir)
-    experiment.stages.done["oracle"] = {"seconds": 5.0, "result": {"by_family": {"a": "x", "b": "general_service"},
-                                                                   "tasks": 6}}
-    trace = {"base_dir": str(trace_dir / "heldout" / "base"), "base_seconds": 1.0, "trace_rollouts": 8,
-             "trace_seconds": 10.0, "adapters": {"x": str(tmp_path / "x")}, "rollouts_by_capability": {"x": 8},
-             "routing": {t: 0 for t, _ in tasks}}
+    experiment.stages.done["oracle"] = {
+        "seconds": 5.0,
+        "result": {"by_family": {"a": "x", "b": "general_service"}, "tasks": 6},
+    }
+    trace = {
+        "base_dir": str(trace_dir / "heldout" / "base"),
+        "base_seconds": 1.0,
+        "trace_rollouts": 8,
+        "trace_seconds": 10.0,
+        "adapters": {"x": str(tmp_path / "x")},
+        "rollouts_by_capability": {"x": 8},
+        "routing": {t: 0 for t, _ in tasks},
+    }
     rows = {row["arm"]: row for row in experiment._results(trace, 8, [])["arms"]}
     oracle = rows["TRACE, oracle routing (chosen on 6 train tasks)"]
     assert (oracle["success"], oracle["families"], oracle["seconds"]) == (1 / 4, {"a": 0.5, "b": 0.0}, 15.0)
     assert rows["per family the best system on held-out (upper bound)"]["success"] == 2 / 4
     # each arm paired with TRACE (which solved none): the tickets only the arm solved
-    assert rows["per family the best system on held-out (upper bound)"]["vs_trace"] == \
-        {"tasks": 4, "only_a": 0, "only_b": 2, "p_value": 0.5}
+    assert rows["per family the best system on held-out (upper bound)"]["vs_trace"] == {
+        "tasks": 4,
+        "only_a": 0,
+        "only_b": 2,
+        "p_value": 0.5,
+    }
     assert oracle["vs_trace"]["only_b"] == 1 and "vs_trace" not in rows["TRACE"]

@@ -28,8 +28,11 @@ T = TypeVar("T")
 
 # Launchers that start JAX's cluster detection (`jax.distributed.initialize()` with no arguments): a TPU pod
 # slice's workers list every host; Slurm and Open MPI say how many tasks they started.
-_CLUSTERS = (("TPU_WORKER_HOSTNAMES", lambda v: len(v.split(",")) > 1), ("SLURM_NTASKS", lambda v: int(v) > 1),
-             ("OMPI_COMM_WORLD_SIZE", lambda v: int(v) > 1))
+_CLUSTERS = (
+    ("TPU_WORKER_HOSTNAMES", lambda v: len(v.split(",")) > 1),
+    ("SLURM_NTASKS", lambda v: int(v) > 1),
+    ("OMPI_COMM_WORLD_SIZE", lambda v: int(v) > 1),
+)
 
 
 def cluster_detected(environ: Mapping[str, str] | None = None) -> bool:
@@ -38,8 +41,12 @@ def cluster_detected(environ: Mapping[str, str] | None = None) -> bool:
     return any(name in environ and more(environ[name]) for name, more in _CLUSTERS)
 
 
-def initialize(coordinator_address: str = "", num_processes: int | None = None, process_id: int | None = None,
-               environ: Mapping[str, str] | None = None) -> bool:
+def initialize(
+    coordinator_address: str = "",
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> bool:
     """Starts `jax.distributed` when this process is one of many; returns whether it did.
 
     The coordinator's address, the process count and this process's id come from the arguments (the
@@ -54,14 +61,17 @@ def initialize(coordinator_address: str = "", num_processes: int | None = None, 
         process_id = int(environ["JAX_PROCESS_ID"])
     given = [bool(coordinator_address), num_processes is not None, process_id is not None]
     if any(given) and not all(given):
-        raise ValueError("a process of a multi-process run needs the coordinator's address, the process count and "
-                         "its id (--coordinator_address, --num_processes, --process_id, or JAX_COORDINATOR_ADDRESS, "
-                         "JAX_NUM_PROCESSES, JAX_PROCESS_ID); got only some of them")
+        raise ValueError(
+            "a process of a multi-process run needs the coordinator's address, the process count and "
+            "its id (--coordinator_address, --num_processes, --process_id, or JAX_COORDINATOR_ADDRESS, "
+            "JAX_NUM_PROCESSES, JAX_PROCESS_ID); got only some of them"
+        )
     if not any(given) and not cluster_detected(environ):
         return False
     if any(given) and not 0 <= process_id < num_processes:
-        raise ValueError(f"--process_id = {process_id} is invalid; it must be in [0, --num_processes = "
-                         f"{num_processes})")
+        raise ValueError(
+            f"--process_id = {process_id} is invalid; it must be in [0, --num_processes = {num_processes})"
+        )
     if computes_on_cpu(environ):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if any(given):
@@ -78,7 +88,7 @@ def is_main() -> bool:
 
 def share(items: Sequence[T]) -> list[T]:
     """This process's part of `items`: every process_count-th one, starting at its index."""
-    return list(items[jax.process_index()::jax.process_count()])
+    return list(items[jax.process_index() :: jax.process_count()])
 
 
 def gather(mine: Sequence[T], total: int) -> list[T]:
@@ -87,7 +97,7 @@ def gather(mine: Sequence[T], total: int) -> list[T]:
         return list(mine)
     out: list[Any] = [None] * total
     for index, part in enumerate(allgather_objects(list(mine))):
-        out[index::jax.process_count()] = part
+        out[index :: jax.process_count()] = part
     return out
 
 

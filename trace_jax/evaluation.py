@@ -75,12 +75,16 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
         raise ValueError(f"config.per_family = {per_family!r} is invalid; it must be None (all) or a positive int")
     share = config.get("hint_share", 0.0)  # optional: calibration plays hinted trials as training does
     if not (number(share) and 0 <= share <= 1):
-        raise ValueError(f"config.hint_share = {share!r} is invalid; it must be a number in [0, 1]: the share of "
-                         "each task's trials played with the task's hint (0: none)")
+        raise ValueError(
+            f"config.hint_share = {share!r} is invalid; it must be a number in [0, 1]: the share of "
+            "each task's trials played with the task's hint (0: none)"
+        )
     tensor, devices = config.get("tensor", 1), jax.local_device_count()
     if not positive_int(tensor) or devices % tensor:
-        raise ValueError(f"config.tensor = {tensor!r} is invalid; it must be a positive int that divides this "
-                         f"process's {devices} devices")
+        raise ValueError(
+            f"config.tensor = {tensor!r} is invalid; it must be a positive int that divides this "
+            f"process's {devices} devices"
+        )
 
 
 def sampler_plan(config: ml_collections.ConfigDict) -> ShardingPlan | None:
@@ -130,8 +134,9 @@ def _engine(config: ml_collections.ConfigDict, env, agent: str, routes: Routes |
     return RolloutEngine(env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=model.tokenizer, config=rollout)
 
 
-def play(engine: RolloutEngine, jobs: list[Job], *, key: jax.Array, episodes_path: pathlib.Path,
-         log_every_s: float = 10.0) -> list[dict]:
+def play(
+    engine: RolloutEngine, jobs: list[Job], *, key: jax.Array, episodes_path: pathlib.Path, log_every_s: float = 10.0
+) -> list[dict]:
     """Plays `jobs`, writing each episode's record to `episodes_path` as it ends (progress with ETA);
     returns the records in the order the episodes ended.
 
@@ -142,8 +147,13 @@ def play(engine: RolloutEngine, jobs: list[Job], *, key: jax.Array, episodes_pat
     return play_together(lambda: engine, [(jobs, episodes_path)], key=key, log_every_s=log_every_s)[0]
 
 
-def play_together(make_engine: Callable[[], RolloutEngine], runs: list[tuple[list[Job], pathlib.Path]], *,
-                  key: jax.Array, log_every_s: float = 10.0) -> list[list[dict]]:
+def play_together(
+    make_engine: Callable[[], RolloutEngine],
+    runs: list[tuple[list[Job], pathlib.Path]],
+    *,
+    key: jax.Array,
+    log_every_s: float = 10.0,
+) -> list[list[dict]]:
     """`play` for several runs' jobs in one batch, each run's records in its own episodes file (a batch lasts
     as long as its slowest episode, so runs played one after the other each wait for theirs); the engine is made
     only when there is an episode to play.
@@ -165,12 +175,12 @@ def play_together(make_engine: Callable[[], RolloutEngine], runs: list[tuple[lis
                 todo.append(job)
     total, resumed = sum(len(jobs) for jobs, _ in runs), sum(len(done) for done in records)
     if resumed:
-        logging.info("resuming: %d of %d episodes already in %s", total - len(todo), total,
-                     ", ".join(map(str, paths)))
+        logging.info("resuming: %d of %d episodes already in %s", total - len(todo), total, ", ".join(map(str, paths)))
     alone = jax.process_count() == 1
     mine, resumed_counts = distributed.share(todo), [len(done) for done in records]
-    progress = Progress(total - len(todo) + len(mine), start=total - len(todo), every_s=log_every_s,
-                        name="episode")  # this process's episodes
+    progress = Progress(
+        total - len(todo) + len(mine), start=total - len(todo), every_s=log_every_s, name="episode"
+    )  # this process's episodes
     offset = max((r.get("elapsed_s", 0.0) for done in records for r in done), default=0.0)
     start = time.monotonic()
     with contextlib.ExitStack() as stack:
@@ -194,8 +204,10 @@ def play_together(make_engine: Callable[[], RolloutEngine], runs: list[tuple[lis
             engine.run(mine, key=key, on_done=on_done)
     if not alone:
         played = distributed.allgather_objects([done[n:] for done, n in zip(records, resumed_counts)])
-        records = [done[:n] + [r for process in played for r in process[run]]
-                   for run, (done, n) in enumerate(zip(records, resumed_counts))]
+        records = [
+            done[:n] + [r for process in played for r in process[run]]
+            for run, (done, n) in enumerate(zip(records, resumed_counts))
+        ]
         _write_merged(paths, records)
     if engine and engine.stats["decode_steps"]:  # the model played: where its time went
         logging.info("rollouts in %.0f s: %s", engine.stats["run_s"], rollout_profile(engine.stats))
@@ -236,6 +248,7 @@ def _merged_episodes(episodes_path: pathlib.Path) -> list[dict]:
 def _write_merged(paths: list[pathlib.Path], records: list[list[dict]]) -> None:
     """Process 0 writes each run's records to its episodes file and removes the per-process files; every process
     waits for it."""
+
     def write() -> None:
         for path, done in zip(paths, records):
             write_jsonl_atomic(path, done)
@@ -268,8 +281,10 @@ def run_marker(config: ml_collections.ConfigDict, agent: str, routes: Routes | N
         marker["weights"] = weights_fingerprint(resolve_model_dir(config.model))
         marker["adapter"] = weights_fingerprint(config.adapter) if config.adapter else ""
         if routes:
-            marker["routes"] = {"adapters": [weights_fingerprint(f) for f in routes.adapters],
-                                "by_task": dict(sorted(routes.by_task.items()))}
+            marker["routes"] = {
+                "adapters": [weights_fingerprint(f) for f in routes.adapters],
+                "by_task": dict(sorted(routes.by_task.items())),
+            }
     return marker
 
 
@@ -282,22 +297,27 @@ def check_base_run(folder: pathlib.Path, config: ml_collections.ConfigDict, key:
     environment, split and trials, the same rollout limits (the seed too where sampling is not greedy), and
     at least as many tasks."""
     if not (folder / "run.json").exists() or not (folder / "summary.json").exists():
-        raise ValueError(f"config.{key} = {str(folder)!r} is not a finished evaluation's workdir "
-                         "(run.json and summary.json)")
+        raise ValueError(
+            f"config.{key} = {str(folder)!r} is not a finished evaluation's workdir (run.json and summary.json)"
+        )
     found, wanted = read_json(folder / "run.json"), _jsonable(run_marker(config, "model"))
     ran, runs = found["config"], wanted["config"]
-    pairs = {"agent": (found["agent"], "model"), "weights": (found.get("weights"), wanted["weights"]),
-             "adapter": (found.get("adapter"), wanted["adapter"]),
-             **{k: (ran.get(k), runs[k]) for k in ("model", "dtype", "env", "split", "trials")},
-             **{f"rollout.{k}": (ran["rollout"].get(k), runs["rollout"][k]) for k in EPISODE_LIMITS}}
+    pairs = {
+        "agent": (found["agent"], "model"),
+        "weights": (found.get("weights"), wanted["weights"]),
+        "adapter": (found.get("adapter"), wanted["adapter"]),
+        **{k: (ran.get(k), runs[k]) for k in ("model", "dtype", "env", "split", "trials")},
+        **{f"rollout.{k}": (ran["rollout"].get(k), runs["rollout"][k]) for k in EPISODE_LIMITS},
+    }
     if runs["rollout"]["temperature"] > 0:
         pairs["seed"] = (ran.get("seed"), runs["seed"])
     for name, (got, want) in pairs.items():
         if got != want:
             raise ValueError(f"config.{key}: its run has {name} = {got!r}, this job needs {want!r}")
     if ran["num_tasks"] is not None and (runs["num_tasks"] is None or ran["num_tasks"] < runs["num_tasks"]):
-        raise ValueError(f"config.{key}: its run has num_tasks = {ran['num_tasks']}, fewer than this job's "
-                         f"{runs['num_tasks']}")
+        raise ValueError(
+            f"config.{key}: its run has num_tasks = {ran['num_tasks']}, fewer than this job's {runs['num_tasks']}"
+        )
 
 
 def _jsonable(value):
@@ -310,6 +330,7 @@ def _keep_episodes_of_same_run(workdir: pathlib.Path, run: dict) -> None:
     same `run_marker`, kept in run.json); a workdir reused for another run starts afresh."""
     marker, episodes = workdir / "run.json", workdir / "episodes.jsonl"
     text = json.dumps(run, sort_keys=True, default=str)
+
     def keep() -> None:
         stale = [p for p in (episodes, *workdir.glob(_process_file(episodes, "*").name)) if p.exists()]
         if stale and (not marker.exists() or marker.read_text(encoding="utf-8") != text):
@@ -325,9 +346,15 @@ def _episode_setting(marker: dict) -> str:
     """What decides an episode besides its policy and task, from a `run_marker`: the agent, the base weights,
     dtype, environment, seed and `EPISODE_LIMITS` (not the batch size, which changes no episode)."""
     config = marker["config"]
-    return json.dumps({"agent": marker["agent"], "weights": marker.get("weights"),
-                       **{k: config[k] for k in ("model", "dtype", "env", "seed")},
-                       "rollout": {k: config["rollout"].get(k) for k in EPISODE_LIMITS}}, sort_keys=True)
+    return json.dumps(
+        {
+            "agent": marker["agent"],
+            "weights": marker.get("weights"),
+            **{k: config[k] for k in ("model", "dtype", "env", "seed")},
+            "rollout": {k: config["rollout"].get(k) for k in EPISODE_LIMITS},
+        },
+        sort_keys=True,
+    )
 
 
 def _policy(marker: dict, adapter_idx: int) -> str:
@@ -353,8 +380,9 @@ def _reusable(folders: Sequence[str | pathlib.Path], marker: dict) -> dict[tuple
     return library
 
 
-def _take_reused(jobs: list[Job], split: str, workdir: pathlib.Path, marker: dict,
-                 reuse: Sequence[str | pathlib.Path]) -> None:
+def _take_reused(
+    jobs: list[Job], split: str, workdir: pathlib.Path, marker: dict, reuse: Sequence[str | pathlib.Path]
+) -> None:
     """Writes into `workdir`'s episodes the jobs' episodes that `reuse` holds (see `_reusable`), each under this
     run's adapter index and with no playing time, so that `play` resumes past them."""
     episodes = workdir / "episodes.jsonl"
@@ -363,12 +391,19 @@ def _take_reused(jobs: list[Job], split: str, workdir: pathlib.Path, marker: dic
     def take() -> None:
         records = recorded_episodes(episodes)
         played, library = {_record_id(r) for r in records}, _reusable(others, marker)
-        taken = [{**found, "adapter_idx": job.adapter_idx, "elapsed_s": 0.0} for job in jobs
-                 if _job_id(job.task.task_id, job.trial, job.adapter_idx) not in played
-                 and (found := library.get((_policy(marker, job.adapter_idx), split, job.task.task_id, job.trial)))]
+        taken = [
+            {**found, "adapter_idx": job.adapter_idx, "elapsed_s": 0.0}
+            for job in jobs
+            if _job_id(job.task.task_id, job.trial, job.adapter_idx) not in played
+            and (found := library.get((_policy(marker, job.adapter_idx), split, job.task.task_id, job.trial)))
+        ]
         if taken:
-            logging.info("%s: %d of %d episodes taken from earlier evaluations of the same policies", workdir,
-                         len(taken), len(jobs))
+            logging.info(
+                "%s: %d of %d episodes taken from earlier evaluations of the same policies",
+                workdir,
+                len(taken),
+                len(jobs),
+            )
             write_jsonl_atomic(episodes, records + taken)
 
     distributed.on_main(take)
@@ -379,19 +414,31 @@ def summarize_run(records: list[dict], trials: int) -> tuple[dict, str]:
     pass^k, end reasons) and its per-family table."""
     rows = summarize(records, k=trials)
     overall = rows[-1]
-    summary = {"num_episodes": overall["episodes"], "mean_reward": overall["mean_reward"], "pass1": overall["pass1"],
-               "pass_k": overall["pass_k"], "k": overall["k"], "success": overall["success"],
-               "ci_low": overall["ci_low"], "ci_high": overall["ci_high"],
-               "needs_judge": sorted({r["task_id"] for r in records if r["info"].get("needs_judge")}),
-               "end_reasons": dict(sorted(Counter(r["end_reason"] for r in records).items())),
-               "reused_episodes": sum("reused_from" in r for r in records), "families": rows[:-1]}
+    summary = {
+        "num_episodes": overall["episodes"],
+        "mean_reward": overall["mean_reward"],
+        "pass1": overall["pass1"],
+        "pass_k": overall["pass_k"],
+        "k": overall["k"],
+        "success": overall["success"],
+        "ci_low": overall["ci_low"],
+        "ci_high": overall["ci_high"],
+        "needs_judge": sorted({r["task_id"] for r in records if r["info"].get("needs_judge")}),
+        "end_reasons": dict(sorted(Counter(r["end_reason"] for r in records).items())),
+        "reused_episodes": sum("reused_from" in r for r in records),
+        "families": rows[:-1],
+    }
     return summary, format_table(rows)
 
 
 def summary_scalars(summary: dict) -> dict[str, float]:
     """An evaluation summary's scalars: mean reward, success with its 95% interval, and success per family."""
-    scalars = {"eval/reward": summary["mean_reward"], "eval/success": summary["success"],
-               "eval/success_ci_low": summary["ci_low"], "eval/success_ci_high": summary["ci_high"]}
+    scalars = {
+        "eval/reward": summary["mean_reward"],
+        "eval/success": summary["success"],
+        "eval/success_ci_low": summary["ci_low"],
+        "eval/success_ci_high": summary["ci_high"],
+    }
     for row in summary["families"]:
         scalars[f"eval/{row['family']}/success"] = row["success"]
     return scalars
@@ -409,8 +456,13 @@ def _log_summary(workdir: pathlib.Path, summary: dict) -> None:
     writer.close()
 
 
-def evaluate(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, agent: str = "model",
-             routes: Routes | None = None, reuse: Sequence[str | pathlib.Path] = ()) -> dict:
+def evaluate(
+    config: ml_collections.ConfigDict,
+    workdir: str | pathlib.Path,
+    agent: str = "model",
+    routes: Routes | None = None,
+    reuse: Sequence[str | pathlib.Path] = (),
+) -> dict:
     """Runs the evaluation into `workdir` (with `routes`, each task under its own adapter, in place
     of `config.adapter`; with `reuse`, other evaluations' workdirs, taking the episodes they hold of the same
     policies instead of playing them again); returns the summary also written to summary.json."""
@@ -431,8 +483,12 @@ def _of_families(tasks: list, config: ml_collections.ConfigDict):
 TOGETHER_KEYS = ("split", "num_tasks")  # what evaluations played in one batch may differ in
 
 
-def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.Path]], agent: str = "model",
-                      routes: Routes | None = None, reuse: Sequence[str | pathlib.Path] = ()) -> list[dict]:
+def evaluate_together(
+    runs: list[tuple[ml_collections.ConfigDict, str | pathlib.Path]],
+    agent: str = "model",
+    routes: Routes | None = None,
+    reuse: Sequence[str | pathlib.Path] = (),
+) -> list[dict]:
     """Evaluations that differ only in split and task count, played in one batch with one model (each
     writes its workdir, resumes and reuses as `evaluate` does); returns their summaries."""
     if agent not in AGENTS:
@@ -440,8 +496,9 @@ def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.
     config = runs[0][0]
     for other, _ in runs:
         validate_config(other)
-        mismatch = sorted(k for k in set(config) | set(other)
-                          if k not in TOGETHER_KEYS and other.get(k) != config.get(k))
+        mismatch = sorted(
+            k for k in set(config) | set(other) if k not in TOGETHER_KEYS and other.get(k) != config.get(k)
+        )
         if mismatch:
             raise ValueError(f"evaluations played together differ only in {TOGETHER_KEYS}, not in {mismatch}")
     if routes and config.adapter:
@@ -457,18 +514,31 @@ def evaluate_together(runs: list[tuple[ml_collections.ConfigDict, str | pathlib.
         _keep_episodes_of_same_run(workdir, marker)
         # A task's trials adjacent: the later ones find its opening held by a row (`Session` copies it).
         hinted = hinted_trials(run.get("hint_share", 0.0), run.trials)
-        jobs = [Job(task, trial, adapter_of(task.task_id), hint=trial < hinted and offers_hint(env, task))
-                for task in _of_families(env.tasks(run.split, run.num_tasks), run) for trial in range(run.trials)]
+        jobs = [
+            Job(task, trial, adapter_of(task.task_id), hint=trial < hinted and offers_hint(env, task))
+            for task in _of_families(env.tasks(run.split, run.num_tasks), run)
+            for trial in range(run.trials)
+        ]
         if reuse:
             _take_reused(jobs, run.split, workdir, _jsonable(marker), reuse)
         plays.append((jobs, workdir / "episodes.jsonl"))
-    played = play_together(lambda: _engine(config, env, agent, routes), plays, key=jax.random.key(config.seed),
-                           log_every_s=config.log_every_s)
+    played = play_together(
+        lambda: _engine(config, env, agent, routes),
+        plays,
+        key=jax.random.key(config.seed),
+        log_every_s=config.log_every_s,
+    )
     summaries, tables = [], []
     for records in played:
         summary, table = summarize_run(records, config.trials)
-        summaries.append({**summary, "agent": agent, "seconds": round(time.monotonic() - start, 1),
-                          "play_seconds": max((r["elapsed_s"] for r in records), default=0.0)})
+        summaries.append(
+            {
+                **summary,
+                "agent": agent,
+                "seconds": round(time.monotonic() - start, 1),
+                "play_seconds": max((r["elapsed_s"] for r in records), default=0.0),
+            }
+        )
         tables.append(table)
 
     def write() -> None:

@@ -24,8 +24,15 @@ from trace_jax.models.config import ModelConfig
 
 NO_ADAPTER = -1
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_MODULE_OF = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_MODULE_OF = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +77,20 @@ class Adapters:
 def projection_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each projection."""
     q, kv, d, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
-    return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+    return {
+        "q_proj": (d, q),
+        "k_proj": (d, kv),
+        "v_proj": (d, kv),
+        "o_proj": (q, d),
+        "gate_proj": (d, f),
+        "up_proj": (d, f),
+        "down_proj": (f, d),
+    }
 
 
-def init_adapters(key: jax.Array, cfg: ModelConfig, spec: LoraSpec, num_adapters: int = 1, dtype=jnp.float32) -> Adapters:
+def init_adapters(
+    key: jax.Array, cfg: ModelConfig, spec: LoraSpec, num_adapters: int = 1, dtype=jnp.float32
+) -> Adapters:
     """Fresh adapters: A ~ U(-1/sqrt(in), 1/sqrt(in)) as in PEFT, B = 0 (so each starts as the base);
     A = 0 too in the layers below `spec.first_layer`."""
     if spec.first_layer >= cfg.num_layers:
@@ -138,8 +154,10 @@ def for_rows(adapters: Adapters | None, adapter_idx: jax.Array) -> dict | None:
     if adapters is None:
         return None
     own = adapter_idx[:, None] == jnp.arange(adapters.num_adapters)[None, :]
-    return {"mix": jnp.where(own, adapters.scale[None, :], 0.0),
-            "weights": jax.tree.map(lambda w: jnp.moveaxis(w, 1, 0), adapters.weights)}
+    return {
+        "mix": jnp.where(own, adapters.scale[None, :], 0.0),
+        "weights": jax.tree.map(lambda w: jnp.moveaxis(w, 1, 0), adapters.weights),
+    }
 
 
 @jax.custom_vjp
@@ -205,11 +223,23 @@ def save_peft(adapters: Adapters, out_dir: str | pathlib.Path, *, index: int = 0
             tensors[_peft_key(layer, target, "A")] = np.ascontiguousarray(a[layer].T)  # [r, in]
             tensors[_peft_key(layer, target, "B")] = np.ascontiguousarray(b[layer].T)  # [out, r]
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-        "r": rank, "lora_alpha": float(adapters.scale[index]) * rank, "target_modules": sorted(adapters.weights),
-        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "inference_mode": True, "init_lora_weights": True, "modules_to_save": None, "layers_to_transform": None,
-        "rank_pattern": {}, "alpha_pattern": {},
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": rank,
+        "lora_alpha": float(adapters.scale[index]) * rank,
+        "target_modules": sorted(adapters.weights),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
     }
     write_if_changed(out_dir / "adapter_config.json", json.dumps(config, indent=2).encode())
     write_if_changed(out_dir / "adapter_model.safetensors", save(tensors, metadata={"format": "pt"}))
@@ -242,8 +272,10 @@ def load_peft(adapter_dir: str | pathlib.Path, cfg: ModelConfig, dtype=jnp.float
             raise ValueError(f"{adapter_dir}: adapter_model.safetensors is missing tensor {name!r}")
         value = tensors.pop(name)
         if value.shape != shape:
-            raise ValueError(f"{adapter_dir}: tensor {name!r} has shape {value.shape}, expected {shape} "
-                             f"(r={rank} in adapter_config.json; is it for this model?)")
+            raise ValueError(
+                f"{adapter_dir}: tensor {name!r} has shape {value.shape}, expected {shape} "
+                f"(r={rank} in adapter_config.json; is it for this model?)"
+            )
         return value.T
 
     weights = {}

@@ -62,8 +62,13 @@ def logged_lines(workdir: str | pathlib.Path) -> list[dict]:
 def logged_scalars(workdir: str | pathlib.Path, step: int) -> dict[str, float]:
     """Every scalar `<workdir>/metrics.jsonl` holds for `step` (a resumed run reads back what an earlier
     process of it logged)."""
-    return {name: value for line in logged_lines(workdir) if line["step"] == step
-            for name, value in line.items() if name != "step"}
+    return {
+        name: value
+        for line in logged_lines(workdir)
+        if line["step"] == step
+        for name, value in line.items()
+        if name != "step"
+    }
 
 
 def _duration(seconds: float) -> str:
@@ -92,9 +97,18 @@ class Progress:
         self._last_log = now
         per_step = (now - self._t0) / max(done - self.start, 1)
         eta = per_step * (self.total - done)
-        logging.info("%s %d/%d (%.0f%%)  %.1f s/%s  elapsed %s  ETA %s  %s", self.name, done, self.total,
-                     100.0 * done / max(self.total, 1), per_step, self.name, _duration(now - self._t0),
-                     _duration(eta), extra)
+        logging.info(
+            "%s %d/%d (%.0f%%)  %.1f s/%s  elapsed %s  ETA %s  %s",
+            self.name,
+            done,
+            self.total,
+            100.0 * done / max(self.total, 1),
+            per_step,
+            self.name,
+            _duration(now - self._t0),
+            _duration(eta),
+            extra,
+        )
 
 
 def not_orbax_info(record: std_logging.LogRecord) -> bool:

@@ -41,7 +41,7 @@ def mcnemar_p_value(only_a: int, only_b: int) -> float:
     discordant tasks (solved by one system only) at least as uneven as `only_a` against `only_b`."""
     n = only_a + only_b
     tail = sum(math.comb(n, i) for i in range(min(only_a, only_b) + 1))
-    return min(1.0, 2 * tail / 2 ** n)
+    return min(1.0, 2 * tail / 2**n)
 
 
 def paired(a: Sequence[dict], b: Sequence[dict]) -> dict:
@@ -77,10 +77,18 @@ def _row(name: str, episodes: list[dict], k: int) -> dict:
     successes = sum(bool(e["success"]) for e in episodes)
     low, high = wilson_interval(successes, len(episodes))
     pass_at = lambda j: sum(pass_hat_k(sum(v), len(v), j) for v in per_task.values()) / len(per_task)
-    return {"family": name, "episodes": len(episodes), "tasks": len(per_task),
-            "mean_reward": sum(e["reward"] for e in episodes) / len(episodes),
-            "success": successes / len(episodes), "ci_low": low, "ci_high": high,
-            "pass1": pass_at(1), "k": k, "pass_k": pass_at(k)}
+    return {
+        "family": name,
+        "episodes": len(episodes),
+        "tasks": len(per_task),
+        "mean_reward": sum(e["reward"] for e in episodes) / len(episodes),
+        "success": successes / len(episodes),
+        "ci_low": low,
+        "ci_high": high,
+        "pass1": pass_at(1),
+        "k": k,
+        "pass_k": pass_at(k),
+    }
 
 
 def format_table(rows: Sequence[dict]) -> str:
@@ -88,7 +96,9 @@ def format_table(rows: Sequence[dict]) -> str:
     header = "| family | episodes | tasks | mean reward | success [95% CI] | pass^1 | pass^k |"
     lines = [header, "|---|---:|---:|---:|---|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['family']} | {r['episodes']} | {r['tasks']} | {r['mean_reward']:.3f} | "
-                     f"{100 * r['success']:.1f}% [{100 * r['ci_low']:.1f}, {100 * r['ci_high']:.1f}] | "
-                     f"{r['pass1']:.3f} | {r['pass_k']:.3f} (k={r['k']}) |")
+        lines.append(
+            f"| {r['family']} | {r['episodes']} | {r['tasks']} | {r['mean_reward']:.3f} | "
+            f"{100 * r['success']:.1f}% [{100 * r['ci_low']:.1f}, {100 * r['ci_high']:.1f}] | "
+            f"{r['pass1']:.3f} | {r['pass_k']:.3f} (k={r['k']}) |"
+        )
     return "\n".join(lines)

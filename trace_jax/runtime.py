@@ -47,8 +47,9 @@ def retain_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     # One arena, so large blocks come from the main heap; no mmap per block; -1 (as size_t) = never trim.
-    return all(mallopt(param, value) == 1 for param, value in
-               ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
+    return all(
+        mallopt(param, value) == 1 for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
+    )
 
 
 def release_freed_memory() -> float | None:
@@ -128,9 +129,12 @@ def bound_memory_maps(share: float = 0.5, every_s: float = 30.0) -> bool:
 
     jax.clear_caches()
     _maps_seen["after_drop"] = memory_maps()[0]
-    logging.info("%d memory maps of the kernel's %d per process: dropped the compiled programs, %d maps left (they "
-                 "load again from the compilation cache; `sysctl -w vm.max_map_count=1048576` avoids the reloads)",
-                 *maps, _maps_seen["after_drop"])
+    logging.info(
+        "%d memory maps of the kernel's %d per process: dropped the compiled programs, %d maps left (they "
+        "load again from the compilation cache; `sysctl -w vm.max_map_count=1048576` avoids the reloads)",
+        *maps,
+        _maps_seen["after_drop"],
+    )
     return True
 
 

@@ -16,7 +16,8 @@ import collections
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -96,8 +97,12 @@ def truncate_logits(scaled, top_p, top_k):
         k_mid, p_mid = (k_lo + k_hi) / 2, (p_lo + p_hi) / 2
         too_many = jnp.sum(x >= k_mid[:, None], axis=-1) > k
         too_much = jnp.sum(jnp.where(x > p_mid[:, None], probs, 0.0), axis=-1) >= top_p
-        return (jnp.where(too_many, k_mid, k_lo), jnp.where(too_many, k_hi, k_mid),
-                jnp.where(too_much, p_mid, p_lo), jnp.where(too_much, p_hi, p_mid))
+        return (
+            jnp.where(too_many, k_mid, k_lo),
+            jnp.where(too_many, k_hi, k_mid),
+            jnp.where(too_much, p_mid, p_lo),
+            jnp.where(too_much, p_hi, p_mid),
+        )
 
     lo, hi = finite_min - 1.0, jnp.max(x, axis=-1)
     _, k_hi, p_lo, _ = jax.lax.fori_loop(0, _BISECTION_STEPS, step, (lo, hi, lo, hi))
@@ -158,8 +163,12 @@ def _copy_rows(k, v, lengths, logits, src, dst, dst_lengths, dst_logits):
     `dst_logits` (an opening's: its length and the logits after it, where `src` may have gone on since); ids
     >= the batch are padding (copied from empty rows, written nowhere)."""
     copy = lambda a: a.at[dst].set(a.at[src].get(mode="fill", fill_value=0), mode="drop")
-    return (tuple(map(copy, k)), tuple(map(copy, v)), lengths.at[dst].set(dst_lengths, mode="drop"),
-            logits.at[dst].set(dst_logits, mode="drop"))
+    return (
+        tuple(map(copy, k)),
+        tuple(map(copy, v)),
+        lengths.at[dst].set(dst_lengths, mode="drop"),
+        logits.at[dst].set(dst_logits, mode="drop"),
+    )
 
 
 def row_keys(key: jax.Array, streams: jax.Array, positions: jax.Array) -> jax.Array:
@@ -169,8 +178,24 @@ def row_keys(key: jax.Array, streams: jax.Array, positions: jax.Array) -> jax.Ar
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(key, s), p))(streams, positions)
 
 
-def _decode(params, adapters, cache, logits, key, sampling, stop_ids, remaining, done, adapter_idx, return_early,
-            *, cfg, constrain, steps, max_context):
+def _decode(
+    params,
+    adapters,
+    cache,
+    logits,
+    key,
+    sampling,
+    stop_ids,
+    remaining,
+    done,
+    adapter_idx,
+    return_early,
+    *,
+    cfg,
+    constrain,
+    steps,
+    max_context,
+):
     """Samples up to `steps` tokens for each unfinished row, feeding each back through the cache;
     with `return_early`, returns as soon as a row finishes (so its next turn can be fed). `sampling`:
     per-row temperature, top_p, top_k and stream (`row_keys`).
@@ -201,15 +226,25 @@ def _decode(params, adapters, cache, logits, key, sampling, stop_ids, remaining,
         code = jnp.where(hit_stop, 1, jnp.where(count >= remaining, 2, jnp.where(hit_context, 3, 0)))
         finish = jnp.where(active, code, finish)
         hidden, cache = decoder.forward_hidden(
-            params, tokens[:, None], cfg, row_lora=row_lora, cache=cache,
-            num_new=active.astype(jnp.int32), constrain=constrain,
+            params,
+            tokens[:, None],
+            cfg,
+            row_lora=row_lora,
+            cache=cache,
+            num_new=active.astype(jnp.int32),
+            constrain=constrain,
         )
         logits = jnp.where(active[:, None], decoder.logits_from_hidden(params, hidden, cfg)[:, 0], logits)
         return step + 1, cache, logits, count, done | (finish > 0), out_tokens, out_logp, finish
 
     init = (
-        jnp.int32(0), cache, logits, jnp.zeros((batch,), jnp.int32), done,
-        jnp.full((batch, steps), -1, jnp.int32), jnp.zeros((batch, steps), jnp.float32),
+        jnp.int32(0),
+        cache,
+        logits,
+        jnp.zeros((batch,), jnp.int32),
+        done,
+        jnp.full((batch, steps), -1, jnp.int32),
+        jnp.zeros((batch, steps), jnp.float32),
         jnp.zeros((batch,), jnp.int32),
     )
     _, cache, logits, count, _, out_tokens, out_logp, finish = jax.lax.while_loop(cond, body, init)
@@ -340,8 +375,15 @@ class Sampler:
         if (rows, batch) not in self._groups:
             best = [(0.0, [])]  # best[m]: (cost, group sizes) for m rows
             for m in range(1, rows + 1):
-                best.append(min(((best[m - k][0] + self._rows_width(k, batch) + 0.5, [k, *best[m - k][1]])
-                                 for k in range(m, 0, -1)), key=lambda option: option[0]))
+                best.append(
+                    min(
+                        (
+                            (best[m - k][0] + self._rows_width(k, batch) + 0.5, [k, *best[m - k][1]])
+                            for k in range(m, 0, -1)
+                        ),
+                        key=lambda option: option[0],
+                    )
+                )
             self._groups[rows, batch] = sorted(best[rows][1], reverse=True)
         return self._groups[rows, batch]
 
@@ -353,9 +395,15 @@ class Sampler:
 
     def _place(self, cache: decoder.KVCache) -> decoder.KVCache:
         layers = lambda arrays, name: tuple(self._put(a, name) for a in arrays)
-        return decoder.KVCache(layers(cache.k, "cache"), layers(cache.v, "cache"), self._put(cache.lengths, "batch"),
-                               layers(cache.prefix_k, "prefix_cache"), layers(cache.prefix_v, "prefix_cache"),
-                               self._put(cache.prefix_slot, "batch"), self._put(cache.prefix_len, "batch"))
+        return decoder.KVCache(
+            layers(cache.k, "cache"),
+            layers(cache.v, "cache"),
+            self._put(cache.lengths, "batch"),
+            layers(cache.prefix_k, "prefix_cache"),
+            layers(cache.prefix_v, "prefix_cache"),
+            self._put(cache.prefix_slot, "batch"),
+            self._put(cache.prefix_len, "batch"),
+        )
 
     def _resize(self, cache: decoder.KVCache, capacity: int) -> decoder.KVCache:
         """`cache` with `capacity` positions in each row's own buffer (padded, or cut: rows must fit)."""
@@ -387,22 +435,33 @@ class Sampler:
         """
         n = len(prompts)
         if cache is None:
-            cache, prompts = self._fresh_cache(prompts, _per_row(adapter_idx, n, np.int32),
-                                               _per_row(max_new_tokens, n, np.int32))
+            cache, prompts = self._fresh_cache(
+                prompts, _per_row(adapter_idx, n, np.int32), _per_row(max_new_tokens, n, np.int32)
+            )
         rows = list(range(n)) if rows is None else [int(r) for r in rows]
         session = Session(self, cache, stop_token_ids=stop_token_ids, stop_strings=stop_strings)
-        session.feed(rows, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                     top_k=top_k, adapter_idx=adapter_idx, stream=stream)
+        session.feed(
+            rows,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            adapter_idx=adapter_idx,
+            stream=stream,
+        )
         done: dict[int, Completion] = {}
         while len(done) < n:
             done.update(session.step(key))
         return [done[r] for r in rows], session.cache
 
-    def session(self, batch: int, **stops) -> "Session":
+    def session(self, batch: int, **stops) -> Session:
         """A `Session` over a fresh cache of `batch` rows (see there; `stops`: stop_token_ids, stop_strings)."""
         return Session(self, self.new_cache(batch), **stops)
 
-    def add_prefix(self, cache: decoder.KVCache, prefix: Sequence[int], adapter_idx: int) -> tuple[decoder.KVCache, int]:
+    def add_prefix(
+        self, cache: decoder.KVCache, prefix: Sequence[int], adapter_idx: int
+    ) -> tuple[decoder.KVCache, int]:
         """`cache` with `prefix` prefilled with adapter `adapter_idx` in a new prefix slot, and the slot."""
         slot = cache.num_slots
         return self._add_slots(cache, prefix, np.array([adapter_idx])), slot
@@ -410,11 +469,15 @@ class Sampler:
     def start_row(self, cache: decoder.KVCache, row: int, slot: int = 0, length: int = 0) -> decoder.KVCache:
         """`cache` with `row` emptied to start a new sequence: after the first `length` positions of
         prefix slot `slot` (as if those tokens had been prefilled in it), or from scratch (length 0)."""
-        return cache.replace(lengths=cache.lengths.at[row].set(0), prefix_slot=cache.prefix_slot.at[row].set(slot),
-                             prefix_len=cache.prefix_len.at[row].set(length))
+        return cache.replace(
+            lengths=cache.lengths.at[row].set(0),
+            prefix_slot=cache.prefix_slot.at[row].set(slot),
+            prefix_len=cache.prefix_len.at[row].set(length),
+        )
 
-    def _fresh_cache(self, prompts: Sequence[Sequence[int]], adapter_idx: np.ndarray,
-                     max_new: np.ndarray) -> tuple[decoder.KVCache, Sequence[Sequence[int]]]:
+    def _fresh_cache(
+        self, prompts: Sequence[Sequence[int]], adapter_idx: np.ndarray, max_new: np.ndarray
+    ) -> tuple[decoder.KVCache, Sequence[Sequence[int]]]:
         """A cache for a fresh batch and what of each prompt is left to prefill: rows continuing
         the shared prefix (prefilled once per adapter, in prefix slots) when it is long enough,
         else empty rows."""
@@ -442,8 +505,14 @@ class Sampler:
         num_new[: len(groups)] = len(prefix)
         group_adapter = np.full((prefilled.batch,), lora_lib.NO_ADAPTER, np.int32)
         group_adapter[: len(groups)] = groups
-        _, prefilled = self._prefill(self.params, self.adapters, prefilled, self._put(tokens, "batch"),
-                                     self._put(num_new, "batch"), self._put(group_adapter, "batch"))
+        _, prefilled = self._prefill(
+            self.params,
+            self.adapters,
+            prefilled,
+            self._put(tokens, "batch"),
+            self._put(num_new, "batch"),
+            self._put(group_adapter, "batch"),
+        )
         rows = lambda arrays: tuple(a[: len(groups)] for a in arrays)  # the mesh may have padded the batch
         return self._place(decoder.add_prefix_slots(cache, prefilled.replace(k=rows(prefilled.k), v=rows(prefilled.v))))
 
@@ -463,6 +532,7 @@ class Sampler:
 class _Opening:
     """A first prompt that rows hold at the start of their own buffers (`length` positions), and the
     next-token logits after it: a row opening alike copies a holder instead of prefilling it again."""
+
     length: int
     logits: np.ndarray
 
@@ -479,8 +549,14 @@ class Session:
     longest are released. `Sampler.generate` is one feed and steps until every row is done.
     """
 
-    def __init__(self, sampler: Sampler, cache: decoder.KVCache, *, stop_token_ids: Sequence[int] = (),
-                 stop_strings: Sequence[str] = ()):
+    def __init__(
+        self,
+        sampler: Sampler,
+        cache: decoder.KVCache,
+        *,
+        stop_token_ids: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
+    ):
         if stop_strings and sampler.detokenize is None:
             raise ValueError("stop_strings need a Sampler built with detokenize=")
         self.sampler, self.cache = sampler, cache
@@ -488,9 +564,13 @@ class Session:
         self._stop_ids = jnp.asarray(sorted(set(stop_token_ids)) or [-1], jnp.int32)
         batch = cache.batch
         self._logits = sampler._put(np.zeros((batch, sampler.cfg.vocab_size), np.float32), "batch")
-        self._settings = {"temperature": np.zeros((batch,), np.float32), "top_p": np.ones((batch,), np.float32),
-                          "top_k": np.zeros((batch,), np.int32), "stream": np.arange(batch, dtype=np.int32),
-                          "adapter_idx": np.full((batch,), lora_lib.NO_ADAPTER, np.int32)}
+        self._settings = {
+            "temperature": np.zeros((batch,), np.float32),
+            "top_p": np.ones((batch,), np.float32),
+            "top_k": np.zeros((batch,), np.int32),
+            "stream": np.arange(batch, dtype=np.int32),
+            "adapter_idx": np.full((batch,), lora_lib.NO_ADAPTER, np.int32),
+        }
         self._remaining = np.zeros((batch,), np.int32)
         self._running = np.zeros((batch,), bool)
         self._start_len = np.zeros((batch,), np.int32)  # the row's own length when its turn began
@@ -512,8 +592,7 @@ class Session:
         """Whether any row is sampling or has a completion `step` has not returned yet."""
         return bool(self._running.any() or self._done)
 
-    def start(self, row: int, prompt: Sequence[int], adapter_idx: int = lora_lib.NO_ADAPTER,
-              group: Any = None) -> int:
+    def start(self, row: int, prompt: Sequence[int], adapter_idx: int = lora_lib.NO_ADAPTER, group: Any = None) -> int:
         """Empties `row` for a new conversation whose first prompt is `prompt`; returns how many of
         its leading tokens the row already holds (feed it the rest). Prompts of one (adapter,
         group) share the stored prefix of the group's first prompt (system prompts repeat: each
@@ -538,9 +617,19 @@ class Session:
         self.cache = sampler.start_row(self.cache, row, slot, shared)
         return shared
 
-    def feed(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], *, max_new_tokens=256, temperature=0.0,
-             top_p=1.0, top_k=0, adapter_idx=lora_lib.NO_ADAPTER, stream=None,
-             stop_strings: Sequence[Sequence[str]] | None = None) -> None:
+    def feed(
+        self,
+        rows: Sequence[int],
+        prompts: Sequence[Sequence[int]],
+        *,
+        max_new_tokens=256,
+        temperature=0.0,
+        top_p=1.0,
+        top_k=0,
+        adapter_idx=lora_lib.NO_ADAPTER,
+        stream=None,
+        stop_strings: Sequence[Sequence[str]] | None = None,
+    ) -> None:
         """Appends prompts[i] to row rows[i] (not sampling now) and starts it sampling up to
         max_new_tokens[i] tokens. Settings are scalars or one value per prompt; every prompt
         needs a token (a continuing row appends at least the next turn's). `stream`: the random
@@ -558,9 +647,13 @@ class Session:
             raise ValueError(f"rows {rows.tolist()} must be {n} distinct rows of the cache's {batch}")
         if self._running[rows].any() or any(int(r) in self._done for r in rows):
             raise ValueError(f"rows {rows.tolist()} include a row whose turn has not been returned by step()")
-        settings = {"temperature": _per_row(temperature, n, np.float32), "top_p": _per_row(top_p, n, np.float32),
-                    "top_k": _per_row(top_k, n, np.int32), "adapter_idx": _per_row(adapter_idx, n, np.int32),
-                    "stream": rows.astype(np.int32) if stream is None else _per_row(stream, n, np.int32)}
+        settings = {
+            "temperature": _per_row(temperature, n, np.float32),
+            "top_p": _per_row(top_p, n, np.float32),
+            "top_k": _per_row(top_k, n, np.int32),
+            "adapter_idx": _per_row(adapter_idx, n, np.int32),
+            "stream": rows.astype(np.int32) if stream is None else _per_row(stream, n, np.int32),
+        }
         max_new = _per_row(max_new_tokens, n, np.int32)
         lengths = np.asarray(self.cache.lengths)
         new_len = np.array([len(p) for p in prompts])
@@ -571,12 +664,16 @@ class Session:
         firsts, copies = self._openings_fed(rows, parts, settings["adapter_idx"], lengths)
         for offset in range(0, max(map(len, parts)), sampler.prefill_chunk):
             # longest first, so that each call's rows have pieces of like lengths (each call pads to its longest)
-            members = sorted((i for i, p in enumerate(parts) if len(p) > offset and i not in copies),
-                             key=lambda i: -len(parts[i]))
+            members = sorted(
+                (i for i, p in enumerate(parts) if len(p) > offset and i not in copies), key=lambda i: -len(parts[i])
+            )
             for size in sampler._row_groups(len(members), batch):
                 group, members = members[:size], members[size:]
-                self._prefill_chunk(rows[group], [parts[i][offset: offset + sampler.prefill_chunk] for i in group],
-                                    settings["adapter_idx"][group])
+                self._prefill_chunk(
+                    rows[group],
+                    [parts[i][offset : offset + sampler.prefill_chunk] for i in group],
+                    settings["adapter_idx"][group],
+                )
         for key, i in firsts.items():
             self._hold(key, int(rows[i]), len(parts[i]))
         if copies:
@@ -595,8 +692,9 @@ class Session:
             if not self._running[r]:
                 self._complete(r)
 
-    def _openings_fed(self, rows: np.ndarray, parts: list[list[int]], adapter_idx: np.ndarray,
-                      lengths: np.ndarray) -> tuple[dict[tuple, int], dict[int, tuple]]:
+    def _openings_fed(
+        self, rows: np.ndarray, parts: list[list[int]], adapter_idx: np.ndarray, lengths: np.ndarray
+    ) -> tuple[dict[tuple, int], dict[int, tuple]]:
         """The fed rows that start empty (`lengths`: the rows' own lengths), by opening (prefix slot, its
         length, adapter, tokens): ({key: i} for the first of an opening no row holds, prefilled; {i: key} for
         the others, copied from a row holding it). A GRPO group's or a calibration's episodes of one task open
@@ -639,14 +737,20 @@ class Session:
         logits = np.zeros((width, sampler.cfg.vocab_size), np.float32)
         logits[: len(dst)] = [o.logits for o in openings]
         k, v, all_lengths, self._logits = sampler._copy_rows(
-            self.cache.k, self.cache.v, self.cache.lengths, self._logits, ids(src), ids(dst),
-            sampler._put(lengths, "batch"), sampler._put(logits, "batch"))
+            self.cache.k,
+            self.cache.v,
+            self.cache.lengths,
+            self._logits,
+            ids(src),
+            ids(dst),
+            sampler._put(lengths, "batch"),
+            sampler._put(logits, "batch"),
+        )
         self.cache = self.cache.replace(k=k, v=v, lengths=all_lengths)
         self._logits.block_until_ready()
         for key, r in zip(copies.values(), dst.tolist()):
             self._hold(key, r, self._openings[key].length)
-        self.stats.update(prefill_s=time.perf_counter() - start, copied_rows=len(dst),
-                          copied_tokens=int(lengths.sum()))
+        self.stats.update(prefill_s=time.perf_counter() - start, copied_rows=len(dst), copied_tokens=int(lengths.sum()))
 
     def _row_ids(self, rows: np.ndarray, width: int) -> np.ndarray:
         """`rows` padded to `width` ids with the batch size, an id the row moves read as an empty row
@@ -730,16 +834,29 @@ class Session:
         window = min(sampler._capacity(reach), cache.max_len)
         row_ids = put(row_ids, "batch")
         k, v, row_lengths, prefix_slot, prefix_len = sampler._take_rows(
-            cache.k, cache.v, cache.lengths, cache.prefix_slot, cache.prefix_len, row_ids, window=window)
+            cache.k, cache.v, cache.lengths, cache.prefix_slot, cache.prefix_len, row_ids, window=window
+        )
         taken = cache.replace(k=k, v=v, lengths=row_lengths, prefix_slot=prefix_slot, prefix_len=prefix_len)
-        row_logits, taken = sampler._prefill_rows(sampler.params, sampler.adapters, taken, put(tokens, "batch"),
-                                                  put(num_new, "batch"), put(row_adapter, "batch"))
-        k, v, all_lengths, self._logits = sampler._put_rows(cache.k, cache.v, cache.lengths, self._logits, row_ids,
-                                                            taken.k, taken.v, taken.lengths, row_logits)
+        row_logits, taken = sampler._prefill_rows(
+            sampler.params,
+            sampler.adapters,
+            taken,
+            put(tokens, "batch"),
+            put(num_new, "batch"),
+            put(row_adapter, "batch"),
+        )
+        k, v, all_lengths, self._logits = sampler._put_rows(
+            cache.k, cache.v, cache.lengths, self._logits, row_ids, taken.k, taken.v, taken.lengths, row_logits
+        )
         self.cache = cache.replace(k=k, v=v, lengths=all_lengths)
         self._logits.block_until_ready()
-        self.stats.update(prefill_s=time.perf_counter() - start, prefill_calls=1, prefill_rows=n,
-                          prefill_tokens=int(num_new.sum()), prefill_padded_tokens=tokens.size)
+        self.stats.update(
+            prefill_s=time.perf_counter() - start,
+            prefill_calls=1,
+            prefill_rows=n,
+            prefill_tokens=int(num_new.sum()),
+            prefill_padded_tokens=tokens.size,
+        )
 
     def step(self, key: jax.Array, *, return_early: bool = False) -> dict[int, Completion]:
         """Decodes every sampling row for up to `decode_chunk` tokens (with `return_early`, until the
@@ -750,12 +867,25 @@ class Session:
             sampler, put, start = self.sampler, self.sampler._put, time.perf_counter()
             sampling = tuple(put(self._settings[name], "batch") for name in ("temperature", "top_p", "top_k", "stream"))
             step_tokens, step_logp, self._logits, self.cache, count, code = sampler._decode(
-                sampler.params, sampler.adapters, self.cache, self._logits, key, sampling, self._stop_ids,
-                put(self._remaining, "batch"), put(~self._running, "batch"),
-                put(self._settings["adapter_idx"], "batch"), jnp.asarray(return_early))
+                sampler.params,
+                sampler.adapters,
+                self.cache,
+                self._logits,
+                key,
+                sampling,
+                self._stop_ids,
+                put(self._remaining, "batch"),
+                put(~self._running, "batch"),
+                put(self._settings["adapter_idx"], "batch"),
+                jnp.asarray(return_early),
+            )
             step_tokens, step_logp, count, code = map(np.asarray, (step_tokens, step_logp, count, code))
-            self.stats.update(decode_s=time.perf_counter() - start, decode_calls=1,
-                              decode_steps=int((step_tokens >= 0).any(axis=0).sum()), decode_tokens=int(count.sum()))
+            self.stats.update(
+                decode_s=time.perf_counter() - start,
+                decode_calls=1,
+                decode_steps=int((step_tokens >= 0).any(axis=0).sum()),
+                decode_tokens=int(count.sum()),
+            )
             for r in np.flatnonzero(self._running).tolist():
                 self._ids[r].extend(step_tokens[r, : count[r]].tolist())
                 self._logp[r].extend(step_logp[r, : count[r]].tolist())

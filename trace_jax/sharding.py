@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")
@@ -78,8 +79,9 @@ class ShardingPlan:
     def shard_params(self, tree):
         """Places any pytree of arrays (params, adapters) on the mesh by the rules (on a mesh of several processes,
         each holding the same values: each places its devices' shards)."""
-        return jax.tree_util.tree_map_with_path(lambda path, x: _place(x, self.param_sharding(_path_str(path), x.shape)),
-                                                tree)
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: _place(x, self.param_sharding(_path_str(path), x.shape)), tree
+        )
 
     def activation_sharding(self, name: str, shape: tuple[int, ...]) -> NamedSharding:
         return self.sharding(self.activation_rules[name], shape)
@@ -103,5 +105,5 @@ def _place(x, sharding: NamedSharding) -> jax.Array:
 
 
 def _path_str(path) -> str:
-    """"layers/q_proj/kernel" from a pytree key path (dict keys and dataclass fields)."""
+    """ "layers/q_proj/kernel" from a pytree key path (dict keys and dataclass fields)."""
     return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)

@@ -27,8 +27,10 @@ from trace_jax.files import read_json
 from trace_jax.runtime import default_cache_dir
 
 # name -> the config module of the SFT job that builds it
-AGENTS = {"smollm2-135m-retail-agent": "configs.warmstart_embedded",
-          "smollm2-135m-tiny-agent": "configs.warmstart_tiny"}  # minutes to build: for CI and quick trials
+AGENTS = {
+    "smollm2-135m-retail-agent": "configs.warmstart_embedded",
+    "smollm2-135m-tiny-agent": "configs.warmstart_tiny",
+}  # minutes to build: for CI and quick trials
 _MARKER = "trace_jax_warmstart.json"
 
 
@@ -55,8 +57,9 @@ def agent_dir(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.
         return target
     logging.info("building the embedded agent %s (once; config %s, workdir %s)", name, AGENTS[name], workdir)
     summary = run_build(AGENTS[name], workdir)
-    (workdir / "merged" / _MARKER).write_text(json.dumps({"config": AGENTS[name], "fingerprint": fingerprint,
-                                                          "build": summary}), encoding="utf-8")
+    (workdir / "merged" / _MARKER).write_text(
+        json.dumps({"config": AGENTS[name], "fingerprint": fingerprint, "build": summary}), encoding="utf-8"
+    )
     if target.exists():
         shutil.rmtree(target)  # built from another config
     os.replace(workdir / "merged", target)
@@ -69,12 +72,20 @@ def run_build(config_module: str, workdir: pathlib.Path) -> dict:
     log passed through; returns the job's summary (its last line)."""
     spec = importlib.util.find_spec(config_module)
     root = pathlib.Path(spec.origin).parents[len(config_module.split(".")) - 1]  # where `configs` is importable
-    command = [sys.executable, "-m", "launch.sft", f"--config={spec.origin}", f"--workdir={workdir}",
-               "--config.export.merged=True"]
+    command = [
+        sys.executable,
+        "-m",
+        "launch.sft",
+        f"--config={spec.origin}",
+        f"--workdir={workdir}",
+        "--config.export.merged=True",
+    ]
     out = subprocess.run(command, cwd=root, stdout=subprocess.PIPE, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"building the embedded agent failed ({' '.join(command)} exited {out.returncode}); "
-                           f"rerun to resume it from {workdir}")
+        raise RuntimeError(
+            f"building the embedded agent failed ({' '.join(command)} exited {out.returncode}); "
+            f"rerun to resume it from {workdir}"
+        )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

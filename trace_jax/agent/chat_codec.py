@@ -34,13 +34,16 @@ class ChatCodec:
         """The end-of-turn token the template writes right after an assistant message's content."""
         if self._end_id is None:
             marker = "\x00end\x00"
-            text = self.tokenizer.render_chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
-                                              add_generation_prompt=False)
-            after = text[text.rindex(marker) + len(marker):]
+            text = self.tokenizer.render_chat(
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+                add_generation_prompt=False,
+            )
+            after = text[text.rindex(marker) + len(marker) :]
             end = next((e for e in self._end_texts if after.startswith(e)), None)
             if end is None:
-                raise ValueError(f"the chat template does not close an assistant turn with an end-of-turn token: "
-                                 f"{after[:40]!r}")
+                raise ValueError(
+                    f"the chat template does not close an assistant turn with an end-of-turn token: {after[:40]!r}"
+                )
             self._end_id = self.tokenizer.encode(end)[0]
         return self._end_id
 
@@ -57,7 +60,7 @@ class ChatCodec:
         start, end = self._last_turn_end(before)
         if after[:end] != before[:end]:
             raise ValueError("the chat template re-renders earlier turns when messages are appended")
-        return self.tokenizer.encode(after[end if closed else start:])
+        return self.tokenizer.encode(after[end if closed else start :])
 
     def _last_turn_end(self, text: str) -> tuple[int, int]:
         """Where the last end-of-turn token in `text` starts and ends."""

@@ -102,13 +102,23 @@ class Trajectory:
 
     def record(self) -> dict[str, Any]:
         """A JSON-ready summary for episode logs (messages and outcome; no token arrays)."""
-        return {"task_id": self.job.task.task_id, "family": self.job.task.family, "split": self.job.task.split,
-                "trial": self.job.trial, "hint": self.job.hint, "adapter_idx": self.job.adapter_idx,
-                "end_reason": self.end_reason,
-                "reward": self.outcome.reward, "success": self.outcome.success,
-                "components": self.outcome.components, "info": self.outcome.info, "num_turns": self.num_turns,
-                "num_errors": self.num_errors, "generated_tokens": self.generated_tokens,
-                "messages": self.messages}
+        return {
+            "task_id": self.job.task.task_id,
+            "family": self.job.task.family,
+            "split": self.job.task.split,
+            "trial": self.job.trial,
+            "hint": self.job.hint,
+            "adapter_idx": self.job.adapter_idx,
+            "end_reason": self.end_reason,
+            "reward": self.outcome.reward,
+            "success": self.outcome.success,
+            "components": self.outcome.components,
+            "info": self.outcome.info,
+            "num_turns": self.num_turns,
+            "num_errors": self.num_errors,
+            "generated_tokens": self.generated_tokens,
+            "messages": self.messages,
+        }
 
 
 @dataclasses.dataclass
@@ -151,9 +161,16 @@ class _Live:
 class RolloutEngine:
     """Plays jobs in an environment with a model and/or scripted speakers."""
 
-    def __init__(self, env: base.Environment, *, agent: str | Scripted = MODEL, user: str | Scripted = MODEL,
-                 sampler: Sampler | None = None, tokenizer: ChatTokenizer | None = None,
-                 config: RolloutConfig = RolloutConfig()):
+    def __init__(
+        self,
+        env: base.Environment,
+        *,
+        agent: str | Scripted = MODEL,
+        user: str | Scripted = MODEL,
+        sampler: Sampler | None = None,
+        tokenizer: ChatTokenizer | None = None,
+        config: RolloutConfig = RolloutConfig(),
+    ):
         uses_model = agent == MODEL or user == MODEL
         if uses_model and (sampler is None or tokenizer is None):
             raise ValueError("a model speaker needs sampler= and tokenizer=")
@@ -163,8 +180,9 @@ class RolloutEngine:
         self._rows_per_episode = (agent == MODEL) + (user == MODEL)  # at most; solo tasks use no user row
         self.stats: collections.Counter = collections.Counter()  # the last run's: see `Session.stats`, and run_s
 
-    def run(self, jobs: Sequence[Job], *, key: jax.Array,
-            on_done: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+    def run(
+        self, jobs: Sequence[Job], *, key: jax.Array, on_done: Callable[[Trajectory], None] | None = None
+    ) -> list[Trajectory]:
         """Plays every job; returns trajectories in job order. `on_done` sees each as it ends.
 
         Episodes advance independently: when a model turn ends, the episode takes it (tool calls,
@@ -279,9 +297,15 @@ class RolloutEngine:
             agents.append(agent)
             streams.append(item.job.stream("agent" if agent else "user"))
             sampling[speaker.row] = item
-        session.feed(rows, feeds, max_new_tokens=[budget for *_, budget in turns],
-                     temperature=[self.config.temperature if a else self.config.user_temperature for a in agents],
-                     top_p=[self.config.top_p if a else 1.0 for a in agents], adapter_idx=adapters, stream=streams)
+        session.feed(
+            rows,
+            feeds,
+            max_new_tokens=[budget for *_, budget in turns],
+            temperature=[self.config.temperature if a else self.config.user_temperature for a in agents],
+            top_p=[self.config.top_p if a else 1.0 for a in agents],
+            adapter_idx=adapters,
+            stream=streams,
+        )
 
     def _take_model_turn(self, item: _Live, completion: Completion) -> None:
         """Records a sampled turn (its tokens on the loss mask, with their logprobs) and takes it, after the
@@ -326,14 +350,20 @@ class RolloutEngine:
         parsed = parse_assistant_output(text, item.episode.tools)
         if parsed.tool_calls or parsed.errors:
             calls = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in parsed.tool_calls]
-            result = (item.episode.step({"role": "assistant", "content": parsed.content, "tool_calls": calls})
-                      if calls else base.StepResult())
-            errors = tuple({"role": "tool", "name": "error", "content": error} for error in parsed.errors)  # "Error: ..."
+            result = (
+                item.episode.step({"role": "assistant", "content": parsed.content, "tool_calls": calls})
+                if calls
+                else base.StepResult()
+            )
+            errors = tuple(
+                {"role": "tool", "name": "error", "content": error} for error in parsed.errors
+            )  # "Error: ..."
             result = dataclasses.replace(result, observations=result.observations + errors)
         else:
             result = item.episode.step({"role": "assistant", "content": text})
-        item.errors += sum(str(o.get("content", "")).startswith("Error") for o in result.observations
-                           if o["role"] == "tool")
+        item.errors += sum(
+            str(o.get("content", "")).startswith("Error") for o in result.observations if o["role"] == "tool"
+        )
         self._route(item, result)
         if item.end_reason is None and item.errors > self.config.max_errors:
             item.end_reason = base.END_MAX_ERRORS
@@ -364,9 +394,19 @@ class RolloutEngine:
             if actor != MODEL:
                 actor.forget(item.episode)
         agent = item.agent
-        return Trajectory(item.job, agent.messages, agent.token_ids, agent.loss_mask, agent.logprobs,
-                          item.end_reason, outcome, item.turns, item.errors, item.generated,
-                          None if item.user is None else item.user.messages)
+        return Trajectory(
+            item.job,
+            agent.messages,
+            agent.token_ids,
+            agent.loss_mask,
+            agent.logprobs,
+            item.end_reason,
+            outcome,
+            item.turns,
+            item.errors,
+            item.generated,
+            None if item.user is None else item.user.messages,
+        )
 
 
 def session_rows(used: int, batch_size: int, more_to_start: bool) -> int:
@@ -381,15 +421,24 @@ def rollout_profile(stats: collections.Counter) -> dict:
     turns, new episodes; openings copied from rows holding them) and the host (tools, the evaluator, encoding
     turns), with the rows busy per decode step."""
     host = stats["run_s"] - stats["decode_s"] - stats["prefill_s"]
-    return {"decode_s": round(stats["decode_s"], 1), "prefill_s": round(stats["prefill_s"], 1),
-            "host_s": round(host, 1), "decode_steps": stats["decode_steps"], "decode_calls": stats["decode_calls"],
-            "rows_per_decode_step": round(stats["decode_tokens"] / max(stats["decode_steps"], 1), 2),
-            "s_per_decode_step": round(stats["decode_s"] / max(stats["decode_steps"], 1), 3),
-            "prefix_prefills": stats["prefix_prefills"], "prefix_tokens": stats["prefix_tokens"],
-            "prefill_calls": stats["prefill_calls"], "prefill_rows": stats["prefill_rows"],
-            "prefill_tokens": stats["prefill_tokens"], "prefill_padded_tokens": stats["prefill_padded_tokens"],
-            "copied_rows": stats["copied_rows"], "copied_tokens": stats["copied_tokens"],
-            "cache_resizes": stats["resizes"]}
+    return {
+        "decode_s": round(stats["decode_s"], 1),
+        "prefill_s": round(stats["prefill_s"], 1),
+        "host_s": round(host, 1),
+        "decode_steps": stats["decode_steps"],
+        "decode_calls": stats["decode_calls"],
+        "rows_per_decode_step": round(stats["decode_tokens"] / max(stats["decode_steps"], 1), 2),
+        "s_per_decode_step": round(stats["decode_s"] / max(stats["decode_steps"], 1), 3),
+        "prefix_prefills": stats["prefix_prefills"],
+        "prefix_tokens": stats["prefix_tokens"],
+        "prefill_calls": stats["prefill_calls"],
+        "prefill_rows": stats["prefill_rows"],
+        "prefill_tokens": stats["prefill_tokens"],
+        "prefill_padded_tokens": stats["prefill_padded_tokens"],
+        "copied_rows": stats["copied_rows"],
+        "copied_tokens": stats["copied_tokens"],
+        "cache_resizes": stats["resizes"],
+    }
 
 
 def _rows(item: _Live) -> list[int]:

@@ -212,8 +212,13 @@ _TYPE_CHECKS = {
     "null": lambda v: v is None,
 }
 _JSON_TYPE_NAMES = {
-    type(None): "null", bool: "boolean", int: "integer", float: "number",
-    str: "string", list: "array", dict: "object",
+    type(None): "null",
+    bool: "boolean",
+    int: "integer",
+    float: "number",
+    str: "string",
+    list: "array",
+    dict: "object",
 }
 
 

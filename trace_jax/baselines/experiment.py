@@ -68,12 +68,17 @@ BUDGET_TOLERANCE = 0.05  # the baselines' budgets are within 5% of TRACE's (else
 
 
 def _checks() -> list[Check]:
-    return [("trace_run", lambda v: isinstance(v, str), '"" (run the pipeline here) or a TRACE run\'s workdir'),
-            ("budget", lambda v: v is None or positive_int(v), "None (TRACE's own rollouts) or a positive int"),
-            ("arms", lambda v: isinstance(v, tuple | list) and set(v) <= set(ARMS), f"a subset of {ARMS}"),
-            ("grpo_target.split", lambda v: isinstance(v, str) and bool(v), "the target's training split"),
-            ("oracle.num_tasks", lambda v: v is None or positive_int(v),
-             "None (all of TRACE's analysis tasks) or a positive int")]
+    return [
+        ("trace_run", lambda v: isinstance(v, str), '"" (run the pipeline here) or a TRACE run\'s workdir'),
+        ("budget", lambda v: v is None or positive_int(v), "None (TRACE's own rollouts) or a positive int"),
+        ("arms", lambda v: isinstance(v, tuple | list) and set(v) <= set(ARMS), f"a subset of {ARMS}"),
+        ("grpo_target.split", lambda v: isinstance(v, str) and bool(v), "the target's training split"),
+        (
+            "oracle.num_tasks",
+            lambda v: v is None or positive_int(v),
+            "None (all of TRACE's analysis tasks) or a positive int",
+        ),
+    ]
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -105,14 +110,15 @@ class Experiment:
             raise ValueError("TRACE trained no adapter, so it gives no budget: set config.budget")
         target = {**self.config.trace.target.env.to_dict(), "split": self.config.grpo_target.split}
         mixed = {"name": "mixed", "parts": list(trace["environments"].values()), "split": "train"}
-        runs = {"oracle": lambda: self._oracle(trace),
-                "grpo_target": lambda: self._grpo("grpo_target", target, budget, hints=False, snapshots=True),
-                # the same hints in the same share as TRACE's training: a win is then not hints against none
-                "grpo_target_hinted": lambda: self._grpo("grpo_target_hinted", target, budget, hints=True,
-                                                         snapshots=False),
-                "mixed": lambda: self._grpo("mixed", mixed, budget, hints=True, snapshots=False),
-                "gepa": lambda: self._gepa(trace, budget),
-                "subsets": lambda: self._subsets(trace)}
+        runs = {
+            "oracle": lambda: self._oracle(trace),
+            "grpo_target": lambda: self._grpo("grpo_target", target, budget, hints=False, snapshots=True),
+            # the same hints in the same share as TRACE's training: a win is then not hints against none
+            "grpo_target_hinted": lambda: self._grpo("grpo_target_hinted", target, budget, hints=True, snapshots=False),
+            "mixed": lambda: self._grpo("mixed", mixed, budget, hints=True, snapshots=False),
+            "gepa": lambda: self._gepa(trace, budget),
+            "subsets": lambda: self._subsets(trace),
+        }
         skipped = () if trace["environments"] else CAPABILITY_ARMS
         for arm in [arm for arm in self.config.arms if arm in skipped]:
             logging.warning("arm %s skipped: TRACE calibrated no capability environment", arm)
@@ -123,14 +129,24 @@ class Experiment:
             self.stages.run(arm, runs[arm])
             self._write(trace, budget, stages)
         fractions = sorted(self.config.trace.training.train.snapshot_fractions)
-        self.stages.run("scaling", lambda: scaling_points(
-            fractions, heldout_evaluation(self.config.trace), self.workdir, trace,
-            {arm: self.stages.done[arm]["result"] for arm in ("grpo_target", "gepa") if arm in self.stages.done},
-            heldout_runs(self.trace_dir, trace["base_dir"])))
+        self.stages.run(
+            "scaling",
+            lambda: scaling_points(
+                fractions,
+                heldout_evaluation(self.config.trace),
+                self.workdir,
+                trace,
+                {arm: self.stages.done[arm]["result"] for arm in ("grpo_target", "gepa") if arm in self.stages.done},
+                heldout_runs(self.trace_dir, trace["base_dir"]),
+            ),
+        )
         results = self._write(trace, budget, stages)
-        return {"success": {row["arm"]: row["success"] for row in results["arms"]}, "budget": results["budget"],
-                "seconds": round(sum(s["seconds"] for s in self.stages.done.values()), 1),
-                "this_run_seconds": round(time.monotonic() - start, 1)}
+        return {
+            "success": {row["arm"]: row["success"] for row in results["arms"]},
+            "budget": results["budget"],
+            "seconds": round(sum(s["seconds"] for s in self.stages.done.values()), 1),
+            "this_run_seconds": round(time.monotonic() - start, 1),
+        }
 
     def _write(self, trace: dict, budget: int, stages: list[str]) -> dict:
         """results.json, report.md and the scaling plot as far as the experiment has come (`stages`: those it
@@ -142,8 +158,11 @@ class Experiment:
             if results["scaling"]:
                 plot_scaling(results["scaling"], self.workdir / "plots" / "scaling.png")
             _log_scalars(self.workdir, results)
-        logging.info("report.md: %d arms%s", len(results["arms"]),
-                     f"; still to run: {', '.join(results['pending'])}" if results["pending"] else "")
+        logging.info(
+            "report.md: %d arms%s",
+            len(results["arms"]),
+            f"; still to run: {', '.join(results['pending'])}" if results["pending"] else "",
+        )
         return results
 
     def _trace(self) -> dict:
@@ -158,15 +177,20 @@ class Experiment:
         cards = read_json(self.trace_dir / "analysis" / "capabilities.json")["candidates"]
         jobs = {n: read_json(self.trace_dir / "adapters" / n / "summary.json") for n in adapters}
         rollouts = {n: job["rollouts"] for n, job in jobs.items()}
-        return {"trace_rollouts": sum(rollouts.values()), "rollouts_by_capability": rollouts, "adapters": adapters,
-                "steps_by_capability": {n: job["steps"] for n, job in jobs.items()},
-                "episodes_dir": str(self.trace_dir / "heldout" / "trace"),
-                "examples": pipeline.stages["routing"]["result"].get("examples", {}),
-                "trace_seconds": summary["seconds"], "base_seconds": pipeline.stages["base"]["seconds"],
-                "base_dir": pipeline.stages["base"]["result"]["heldout_dir"],
-                "routing": pipeline.stages["routing"]["result"]["by_task"],
-                "environments": {n: environments[n]["env"] for n in adapters},
-                "descriptions": {c["name"]: c["description"] for c in cards if c["name"] in adapters}}
+        return {
+            "trace_rollouts": sum(rollouts.values()),
+            "rollouts_by_capability": rollouts,
+            "adapters": adapters,
+            "steps_by_capability": {n: job["steps"] for n, job in jobs.items()},
+            "episodes_dir": str(self.trace_dir / "heldout" / "trace"),
+            "examples": pipeline.stages["routing"]["result"].get("examples", {}),
+            "trace_seconds": summary["seconds"],
+            "base_seconds": pipeline.stages["base"]["seconds"],
+            "base_dir": pipeline.stages["base"]["result"]["heldout_dir"],
+            "routing": pipeline.stages["routing"]["result"]["by_task"],
+            "environments": {n: environments[n]["env"] for n in adapters},
+            "descriptions": {c["name"]: c["description"] for c in cards if c["name"] in adapters},
+        }
 
     def _oracle(self, trace: dict) -> dict:
         """Oracle routing chosen on train tasks, not on the held-out ones it is scored on: the base agent (its
@@ -176,12 +200,18 @@ class Experiment:
         systems = {lora.NO_ADAPTER: ("general_service", ""), **dict(enumerate(trace["adapters"].items()))}
         records, played = {}, 0
         for index, (name, adapter) in systems.items():
-            summary = evaluate(analysis_evaluation(config, adapter, self.config.oracle.num_tasks), folder / name,
-                               reuse=[self.trace_dir / "base_analysis"])
+            summary = evaluate(
+                analysis_evaluation(config, adapter, self.config.oracle.num_tasks),
+                folder / name,
+                reuse=[self.trace_dir / "base_analysis"],
+            )
             played += summary["num_episodes"] - summary["reused_episodes"]
             records[index] = _episodes(folder / name)
-        return {"by_family": {f: systems[i][0] for f, i in best_by_family(records).items()},
-                "tasks": len(records[lora.NO_ADAPTER]), "episodes_played": played}
+        return {
+            "by_family": {f: systems[i][0] for f, i in best_by_family(records).items()},
+            "tasks": len(records[lora.NO_ADAPTER]),
+            "episodes_played": played,
+        }
 
     def _grpo(self, arm: str, env: dict, budget: int, hints: bool, snapshots: bool) -> dict:
         """GRPO with TRACE's training settings on `env` for `budget` episodes, then its adapter on the held-out
@@ -195,23 +225,44 @@ class Experiment:
         training.eval.num_tasks = 0  # held out below, as every arm is
         summary = grpo.train(training, folder)
         heldout = heldout_evaluation(trace, str(folder / "adapter"))
-        return {"rollouts": summary["rollouts"], "steps": summary["steps"], "adapter": heldout.adapter,
-                "heldout": evaluate(heldout, folder / "heldout")["success"], "episodes_dir": str(folder / "heldout")}
+        return {
+            "rollouts": summary["rollouts"],
+            "steps": summary["steps"],
+            "adapter": heldout.adapter,
+            "heldout": evaluate(heldout, folder / "heldout")["success"],
+            "episodes_dir": str(folder / "heldout"),
+        }
 
     def _gepa(self, trace: dict, budget: int) -> dict:
         """GEPA per calibrated capability (seeded with its description, episodes cut as TRACE's training cuts
         them), then the joined texts on the held-out tasks."""
         limits = self.config.trace.training.rollout
-        rollout = RolloutConfig(batch_size=limits.batch_size, max_turns=limits.max_turns,
-                                max_tokens_per_turn=limits.max_tokens_per_turn, max_errors=limits.max_errors,
-                                temperature=self.config.gepa.temperature)
+        rollout = RolloutConfig(
+            batch_size=limits.batch_size,
+            max_turns=limits.max_turns,
+            max_tokens_per_turn=limits.max_tokens_per_turn,
+            max_errors=limits.max_errors,
+            temperature=self.config.gepa.temperature,
+        )
         capabilities = {n: (env, trace["descriptions"][n]) for n, env in trace["environments"].items()}
         folder = self.workdir / "gepa"
-        result = gepa_arm(capabilities, heldout_evaluation(self.config.trace), rollout, self.config.gepa,
-                          self.config.trace.llm, budget, folder)
-        return {"rollouts": result["metric_calls"], "episodes_played": result["episodes_played"],
-                "texts": result["texts"], "heldout": result["heldout"]["success"],
-                "episodes_dir": str(folder / "heldout"), "result": str(folder / "result.json")}
+        result = gepa_arm(
+            capabilities,
+            heldout_evaluation(self.config.trace),
+            rollout,
+            self.config.gepa,
+            self.config.trace.llm,
+            budget,
+            folder,
+        )
+        return {
+            "rollouts": result["metric_calls"],
+            "episodes_played": result["episodes_played"],
+            "texts": result["texts"],
+            "heldout": result["heldout"]["success"],
+            "episodes_dir": str(folder / "heldout"),
+            "result": str(folder / "result.json"),
+        }
 
     def _subsets(self, trace: dict) -> dict:
         """TRACE routed among its first k adapters only, for each k below their number; k -> the rollouts those
@@ -224,64 +275,114 @@ class Experiment:
         for k in range(1, len(names)):
             options = [RouteOption(n, trace["descriptions"][n], trace["examples"][n]) for n in names[:k]]
             indices, _, _ = route_tasks(config, target, tasks, options)
-            routes = Routes(tuple(trace["adapters"][n] for n in names[:k]),
-                            {t.task_id: i for t, i in zip(tasks, indices)})
+            routes = Routes(
+                tuple(trace["adapters"][n] for n in names[:k]), {t.task_id: i for t, i in zip(tasks, indices)}
+            )
             folder = self.workdir / "subsets" / f"top_{k}"
             evaluate(heldout_evaluation(config), folder, routes=routes, reuse=reuse)
-            runs[str(k)] = {"rollouts": sum(trace["rollouts_by_capability"][n] for n in names[:k]),
-                            "episodes_dir": str(folder)}
+            runs[str(k)] = {
+                "rollouts": sum(trace["rollouts_by_capability"][n] for n in names[:k]),
+                "episodes_dir": str(folder),
+            }
         return runs
 
     def _results(self, trace: dict, budget: int, pending: list[str]) -> dict:
         """One row per arm done: held-out success overall (95% interval) and per family, rollouts, wall time;
         each arm paired with TRACE on the same tasks; the scaling curve once done; the stages still `pending`."""
         base, routed_trace = _episodes(pathlib.Path(trace["base_dir"])), _episodes(self.trace_dir / "heldout" / "trace")
-        row = lambda arm, records, rollouts, seconds: {**_row(arm, records, rollouts, seconds),
-                                                       "vs_trace": paired(routed_trace, records)}
-        rows = [row("base", base, 0, trace["base_seconds"]),
-                _row("TRACE", routed_trace, trace["trace_rollouts"], trace["trace_seconds"])]
+        row = lambda arm, records, rollouts, seconds: {
+            **_row(arm, records, rollouts, seconds),
+            "vs_trace": paired(routed_trace, records),
+        }
+        rows = [
+            row("base", base, 0, trace["base_seconds"]),
+            _row("TRACE", routed_trace, trace["trace_rollouts"], trace["trace_seconds"]),
+        ]
         adapters = list(trace["adapters"])
         if adapters:
             singles = {n: _episodes(self.trace_dir / "heldout" / n) for n in adapters}
-            by_task = {name: {r["task_id"]: r for r in records}
-                       for name, records in {"general_service": base, **singles}.items()}
+            by_task = {
+                name: {r["task_id"]: r for r in records}
+                for name, records in {"general_service": base, **singles}.items()
+            }
             # each held-out task's episode of its family's system (a family the choice never met: the base agent's)
-            routed = lambda by_family: [by_task[by_family.get(r["family"], "general_service")][r["task_id"]]
-                                        for r in base]
+            routed = lambda by_family: [
+                by_task[by_family.get(r["family"], "general_service")][r["task_id"]] for r in base
+            ]
             if "oracle" in self.stages.done:
                 done, split = self.stages.done["oracle"], self.config.trace.target.analysis_split
-                rows.append(row(f"TRACE, oracle routing (chosen on {done['result']['tasks']} {split} tasks)",
-                                routed(done["result"]["by_family"]), trace["trace_rollouts"],
-                                trace["trace_seconds"] + done["seconds"]))
+                rows.append(
+                    row(
+                        f"TRACE, oracle routing (chosen on {done['result']['tasks']} {split} tasks)",
+                        routed(done["result"]["by_family"]),
+                        trace["trace_rollouts"],
+                        trace["trace_seconds"] + done["seconds"],
+                    )
+                )
             upper = oracle_routes(self.trace_dir, trace["base_dir"], adapters, trace["routing"])["by_family"]
-            rows.append(row("per family the best system on held-out (upper bound)", routed(upper),
-                            trace["trace_rollouts"], trace["trace_seconds"]))
+            rows.append(
+                row(
+                    "per family the best system on held-out (upper bound)",
+                    routed(upper),
+                    trace["trace_rollouts"],
+                    trace["trace_seconds"],
+                )
+            )
             best = max(adapters, key=lambda n: sum(r["success"] for r in singles[n]))
-            rows.append(row(f"best single adapter ({best})", singles[best], trace["rollouts_by_capability"][best],
-                            trace["trace_seconds"]))
-        names = {"grpo_target": "GRPO on the target", "grpo_target_hinted": "GRPO on the target, hinted as TRACE",
-                 "mixed": "one adapter, environments mixed", "gepa": "GEPA"}
+            rows.append(
+                row(
+                    f"best single adapter ({best})",
+                    singles[best],
+                    trace["rollouts_by_capability"][best],
+                    trace["trace_seconds"],
+                )
+            )
+        names = {
+            "grpo_target": "GRPO on the target",
+            "grpo_target_hinted": "GRPO on the target, hinted as TRACE",
+            "mixed": "one adapter, environments mixed",
+            "gepa": "GEPA",
+        }
         for arm in names:
             if arm in self.stages.done:
                 done = self.stages.done[arm]
-                rows.append(row(names[arm], _episodes(pathlib.Path(done["result"]["episodes_dir"])),
-                                done["result"]["rollouts"], done["seconds"]))
+                rows.append(
+                    row(
+                        names[arm],
+                        _episodes(pathlib.Path(done["result"]["episodes_dir"])),
+                        done["result"]["rollouts"],
+                        done["seconds"],
+                    )
+                )
                 if abs(rows[-1]["rollouts"] - budget) > BUDGET_TOLERANCE * budget:
-                    logging.warning("%s used %d rollouts against the budget of %d", names[arm],
-                                    rows[-1]["rollouts"], budget)
+                    logging.warning(
+                        "%s used %d rollouts against the budget of %d", names[arm], rows[-1]["rollouts"], budget
+                    )
         for k, run in self.stages.done.get("subsets", {}).get("result", {}).items():
-            rows.append(row(f"TRACE, top {k} of {len(adapters)} capabilities", _episodes(pathlib.Path(
-                run["episodes_dir"])), run["rollouts"], self.stages.done["subsets"]["seconds"]))
-        return {"budget": budget, "trace_rollouts": trace["trace_rollouts"], "arms": rows,
-                "scaling": self._curves(), "pending": pending}
+            rows.append(
+                row(
+                    f"TRACE, top {k} of {len(adapters)} capabilities",
+                    _episodes(pathlib.Path(run["episodes_dir"])),
+                    run["rollouts"],
+                    self.stages.done["subsets"]["seconds"],
+                )
+            )
+        return {
+            "budget": budget,
+            "trace_rollouts": trace["trace_rollouts"],
+            "arms": rows,
+            "scaling": self._curves(),
+            "pending": pending,
+        }
 
     def _curves(self) -> dict[str, list[dict]]:
         """The scaling stage's points as rows: held-out success with its 95% interval at each point's rollouts
         (points share folders, the base agent's in every curve: each is read once)."""
         read = functools.cache(lambda folder: _episodes(pathlib.Path(folder)))
-        return {arm: [{**_row(arm, read(p["episodes_dir"]), p["rollouts"], 0.0), "fraction": p["fraction"]}
-                      for p in points]
-                for arm, points in self.stages.done.get("scaling", {}).get("result", {}).items()}
+        return {
+            arm: [{**_row(arm, read(p["episodes_dir"]), p["rollouts"], 0.0), "fraction": p["fraction"]} for p in points]
+            for arm, points in self.stages.done.get("scaling", {}).get("result", {}).items()
+        }
 
 
 def _episodes(folder: pathlib.Path) -> list[dict]:
@@ -293,9 +394,16 @@ def _row(arm: str, records: list[dict], rollouts: int, seconds: float) -> dict:
     if not records:
         raise ValueError(f"the arm {arm!r} has no held-out episodes")
     *families, overall = summarize(records, 1)
-    return {"arm": arm, "success": overall["success"], "ci_low": overall["ci_low"], "ci_high": overall["ci_high"],
-            "episodes": overall["episodes"], "rollouts": int(rollouts), "seconds": round(float(seconds), 1),
-            "families": {row["family"]: row["success"] for row in families}}
+    return {
+        "arm": arm,
+        "success": overall["success"],
+        "ci_low": overall["ci_low"],
+        "ci_high": overall["ci_high"],
+        "episodes": overall["episodes"],
+        "rollouts": int(rollouts),
+        "seconds": round(float(seconds), 1),
+        "families": {row["family"]: row["success"] for row in families},
+    }
 
 
 def scalar_name(kind: str, arm: str) -> str:
@@ -326,27 +434,46 @@ def _log_scalars(workdir: pathlib.Path, results: dict) -> None:
 def report(results: dict) -> str:
     """The comparison's tables: success per arm with its 95% interval, rollouts and wall time; per family; each
     arm paired with TRACE (McNemar); the scaling curve."""
-    lines = [f"# TRACE against its baselines (budget: {results['budget']} training episodes per arm)", "",
-             *([f"Still to run: {', '.join(results['pending'])}.", ""] if results["pending"] else []),
-             "| arm | held-out success [95% CI] | episodes | training rollouts | wall time |",
-             "|---|---|---:|---:|---:|"]
+    lines = [
+        f"# TRACE against its baselines (budget: {results['budget']} training episodes per arm)",
+        "",
+        *([f"Still to run: {', '.join(results['pending'])}.", ""] if results["pending"] else []),
+        "| arm | held-out success [95% CI] | episodes | training rollouts | wall time |",
+        "|---|---|---:|---:|---:|",
+    ]
     for row in results["arms"]:
-        lines.append(f"| {row['arm']} | {100 * row['success']:.1f}% [{100 * row['ci_low']:.1f}, "
-                     f"{100 * row['ci_high']:.1f}] | {row['episodes']} | {row['rollouts']} | "
-                     f"{row['seconds'] / 60:.1f} min |")
+        lines.append(
+            f"| {row['arm']} | {100 * row['success']:.1f}% [{100 * row['ci_low']:.1f}, "
+            f"{100 * row['ci_high']:.1f}] | {row['episodes']} | {row['rollouts']} | "
+            f"{row['seconds'] / 60:.1f} min |"
+        )
     families = sorted({f for row in results["arms"] for f in row["families"]})
-    lines += ["", "## Held-out success per family", "", "| arm | " + " | ".join(families) + " |",
-              "|---|" + "---:|" * len(families)]
+    lines += [
+        "",
+        "## Held-out success per family",
+        "",
+        "| arm | " + " | ".join(families) + " |",
+        "|---|" + "---:|" * len(families),
+    ]
     for row in results["arms"]:
         cells = [f"{100 * row['families'][f]:.0f}%" if f in row["families"] else "-" for f in families]
         lines.append(f"| {row['arm']} | " + " | ".join(cells) + " |")
-    lines += ["", "## Paired with TRACE on the same held-out tasks", "",
-              "| arm | tasks only TRACE solves | tasks only the arm solves | exact McNemar p |", "|---|---:|---:|---:|"]
+    lines += [
+        "",
+        "## Paired with TRACE on the same held-out tasks",
+        "",
+        "| arm | tasks only TRACE solves | tasks only the arm solves | exact McNemar p |",
+        "|---|---:|---:|---:|",
+    ]
     for row in results["arms"]:
         if "vs_trace" in row:
             pair = row["vs_trace"]
             lines.append(f"| {row['arm']} | {pair['only_a']} | {pair['only_b']} | {pair['p_value']:.3g} |")
     if results["scaling"]:
-        lines += ["", "## Scaling: held-out success at shares of the budget (plots/scaling.png)", "",
-                  *scaling_table(results["scaling"])]
+        lines += [
+            "",
+            "## Scaling: held-out success at shares of the budget (plots/scaling.png)",
+            "",
+            *scaling_table(results["scaling"]),
+        ]
     return "\n".join(lines) + "\n"

@@ -44,17 +44,19 @@ REFLECTIONS = ("local", "llm")
 
 def gepa_defaults() -> ml_collections.ConfigDict:
     """The `gepa` config block (per capability; the authors: 200 train seeds, 5,000 metric calls)."""
-    return ml_collections.ConfigDict(dict(
-        train_tasks=16,  # the capability environment's first train tasks: GEPA's reflection minibatches
-        val_tasks=8,  # the train tasks after those: GEPA's validation (its Pareto front)
-        max_metric_calls=256,  # episodes GEPA may play (its budget, as rollouts)
-        minibatch_size=3,
-        reflection="local",  # "local": the base model; "llm": the config's `llm` endpoint
-        reflection_max_tokens=384,  # the local reflection's reply
-        reflection_temperature=0.7,  # the local reflection's sampling
-        message_chars=300,  # messages are cut to this many characters in what the reflection LM reads
-        temperature=0.0,  # its episodes' sampling (greedy: the target's held-out evaluation is)
-    ))
+    return ml_collections.ConfigDict(
+        dict(
+            train_tasks=16,  # the capability environment's first train tasks: GEPA's reflection minibatches
+            val_tasks=8,  # the train tasks after those: GEPA's validation (its Pareto front)
+            max_metric_calls=256,  # episodes GEPA may play (its budget, as rollouts)
+            minibatch_size=3,
+            reflection="local",  # "local": the base model; "llm": the config's `llm` endpoint
+            reflection_max_tokens=384,  # the local reflection's reply
+            reflection_temperature=0.7,  # the local reflection's sampling
+            message_chars=300,  # messages are cut to this many characters in what the reflection LM reads
+            temperature=0.0,  # its episodes' sampling (greedy: the target's held-out evaluation is)
+        )
+    )
 
 
 def _checks() -> list[Check]:
@@ -87,8 +89,15 @@ class EpisodeAdapter:
 
     propose_new_texts = None  # GEPA's own reflective proposal, with the reflection LM
 
-    def __init__(self, env: Environment, make_engine: Callable[[Environment], RolloutEngine], *, seed: int,
-                 log_path: pathlib.Path, message_chars: int = 300):
+    def __init__(
+        self,
+        env: Environment,
+        make_engine: Callable[[Environment], RolloutEngine],
+        *,
+        seed: int,
+        log_path: pathlib.Path,
+        message_chars: int = 300,
+    ):
         self.env, self.make_engine, self.seed = env, make_engine, seed
         self.log_path, self.message_chars = log_path, message_chars
         logged = recorded_episodes(log_path)  # up to a line cut by a kill, which is dropped
@@ -101,8 +110,12 @@ class EpisodeAdapter:
         records = self.memo.get(key)
         if records is None:
             engine = self.make_engine(GuidedEnvironment(self.env, candidate[COMPONENT]))
-            records = [t.record() for t in engine.run([Job(task) for task in batch],
-                                                       key=jax.random.fold_in(jax.random.key(self.seed), key))]
+            records = [
+                t.record()
+                for t in engine.run(
+                    [Job(task) for task in batch], key=jax.random.fold_in(jax.random.key(self.seed), key)
+                )
+            ]
             append_jsonl(self.log_path, {"key": key, "records": records})
             self.memo[key] = records
             self.played += len(records)
@@ -110,8 +123,10 @@ class EpisodeAdapter:
         return gepa.EvaluationBatch(outputs=records, scores=[r["reward"] for r in records], trajectories=views)
 
     def make_reflective_dataset(self, candidate: dict[str, str], eval_batch, components_to_update: list[str]):
-        examples = [{"Inputs": view["ticket"], "Generated Outputs": view["messages"], "Feedback": view["feedback"]}
-                    for view in eval_batch.trajectories]
+        examples = [
+            {"Inputs": view["ticket"], "Generated Outputs": view["messages"], "Feedback": view["feedback"]}
+            for view in eval_batch.trajectories
+        ]
         return {component: examples for component in components_to_update}
 
     def _view(self, task: TaskSpec, record: dict) -> dict:
@@ -119,8 +134,11 @@ class EpisodeAdapter:
         episode = self.env.episode(task)
         scored = from_record(record, episode.gold(), episode.tools)
         view = compact(scored, self.message_chars)
-        turns = [f"{m['role']}: {m.get('tool_calls') or m.get('content', '')}" for m in view["messages"]
-                 if m.get("content") != scored.ticket]
+        turns = [
+            f"{m['role']}: {m.get('tool_calls') or m.get('content', '')}"
+            for m in view["messages"]
+            if m.get("content") != scored.ticket
+        ]
         reasons = failure_reasons(scored)
         feedback = f"reward {scored.reward:.2f} of 1.00" + (": " + "; ".join(reasons) if reasons else ": solved")
         return {"ticket": scored.ticket, "messages": "\n".join(turns), "feedback": feedback}
@@ -163,9 +181,13 @@ class LocalReflectionLM:
             logging.info("reflection prompt of %d tokens cut to %d (head and tail kept)", len(ids), room)
             ids = keep_ends(ids, room)
         key = jax.random.fold_in(self.key, _digest(messages))
-        completion = self.sampler.generate([ids], key=key, max_new_tokens=self.max_new_tokens,
-                                           temperature=self.temperature,
-                                           stop_token_ids=self.model.tokenizer.eos_token_ids)[0][0]
+        completion = self.sampler.generate(
+            [ids],
+            key=key,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            stop_token_ids=self.model.tokenizer.eos_token_ids,
+        )[0][0]
         # The reply without the end-of-turn token it stopped on: in a proposed guidance that token would end
         # the system prompt's turn early.
         return self.model.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
@@ -179,12 +201,20 @@ def _digest(value) -> int:
 def keep_ends(ids: list[int], room: int) -> list[int]:
     """`ids` cut to `room` tokens by dropping the middle: the first half of the room from the head, the rest from
     the tail."""
-    return ids if len(ids) <= room else ids[: room // 2] + ids[len(ids) - (room - room // 2):]
+    return ids if len(ids) <= room else ids[: room // 2] + ids[len(ids) - (room - room // 2) :]
 
 
-def optimize_guidance(env: Environment, seed_text: str, make_engine: Callable[[Environment], RolloutEngine],
-                      reflection_lm: Callable[[str], str], cfg: ml_collections.ConfigDict, workdir: str | pathlib.Path,
-                      *, seed: int = 0, split: str = "train") -> dict:
+def optimize_guidance(
+    env: Environment,
+    seed_text: str,
+    make_engine: Callable[[Environment], RolloutEngine],
+    reflection_lm: Callable[[str], str],
+    cfg: ml_collections.ConfigDict,
+    workdir: str | pathlib.Path,
+    *,
+    seed: int = 0,
+    split: str = "train",
+) -> dict:
     """Runs GEPA on one capability's environment from `seed_text` into `workdir` (resumed when it holds a
     run); returns (and writes to result.json) the best text by validation score, every candidate with its
     validation score and the metric calls spent when it was found, and the episodes played."""
@@ -192,25 +222,48 @@ def optimize_guidance(env: Environment, seed_text: str, make_engine: Callable[[E
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     tasks = env.tasks(split, cfg.train_tasks + cfg.val_tasks)
-    adapter = EpisodeAdapter(env, make_engine, seed=seed, log_path=workdir / "evaluations.jsonl",
-                             message_chars=cfg.message_chars)
+    adapter = EpisodeAdapter(
+        env, make_engine, seed=seed, log_path=workdir / "evaluations.jsonl", message_chars=cfg.message_chars
+    )
     start = time.monotonic()
     result = gepa.optimize(
-        seed_candidate={COMPONENT: seed_text}, trainset=tasks[: cfg.train_tasks], valset=tasks[cfg.train_tasks:],
-        adapter=adapter, reflection_lm=reflection_lm, reflection_minibatch_size=cfg.minibatch_size,
-        max_metric_calls=cfg.max_metric_calls, run_dir=str(workdir / "gepa"), seed=seed, logger=_AbslLogger(),
-        display_progress_bar=False, raise_on_exception=True)
-    candidates = [{"text": c[COMPONENT], "val_score": round(float(s), 6), "found_at_metric_calls": int(n)}
-                  for c, s, n in zip(result.candidates, result.val_aggregate_scores, result.discovery_eval_counts)]
-    summary = {"seed_text": seed_text, "best_text": result.best_candidate[COMPONENT],
-               "best_val_score": round(float(result.val_aggregate_scores[result.best_idx]), 6),
-               "seed_val_score": candidates[0]["val_score"], "metric_calls": int(result.total_metric_calls),
-               "budget": cfg.max_metric_calls, "episodes_played": adapter.played, "candidates": candidates,
-               "seconds": round(time.monotonic() - start, 1)}
+        seed_candidate={COMPONENT: seed_text},
+        trainset=tasks[: cfg.train_tasks],
+        valset=tasks[cfg.train_tasks :],
+        adapter=adapter,
+        reflection_lm=reflection_lm,
+        reflection_minibatch_size=cfg.minibatch_size,
+        max_metric_calls=cfg.max_metric_calls,
+        run_dir=str(workdir / "gepa"),
+        seed=seed,
+        logger=_AbslLogger(),
+        display_progress_bar=False,
+        raise_on_exception=True,
+    )
+    candidates = [
+        {"text": c[COMPONENT], "val_score": round(float(s), 6), "found_at_metric_calls": int(n)}
+        for c, s, n in zip(result.candidates, result.val_aggregate_scores, result.discovery_eval_counts)
+    ]
+    summary = {
+        "seed_text": seed_text,
+        "best_text": result.best_candidate[COMPONENT],
+        "best_val_score": round(float(result.val_aggregate_scores[result.best_idx]), 6),
+        "seed_val_score": candidates[0]["val_score"],
+        "metric_calls": int(result.total_metric_calls),
+        "budget": cfg.max_metric_calls,
+        "episodes_played": adapter.played,
+        "candidates": candidates,
+        "seconds": round(time.monotonic() - start, 1),
+    }
     write_json_atomic(workdir / "result.json", summary)
-    logging.info("GEPA: %d candidates, validation %.3f -> %.3f, %d metric calls (%d episodes played)",
-                 len(candidates), summary["seed_val_score"], summary["best_val_score"], summary["metric_calls"],
-                 adapter.played)
+    logging.info(
+        "GEPA: %d candidates, validation %.3f -> %.3f, %d metric calls (%d episodes played)",
+        len(candidates),
+        summary["seed_val_score"],
+        summary["best_val_score"],
+        summary["metric_calls"],
+        adapter.played,
+    )
     return summary
 
 
@@ -223,8 +276,9 @@ def best_within(summary: dict, metric_calls: int) -> str:
 
 def joined_guidance(texts: dict[str, str]) -> str:
     """The capabilities' optimised texts as one guidance for the target's system prompt, in the given order."""
-    return "\n\n".join(f"{name.replace('_', ' ').capitalize()}: {text.strip()}" for name, text in texts.items()
-                       if text.strip())
+    return "\n\n".join(
+        f"{name.replace('_', ' ').capitalize()}: {text.strip()}" for name, text in texts.items() if text.strip()
+    )
 
 
 def guided_evaluation(heldout: ml_collections.ConfigDict, texts: dict[str, str]) -> ml_collections.ConfigDict:
@@ -234,9 +288,15 @@ def guided_evaluation(heldout: ml_collections.ConfigDict, texts: dict[str, str])
     return evaluation
 
 
-def gepa_arm(capabilities: dict[str, tuple[dict, str]], heldout: ml_collections.ConfigDict,
-             rollout: RolloutConfig, cfg: ml_collections.ConfigDict, llm: ml_collections.ConfigDict | None,
-             budget: int, workdir: str | pathlib.Path) -> dict:
+def gepa_arm(
+    capabilities: dict[str, tuple[dict, str]],
+    heldout: ml_collections.ConfigDict,
+    rollout: RolloutConfig,
+    cfg: ml_collections.ConfigDict,
+    llm: ml_collections.ConfigDict | None,
+    budget: int,
+    workdir: str | pathlib.Path,
+) -> dict:
     """GEPA as one arm of the comparison: per capability (name -> (its environment's config, the text GEPA starts
     from, e.g. its description)), GEPA with an equal share of `budget` metric calls, the base model of `heldout`
     playing `rollout`'s episodes; then the texts joined into the system prompt of `heldout` (an evaluation job's
@@ -250,31 +310,57 @@ def gepa_arm(capabilities: dict[str, tuple[dict, str]], heldout: ml_collections.
     texts = {name: run["best_text"] for name, run in runs.items()}
     evaluation = guided_evaluation(heldout, texts)
     summary = evaluate(evaluation, workdir / "heldout")
-    result = {"texts": texts, "guidance": evaluation.env.guidance, "budget": budget,
-              "metric_calls": sum(run["metric_calls"] for run in runs.values()),
-              "episodes_played": sum(run["episodes_played"] for run in runs.values()),
-              "capabilities": runs, "heldout": summary, "seconds": round(time.monotonic() - start, 1)}
+    result = {
+        "texts": texts,
+        "guidance": evaluation.env.guidance,
+        "budget": budget,
+        "metric_calls": sum(run["metric_calls"] for run in runs.values()),
+        "episodes_played": sum(run["episodes_played"] for run in runs.values()),
+        "capabilities": runs,
+        "heldout": summary,
+        "seconds": round(time.monotonic() - start, 1),
+    }
     distributed.on_main(lambda: write_json_atomic(workdir / "result.json", result))  # the scaling curve reads it
     return result
 
 
-def _optimize_each(capabilities: dict[str, tuple[dict, str]], heldout: ml_collections.ConfigDict,
-                   rollout: RolloutConfig, cfg: ml_collections.ConfigDict, llm: ml_collections.ConfigDict | None,
-                   budget: int, workdir: pathlib.Path) -> dict[str, dict]:
+def _optimize_each(
+    capabilities: dict[str, tuple[dict, str]],
+    heldout: ml_collections.ConfigDict,
+    rollout: RolloutConfig,
+    cfg: ml_collections.ConfigDict,
+    llm: ml_collections.ConfigDict | None,
+    budget: int,
+    workdir: pathlib.Path,
+) -> dict[str, dict]:
     """`optimize_guidance` on each capability's environment with an equal share of `budget`; name -> its result."""
     model = load_model(heldout.model, heldout.dtype)
     sampler = Sampler(model.cfg, model.params, detokenize=model.tokenizer.decode)
     if cfg.reflection == "llm":
         reflection_lm = endpoint_reflection(ChatClient(llm, workdir / "llm_cache"))
     else:
-        reflection_lm = LocalReflectionLM(model, sampler, max_new_tokens=cfg.reflection_max_tokens,
-                                          temperature=cfg.reflection_temperature, seed=heldout.seed)
+        reflection_lm = LocalReflectionLM(
+            model,
+            sampler,
+            max_new_tokens=cfg.reflection_max_tokens,
+            temperature=cfg.reflection_temperature,
+            seed=heldout.seed,
+        )
 
     def make_engine(env: Environment) -> RolloutEngine:
         return RolloutEngine(env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=model.tokenizer, config=rollout)
 
     share = ml_collections.ConfigDict(cfg.to_dict())
     share.max_metric_calls = max(budget // len(capabilities), 1)
-    return {name: optimize_guidance(make_environment(ml_collections.ConfigDict(env)), seed_text, make_engine,
-                                    reflection_lm, share, workdir / name, seed=heldout.seed)
-            for name, (env, seed_text) in capabilities.items()}
+    return {
+        name: optimize_guidance(
+            make_environment(ml_collections.ConfigDict(env)),
+            seed_text,
+            make_engine,
+            reflection_lm,
+            share,
+            workdir / name,
+            seed=heldout.seed,
+        )
+        for name, (env, seed_text) in capabilities.items()
+    }

@@ -40,8 +40,9 @@ def snapshot_folder(adapter: str | pathlib.Path, step: int, steps: int) -> pathl
     return adapter if step == steps else adapter.parent / "snapshots" / f"step_{step}"
 
 
-def trace_routes(fraction: float, adapters: dict[str, str], steps: dict[str, int],
-                 by_task: dict[str, int]) -> Routes | None:
+def trace_routes(
+    fraction: float, adapters: dict[str, str], steps: dict[str, int], by_task: dict[str, int]
+) -> Routes | None:
     """TRACE's routing (`by_task`: each task's index in `adapters`) with every adapter at `fraction` of its
     job's steps; the tasks of an adapter still at step 0 get none. None when no adapter has trained yet."""
     names = list(adapters)
@@ -50,27 +51,44 @@ def trace_routes(fraction: float, adapters: dict[str, str], steps: dict[str, int
     if not kept:
         return None
     index = {n: i for i, n in enumerate(kept)}
-    return Routes(tuple(str(folders[n]) for n in kept),
-                  {task: lora.NO_ADAPTER if i == lora.NO_ADAPTER else index.get(names[i], lora.NO_ADAPTER)
-                   for task, i in by_task.items()})
+    return Routes(
+        tuple(str(folders[n]) for n in kept),
+        {
+            task: lora.NO_ADAPTER if i == lora.NO_ADAPTER else index.get(names[i], lora.NO_ADAPTER)
+            for task, i in by_task.items()
+        },
+    )
 
 
-def _evaluated(heldout: ml_collections.ConfigDict, folder: pathlib.Path, routes: Routes | None = None,
-               reuse: Sequence[pathlib.Path] = ()) -> str:
+def _evaluated(
+    heldout: ml_collections.ConfigDict,
+    folder: pathlib.Path,
+    routes: Routes | None = None,
+    reuse: Sequence[pathlib.Path] = (),
+) -> str:
     """`heldout` (with `routes`, taking what `reuse` holds of the same policies) evaluated into `folder` once its
     adapters are known to exist; the folder."""
-    missing = [pathlib.Path(f) for f in (routes.adapters if routes else [heldout.adapter] if heldout.adapter else [])
-               if not (pathlib.Path(f) / "adapter_config.json").is_file()]
+    missing = [
+        pathlib.Path(f)
+        for f in (routes.adapters if routes else [heldout.adapter] if heldout.adapter else [])
+        if not (pathlib.Path(f) / "adapter_config.json").is_file()
+    ]
     if missing:
-        raise FileNotFoundError(f"no adapter snapshot at {missing[0]}: the run was made without "
-                                "train.snapshot_fractions at this share")
+        raise FileNotFoundError(
+            f"no adapter snapshot at {missing[0]}: the run was made without train.snapshot_fractions at this share"
+        )
     evaluate(heldout, folder, routes=routes, reuse=reuse)
     return str(folder)
 
 
-def scaling_points(fractions: list[float], heldout: ml_collections.ConfigDict, workdir: pathlib.Path,
-                   trace: dict, arms: dict[str, dict],
-                   trace_heldout: Sequence[pathlib.Path] = ()) -> dict[str, list[dict]]:
+def scaling_points(
+    fractions: list[float],
+    heldout: ml_collections.ConfigDict,
+    workdir: pathlib.Path,
+    trace: dict,
+    arms: dict[str, dict],
+    trace_heldout: Sequence[pathlib.Path] = (),
+) -> dict[str, list[dict]]:
     """Per scaled arm, its curve: {"fraction", "rollouts", "episodes_dir"} for the untrained agent, each of
     `fractions` and the finished arm. `trace`: the experiment's TRACE stage result; `arms`: the finished
     grpo_target and gepa stages' results (an arm not run has no curve); `trace_heldout`: the TRACE run's held-out
@@ -92,12 +110,16 @@ def scaling_points(fractions: list[float], heldout: ml_collections.ConfigDict, w
 
 
 def _with_ends(points: list[dict], base_dir: str, rollouts: int, episodes_dir: str) -> list[dict]:
-    return [{"fraction": 0.0, "rollouts": 0, "episodes_dir": base_dir}, *points,
-            {"fraction": 1.0, "rollouts": rollouts, "episodes_dir": episodes_dir}]
+    return [
+        {"fraction": 0.0, "rollouts": 0, "episodes_dir": base_dir},
+        *points,
+        {"fraction": 1.0, "rollouts": rollouts, "episodes_dir": episodes_dir},
+    ]
 
 
-def _trace_point(fraction: float, heldout, workdir: pathlib.Path, base_dir: str, trace: dict,
-                 reuse: Sequence[pathlib.Path]) -> dict:
+def _trace_point(
+    fraction: float, heldout, workdir: pathlib.Path, base_dir: str, trace: dict, reuse: Sequence[pathlib.Path]
+) -> dict:
     steps, rollouts = trace["steps_by_capability"], trace["rollouts_by_capability"]
     at = {n: snapshot_step(fraction, steps[n]) for n in steps}
     used = sum(at[n] * rollouts[n] // steps[n] for n in steps)
@@ -140,12 +162,19 @@ def _gepa_point(fraction: float, heldout, workdir: pathlib.Path, base_dir: str, 
 def scaling_table(curves: dict[str, list[dict]]) -> list[str]:
     """Markdown: one row per arm, its held-out success [95% CI] and training rollouts at each share."""
     fractions = sorted({p["fraction"] for points in curves.values() for p in points})
-    lines = ["| arm | " + " | ".join(f"{f:g} of the budget" for f in fractions) + " |",
-             "|---|" + "---:|" * len(fractions)]
+    lines = [
+        "| arm | " + " | ".join(f"{f:g} of the budget" for f in fractions) + " |",
+        "|---|" + "---:|" * len(fractions),
+    ]
     for arm, points in curves.items():
         at = {p["fraction"]: p for p in points}
-        cells = [f"{100 * at[f]['success']:.1f}% [{100 * at[f]['ci_low']:.1f}, {100 * at[f]['ci_high']:.1f}], "
-                 f"{at[f]['rollouts']} rollouts" if f in at else "-" for f in fractions]
+        cells = [
+            f"{100 * at[f]['success']:.1f}% [{100 * at[f]['ci_low']:.1f}, {100 * at[f]['ci_high']:.1f}], "
+            f"{at[f]['rollouts']} rollouts"
+            if f in at
+            else "-"
+            for f in fractions
+        ]
         lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return lines
 
@@ -156,8 +185,14 @@ def plot_scaling(curves: dict[str, list[dict]], path: pathlib.Path) -> None:
     for arm, points in curves.items():
         x = [p["rollouts"] for p in points]
         y = np.array([100 * p["success"] for p in points])
-        errors = np.clip([[100 * p["success"] - 100 * p["ci_low"] for p in points],
-                          [100 * p["ci_high"] - 100 * p["success"] for p in points]], 0, None)
+        errors = np.clip(
+            [
+                [100 * p["success"] - 100 * p["ci_low"] for p in points],
+                [100 * p["ci_high"] - 100 * p["success"] for p in points],
+            ],
+            0,
+            None,
+        )
         ax.errorbar(x, y, yerr=errors, marker="o", capsize=3, label=arm)
     ax.set_xlabel("training rollouts (episodes; GEPA: metric calls)")
     ax.set_ylabel("held-out success % (95% CI)")

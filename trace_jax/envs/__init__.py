@@ -63,13 +63,17 @@ def _environment(config: ml_collections.ConfigDict) -> Environment:
         from trace_jax.envs.capability.environment import CUT_SHARE
         from trace_jax.envs.capability.sandbox import ExportedEnvironment
 
-        settings = dict(difficulty=config.difficulty, policy=config.policy,
-                        cut_share=config.get("cut_share", CUT_SHARE))
+        settings = dict(
+            difficulty=config.difficulty, policy=config.policy, cut_share=config.get("cut_share", CUT_SHARE)
+        )
         if config.get("scenarios"):
             return ExportedEnvironment(config.scenarios, **settings)
         if config.get("capability") not in CAPABILITIES:
-            raise ValueError(f"config.env.capability = {config.get('capability')!r} is invalid; it must be one of "
-                             f"{', '.join(CAPABILITIES)}")
-        return CapabilityEnvironment(CAPABILITIES[config.capability], seed=config.seed,
-                                     variant=config.get("variant"), **settings)
+            raise ValueError(
+                f"config.env.capability = {config.get('capability')!r} is invalid; it must be one of "
+                f"{', '.join(CAPABILITIES)}"
+            )
+        return CapabilityEnvironment(
+            CAPABILITIES[config.capability], seed=config.seed, variant=config.get("variant"), **settings
+        )
     raise ValueError(f"config.env.name = {config.name!r} is invalid; it must be one of {', '.join(ENVIRONMENTS)}")

@@ -33,8 +33,15 @@ from trace_jax.envs.embedded_retail_families import FAMILIES, SPLITS, Draft, Poo
 from trace_jax.envs.hints import replay_sources, task_hint
 from trace_jax.envs.tau2_bridge import DomainState, domain_state, execute, score
 
-TOOL_NAMES = ("find_user_id_by_email", "find_user_id_by_name_zip", "get_user_details", "get_order_details",
-              "cancel_pending_order", "modify_pending_order_address", "return_delivered_order_items")
+TOOL_NAMES = (
+    "find_user_id_by_email",
+    "find_user_id_by_name_zip",
+    "get_user_details",
+    "get_order_details",
+    "cancel_pending_order",
+    "modify_pending_order_address",
+    "return_delivered_order_items",
+)
 
 SOLO_INSTRUCTION = (
     "You are a customer service agent of an online retail store, working on one written customer ticket. "
@@ -65,13 +72,20 @@ def system_prompt(policy: str, instruction: str = SOLO_INSTRUCTION) -> str:
 
 def _tau2_task(task_id: str, family: str, draft: Draft) -> Task:
     """The draft as τ²'s Task, scored on DB and COMMUNICATE like τ²'s retail tasks."""
-    actions = [Action(action_id=f"{i}_{call['name']}", name=call["name"], arguments=copy.deepcopy(call["arguments"]))
-               for i, call in enumerate(draft.calls)]
-    criteria = EvaluationCriteria(actions=actions, communicate_info=list(draft.facts),
-                                  reward_basis=[RewardType.DB, RewardType.COMMUNICATE])
-    return Task(id=task_id, description=Description(purpose=f"embedded retail: {family} ({draft.variant})"),
-                user_scenario=UserScenario(instructions=draft.ticket), ticket=draft.ticket,
-                evaluation_criteria=criteria)
+    actions = [
+        Action(action_id=f"{i}_{call['name']}", name=call["name"], arguments=copy.deepcopy(call["arguments"]))
+        for i, call in enumerate(draft.calls)
+    ]
+    criteria = EvaluationCriteria(
+        actions=actions, communicate_info=list(draft.facts), reward_basis=[RewardType.DB, RewardType.COMMUNICATE]
+    )
+    return Task(
+        id=task_id,
+        description=Description(purpose=f"embedded retail: {family} ({draft.variant})"),
+        user_scenario=UserScenario(instructions=draft.ticket),
+        ticket=draft.ticket,
+        evaluation_criteria=criteria,
+    )
 
 
 class SoloTicketEpisode:
@@ -129,8 +143,10 @@ class RetailEpisode(SoloTicketEpisode):
         """The system prompt and the ticket; the DB copy is made at the first tool call."""
         self._environment = None
         self.end_reason = None
-        self.messages = [{"role": "system", "content": self._prompt},
-                         {"role": "user", "content": self._retail_task.ticket}]
+        self.messages = [
+            {"role": "system", "content": self._prompt},
+            {"role": "user", "content": self._retail_task.ticket},
+        ]
         return list(self.messages)
 
     def _tool_environment(self) -> Environment:
@@ -160,8 +176,9 @@ class EmbeddedRetail:
 
     name = "embedded_retail"
 
-    def __init__(self, seed: int = 0, families: Sequence[str] | None = None, num_tasks: int = 200,
-                 all_tools: bool = False):
+    def __init__(
+        self, seed: int = 0, families: Sequence[str] | None = None, num_tasks: int = 200, all_tools: bool = False
+    ):
         """`families` (default: all, easiest first) take turns in task order; `num_tasks` is the
         size of `tasks(split)` when no `num` is given; `all_tools` offers all fifteen retail tools."""
         families = list(FAMILIES) if families is None else list(families)
@@ -209,7 +226,12 @@ class EmbeddedRetail:
         task_id = f"{self.name}/{split}/{family}/{self.seed}/{turn}"
         if task_id not in self._tasks:
             draft = FAMILIES[family](self._pools[split], random.Random(f"{self.seed}/{split}/{family}/{turn}"))
-            self._tasks[task_id] = RetailTask(TaskSpec(task_id, split, family), draft.variant, draft.ticket,
-                                              Gold(tool_calls=draft.calls, facts=draft.facts),
-                                              _tau2_task(task_id, family, draft), draft.entities)
+            self._tasks[task_id] = RetailTask(
+                TaskSpec(task_id, split, family),
+                draft.variant,
+                draft.ticket,
+                Gold(tool_calls=draft.calls, facts=draft.facts),
+                _tau2_task(task_id, family, draft),
+                draft.entities,
+            )
         return self._tasks[task_id]

@@ -90,10 +90,15 @@ def _identify(user: User, rng: random.Random, mode: str | None = None) -> tuple[
     if mode == "email":
         intro = rng.choice((f"My email is {user.email}.", f"This is {name} ({user.email})."))
         return intro, call("find_user_id_by_email", email=user.email)
-    intro = rng.choice((f"I'm {name}, zip code {user.address.zip}.",
-                        f"My name is {name} and my zip code is {user.address.zip}; I don't remember my email."))
-    return intro, call("find_user_id_by_name_zip", first_name=user.name.first_name,
-                        last_name=user.name.last_name, zip=user.address.zip)
+    intro = rng.choice(
+        (
+            f"I'm {name}, zip code {user.address.zip}.",
+            f"My name is {name} and my zip code is {user.address.zip}; I don't remember my email.",
+        )
+    )
+    return intro, call(
+        "find_user_id_by_name_zip", first_name=user.name.first_name, last_name=user.name.last_name, zip=user.address.zip
+    )
 
 
 def _details(order: Order) -> Call:
@@ -118,19 +123,29 @@ REASONS = {
     "no longer needed": ("I no longer need it", "I don't need it anymore"),
     "ordered by mistake": ("I ordered it by mistake", "I placed it by accident"),
 }
-BAD_REASONS = ("I found it cheaper somewhere else", "the delivery is taking too long",
-               "I want to order it again with a coupon")
+BAD_REASONS = (
+    "I found it cheaper somewhere else",
+    "the delivery is taking too long",
+    "I want to order it again with a coupon",
+)
 
 
 def order_status(pool: Pool, rng: random.Random) -> Draft:
     """Status and charged amount of one of the customer's orders (identified by e-mail)."""
-    orders = [o for o in pool.orders("pending", "processed", "delivered", "cancelled")
-              if not o.payment_history[0].amount.is_integer()]
+    orders = [
+        o
+        for o in pool.orders("pending", "processed", "delivered", "cancelled")
+        if not o.payment_history[0].amount.is_integer()
+    ]
     order = rng.choice(orders)
     user = pool.user(order)
     intro, find = _identify(user, rng, "email")
-    ask = rng.choice((f"What is the status of my order {order.order_id}, and how much was I charged for it?",
-                      f"Could you tell me where my order {order.order_id} stands and the amount I paid?"))
+    ask = rng.choice(
+        (
+            f"What is the status of my order {order.order_id}, and how much was I charged for it?",
+            f"Could you tell me where my order {order.order_id} stands and the amount I paid?",
+        )
+    )
     facts = (order.status, amount_text(order.payment_history[0].amount))
     return Draft("status", f"{intro} {ask}", (find, _details(order)), facts, _entities(user, order))
 
@@ -140,8 +155,7 @@ def _profile_facts(user: User, kind: str) -> tuple[str, tuple[str, ...]]:
     if kind == "order_ids":
         return "Which orders do I have with you? Please list their order numbers.", tuple(user.orders)
     if kind == "address":
-        return ("What default shipping address do you have on file for me?",
-                (user.address.address1, user.address.city))
+        return ("What default shipping address do you have on file for me?", (user.address.address1, user.address.city))
     return "Which email address is on my account?", (user.email,)
 
 
@@ -170,8 +184,7 @@ def cancel_pending(pool: Pool, rng: random.Random) -> Draft:
     user = pool.user(order)
     intro, find = _identify(user, rng)
     reason = rng.choice(sorted(REASONS))
-    ticket = (f"{intro} Please cancel my order {order.order_id}; {rng.choice(REASONS[reason])}. "
-              f"{rng.choice(CONFIRM)}")
+    ticket = f"{intro} Please cancel my order {order.order_id}; {rng.choice(REASONS[reason])}. {rng.choice(CONFIRM)}"
     calls = (find, _details(order), call("cancel_pending_order", order_id=order.order_id, reason=reason))
     return Draft(reason.replace(" ", "_"), ticket, calls, (), _entities(user, order))
 
@@ -222,8 +235,9 @@ def return_delivered(pool: Pool, rng: random.Random) -> Draft:
     else:
         payment, to = original, "the original payment method"
     ticket = f"{intro} I'd like to return {what} from order {order.order_id}, refunded to {to}. {rng.choice(CONFIRM)}"
-    calls.append(call("return_delivered_order_items", order_id=order.order_id, item_ids=items,
-                       payment_method_id=payment))
+    calls.append(
+        call("return_delivered_order_items", order_id=order.order_id, item_ids=items, payment_method_id=payment)
+    )
     return Draft("gift_card" if to == "my gift card" else "original", ticket, tuple(calls), (), _entities(user, order))
 
 
@@ -232,8 +246,11 @@ def refuse(pool: Pool, rng: random.Random) -> Draft:
     variant = rng.choice(("cancel_not_pending", "return_not_delivered", "bad_reason", "other_user"))
     if variant == "other_user":
         return _other_user(pool, rng)
-    statuses = {"cancel_not_pending": ("processed", "delivered"), "return_not_delivered": ("pending", "processed"),
-                "bad_reason": ("pending",)}[variant]
+    statuses = {
+        "cancel_not_pending": ("processed", "delivered"),
+        "return_not_delivered": ("pending", "processed"),
+        "bad_reason": ("pending",),
+    }[variant]
     order = rng.choice(pool.orders(*statuses))
     user = pool.user(order)
     intro, find = _identify(user, rng)
@@ -257,9 +274,11 @@ def _other_user(pool: Pool, rng: random.Random) -> Draft:
     other = rng.choice([o for o in pending if o.user_id != user.user_id])
     intro, find = _identify(user, rng)
     reason = rng.choice(sorted(REASONS))
-    ticket = (f"{intro} Please cancel my order {order.order_id}; {rng.choice(REASONS[reason])}. "
-              f"My neighbour also asked me to cancel their order {other.order_id} for the same reason. "
-              f"{rng.choice(CONFIRM)}")
+    ticket = (
+        f"{intro} Please cancel my order {order.order_id}; {rng.choice(REASONS[reason])}. "
+        f"My neighbour also asked me to cancel their order {other.order_id} for the same reason. "
+        f"{rng.choice(CONFIRM)}"
+    )
     calls = (find, _details(order), call("cancel_pending_order", order_id=order.order_id, reason=reason))
     return Draft("other_user", ticket, calls, (), _entities(user, order, pool.user(other), other))
 

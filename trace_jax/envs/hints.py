@@ -60,8 +60,14 @@ def exact_call(call: Call) -> str:
     return f"call {call['name']}({json.dumps(call['arguments'])})"
 
 
-def task_hint(calls: Sequence[Call], sources: Sequence[Sequence[Source]], facts: Sequence[str], writes: frozenset[str],
-              exact: bool = False, guidance: str = "") -> str:
+def task_hint(
+    calls: Sequence[Call],
+    sources: Sequence[Sequence[Source]],
+    facts: Sequence[str],
+    writes: frozenset[str],
+    exact: bool = False,
+    guidance: str = "",
+) -> str:
     """The hint of a task whose remaining gold calls are `calls`; `sources[i]` are the texts call i can take its
     values from (the ticket, the results above it, the results of calls before it); `writes` names the tools that
     change state; `guidance` (a capability's general advice) opens the hint."""
@@ -86,13 +92,18 @@ def replay_sources(environment, ticket: str, prefilled: Sequence[Call], calls: S
 
     sources = [Source("the ticket", ticket)]
     for i, call in enumerate(prefilled):
-        sources.append(Source(f"the result of {call['name']} above",
-                              execute(environment, {"id": f"hint_{i}", **call})["content"]))
+        sources.append(
+            Source(f"the result of {call['name']} above", execute(environment, {"id": f"hint_{i}", **call})["content"])
+        )
     per_call = []
     for i, call in enumerate(calls):
         per_call.append(list(sources))
-        sources.append(Source(f"the result of your {call['name']} call",
-                              execute(environment, {"id": f"hint_gold_{i}", **call})["content"]))
+        sources.append(
+            Source(
+                f"the result of your {call['name']} call",
+                execute(environment, {"id": f"hint_gold_{i}", **call})["content"],
+            )
+        )
     return per_call
 
 

@@ -148,8 +148,12 @@ class _Snapshot:
 
     def __init__(self, db: DB):
         self.db = db
-        self._tables = [name for name in type(db).model_fields if isinstance(table := getattr(db, name), dict)
-                        and all(hasattr(row, "model_dump") for row in table.values())]  # tables of pydantic rows
+        self._tables = [
+            name
+            for name in type(db).model_fields
+            if isinstance(table := getattr(db, name), dict)
+            and all(hasattr(row, "model_dump") for row in table.values())
+        ]  # tables of pydantic rows
         self._row_dumps: dict[str, dict] | None = None  # per table, each pristine row's model_dump()
         self._hashes: dict[str, str] = {}  # `hash`'s memo: what a copy changed (JSON) -> its DB hash
 
@@ -169,16 +173,28 @@ class _Snapshot:
         if not all(isinstance(table, _CopyOnRead) for table in tables.values()):
             return get_dict_hash(db.model_dump())  # a DB τ² replaced (`ToolKitBase.update_db`)
         rest = db.model_dump(exclude=set(tables))
-        own = {name: {key: dict.__getitem__(table, key).model_dump() for key in table._own if key in table}
-               for name, table in tables.items()}
+        own = {
+            name: {key: dict.__getitem__(table, key).model_dump() for key in table._own if key in table}
+            for name, table in tables.items()
+        }
         removed = {name: [key for key in getattr(self.db, name) if key not in table] for name, table in tables.items()}
         changes = json.dumps([rest, own, removed], sort_keys=True, default=str)
         if changes not in self._hashes:
             if self._row_dumps is None:
-                self._row_dumps = {name: {key: row.model_dump() for key, row in getattr(self.db, name).items()}
-                                   for name in self._tables}
-            whole = {**rest, **{name: {key: own[name][key] if key in own[name] else self._row_dumps[name][key]
-                                       for key in dict.keys(table)} for name, table in tables.items()}}
+                self._row_dumps = {
+                    name: {key: row.model_dump() for key, row in getattr(self.db, name).items()}
+                    for name in self._tables
+                }
+            whole = {
+                **rest,
+                **{
+                    name: {
+                        key: own[name][key] if key in own[name] else self._row_dumps[name][key]
+                        for key in dict.keys(table)
+                    }
+                    for name, table in tables.items()
+                },
+            }
             if len(self._hashes) >= HASHES_KEPT:
                 del self._hashes[next(iter(self._hashes))]  # the oldest
             self._hashes[changes] = get_dict_hash(whole)
@@ -222,10 +238,14 @@ class DomainState:
         self.policy: str = loaded.get_policy()
         self.tool_schemas: list[dict] = [tool.openai_schema for tool in loaded.get_tools()]
         self.write_tools = _tool_names(loaded.tools, ToolType.WRITE)
-        self.user_tool_schemas: list[dict] = ([tool.openai_schema for tool in loaded.get_user_tools()]
-                                              if loaded.user_tools is not None else [])
-        self._read_tools = {side: _tool_names(toolkit, ToolType.READ) for side, toolkit in
-                            (("agent", loaded.tools), ("user", loaded.user_tools)) if toolkit is not None}
+        self.user_tool_schemas: list[dict] = (
+            [tool.openai_schema for tool in loaded.get_user_tools()] if loaded.user_tools is not None else []
+        )
+        self._read_tools = {
+            side: _tool_names(toolkit, ToolType.READ)
+            for side, toolkit in (("agent", loaded.tools), ("user", loaded.user_tools))
+            if toolkit is not None
+        }
         if cached_domain_name(domain) not in registry.get_domains():
             registry.register_domain(self.fresh_environment, cached_domain_name(domain))
 
@@ -253,8 +273,10 @@ def domain_state(domain: str) -> DomainState:
 
 
 def _tool_calls(message: Message, requestor: str) -> list[ToolCall] | None:
-    calls = [ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"], requestor=requestor)
-             for c in message.get("tool_calls") or ()]
+    calls = [
+        ToolCall(id=c["id"], name=c["name"], arguments=c["arguments"], requestor=requestor)
+        for c in message.get("tool_calls") or ()
+    ]
     return calls or None
 
 
@@ -275,8 +297,15 @@ def to_tau2_messages(messages: list[Message]) -> list[Any]:
             out.append(kind(role=role, content=content if content or not calls else None, tool_calls=calls))
         elif role == "tool":
             content = str(content)
-            out.append(ToolMessage(id=message["tool_call_id"], role="tool", content=content, requestor=requestor,
-                                   error=content.startswith("Error:")))
+            out.append(
+                ToolMessage(
+                    id=message["tool_call_id"],
+                    role="tool",
+                    content=content,
+                    requestor=requestor,
+                    error=content.startswith("Error:"),
+                )
+            )
         elif role != "system":
             raise ValueError(f"unknown message role {role!r}; valid roles are system, user, assistant, tool")
     return out
@@ -286,7 +315,8 @@ def execute(environment: Environment, call: dict, requestor: str = "assistant") 
     """Runs one {"id", "name", "arguments"} call (arguments: a dict) through τ²'s `Environment.get_response`,
     as τ²'s orchestrator does; failures come back as τ² words them ("Error: ..."), not as exceptions."""
     response = environment.get_response(
-        ToolCall(id=call["id"], name=call["name"], arguments=call["arguments"], requestor=requestor))
+        ToolCall(id=call["id"], name=call["name"], arguments=call["arguments"], requestor=requestor)
+    )
     return {"role": "tool", "tool_call_id": call["id"], "name": call["name"], "content": response.content}
 
 
@@ -295,8 +325,15 @@ def simulation_run(task: Task, messages: list[Message], end_reason: str) -> Simu
     if end_reason not in TERMINATIONS:
         raise ValueError(f"unknown end reason {end_reason!r}; valid ones are {', '.join(TERMINATIONS)}")
     now = datetime.datetime.now().isoformat()
-    return SimulationRun(id=f"trace_jax/{task.id}", task_id=task.id, start_time=now, end_time=now, duration=0.0,
-                         termination_reason=TERMINATIONS[end_reason], messages=to_tau2_messages(messages))
+    return SimulationRun(
+        id=f"trace_jax/{task.id}",
+        task_id=task.id,
+        start_time=now,
+        end_time=now,
+        duration=0.0,
+        termination_reason=TERMINATIONS[end_reason],
+        messages=to_tau2_messages(messages),
+    )
 
 
 def _failed_checks(reward_info: RewardInfo) -> dict[str, Any]:
@@ -305,17 +342,22 @@ def _failed_checks(reward_info: RewardInfo) -> dict[str, Any]:
     if reward_info.db_check is not None:
         info["db_match"] = reward_info.db_check.db_match
     info["failed_communicate"] = [c.info for c in reward_info.communicate_checks or () if not c.met]
-    info["failed_actions"] = [f"{c.action.name}({c.action.arguments})" for c in reward_info.action_checks or ()
-                              if not c.action_match]
-    info["failed_env_assertions"] = [f"{c.env_assertion.func_name}({c.env_assertion.arguments})"
-                                     for c in reward_info.env_assertions or () if not c.met]
+    info["failed_actions"] = [
+        f"{c.action.name}({c.action.arguments})" for c in reward_info.action_checks or () if not c.action_match
+    ]
+    info["failed_env_assertions"] = [
+        f"{c.env_assertion.func_name}({c.env_assertion.arguments})"
+        for c in reward_info.env_assertions or ()
+        if not c.met
+    ]
     if reward_info.info and "note" in reward_info.info:
         info["note"] = str(reward_info.info["note"])
     return info
 
 
-def score(task: Task, domain_state: DomainState, messages: list[Message], end_reason: str, *,
-          judge: Judge | None = None) -> Outcome:
+def score(
+    task: Task, domain_state: DomainState, messages: list[Message], end_reason: str, *, judge: Judge | None = None
+) -> Outcome:
     """The episode's official reward from τ²'s `evaluate_simulation` (abnormal ends score 0).
 
     When the task's reward basis includes NL assertions, τ²'s evaluator runs without them
@@ -328,14 +370,25 @@ def score(task: Task, domain_state: DomainState, messages: list[Message], end_re
     scored_task = task
     if needs_nl:
         basis = [b for b in criteria.reward_basis if b != RewardType.NL_ASSERTION]
-        scored_task = task.model_copy(update={"evaluation_criteria": criteria.model_copy(update={"reward_basis": basis})})
+        scored_task = task.model_copy(
+            update={"evaluation_criteria": criteria.model_copy(update={"reward_basis": basis})}
+        )
     try:
-        reward_info = evaluate_simulation(simulation_run(task, messages, end_reason), scored_task, EvaluationType.ALL,
-                                          solo_mode=False, domain=cached_domain_name(domain_state.domain))
+        reward_info = evaluate_simulation(
+            simulation_run(task, messages, end_reason),
+            scored_task,
+            EvaluationType.ALL,
+            solo_mode=False,
+            domain=cached_domain_name(domain_state.domain),
+        )
     except Exception as error:  # noqa: BLE001 - τ²'s own evaluator failed (e.g. an env assertion on a missing row)
         # τ²'s runner with skip_failed_samples scores such a run 0; an exception would end a whole rollout
-        return Outcome(reward=0.0, success=False, components={},
-                       info={"end_reason": end_reason, "evaluation_error": f"{type(error).__name__}: {error}"})
+        return Outcome(
+            reward=0.0,
+            success=False,
+            components={},
+            info={"end_reason": end_reason, "evaluation_error": f"{type(error).__name__}: {error}"},
+        )
     reward = reward_info.reward
     components = {str(getattr(k, "value", k)): float(v) for k, v in (reward_info.reward_breakdown or {}).items()}
     info: dict[str, Any] = {"end_reason": end_reason, **_failed_checks(reward_info)}

@@ -59,13 +59,20 @@ def from_tau2_messages(messages: list[Any]) -> list[Message]:
     names: dict[str, str] = {}
     for message in messages:
         if isinstance(message, ToolMessage):
-            out.append({"role": "tool", "tool_call_id": message.id, "name": names.get(message.id, ""),
-                        "content": message.content or ""})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": message.id,
+                    "name": names.get(message.id, ""),
+                    "content": message.content or "",
+                }
+            )
             continue
         out.append({"role": message.role, "content": message.content or ""})
         if not isinstance(message, SystemMessage) and message.tool_calls:
-            out[-1]["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": copy.deepcopy(c.arguments)}
-                                     for c in message.tool_calls]
+            out[-1]["tool_calls"] = [
+                {"id": c.id, "name": c.name, "arguments": copy.deepcopy(c.arguments)} for c in message.tool_calls
+            ]
             names.update((c.id, c.name) for c in message.tool_calls)
     return out
 
@@ -104,9 +111,11 @@ class Tau2Episode:
         initial = self.tau2_task.initial_state
         self._history = copy.deepcopy(initial.message_history or []) if initial is not None else []
         self._environment = self._state.fresh_environment()
-        self._environment.set_state(initialization_data=initial.initialization_data if initial else None,
-                                    initialization_actions=initial.initialization_actions if initial else None,
-                                    message_history=self._history)
+        self._environment.set_state(
+            initialization_data=initial.initialization_data if initial else None,
+            initialization_actions=initial.initialization_actions if initial else None,
+            message_history=self._history,
+        )
         self._environment.sync_tools()
         opening = self._history or [DEFAULT_FIRST_AGENT_MESSAGE]
         last = opening[-1]
@@ -137,8 +146,10 @@ class Tau2Episode:
         if self._environment is None:
             raise RuntimeError(f"episode {self.task.task_id}: call reset() first")
         history = [m for m in self._history or [DEFAULT_FIRST_AGENT_MESSAGE] if is_valid_user_history_message(m)]
-        simulator = UserSimulator(tools=self._environment.get_user_tools() if self.user_tools else None,
-                                  instructions=str(self.tau2_task.user_scenario))
+        simulator = UserSimulator(
+            tools=self._environment.get_user_tools() if self.user_tools else None,
+            instructions=str(self.tau2_task.user_scenario),
+        )
         state = simulator.get_init_state(message_history=history)
         return from_tau2_messages(state.system_messages + state.flip_roles())
 
@@ -183,8 +194,10 @@ class Tau2Episode:
         criteria = self.tau2_task.evaluation_criteria
         if criteria is None:
             return Gold(tool_calls=(), facts=())
-        calls = tuple({"name": a.name, "arguments": copy.deepcopy(a.arguments), "requestor": a.requestor}
-                      for a in criteria.actions or ())
+        calls = tuple(
+            {"name": a.name, "arguments": copy.deepcopy(a.arguments), "requestor": a.requestor}
+            for a in criteria.actions or ()
+        )
         return Gold(tool_calls=calls, facts=tuple(criteria.communicate_info or ()))
 
     def evaluate(self) -> Outcome:
@@ -199,7 +212,9 @@ class Tau2Episode:
         if self.end_reason is not None:
             raise RuntimeError(f"episode {self.task.task_id} has ended ({self.end_reason})")
         if user != self._awaiting_user:
-            raise RuntimeError(f"episode {self.task.task_id}: it is the {'user' if self._awaiting_user else 'agent'}'s turn")
+            raise RuntimeError(
+                f"episode {self.task.task_id}: it is the {'user' if self._awaiting_user else 'agent'}'s turn"
+            )
 
 
 class Tau2Environment:
@@ -224,8 +239,11 @@ class Tau2Environment:
         """The tasks of τ²'s split `split` (e.g. "train", "test", "base"), the first `num` of them or all."""
         self._check_split(split)
         members = set(self._splits[split])
-        specs = [TaskSpec(task_id, split, task_family(self.domain, task))
-                 for task_id, task in self._tasks.items() if task.id in members]
+        specs = [
+            TaskSpec(task_id, split, task_family(self.domain, task))
+            for task_id, task in self._tasks.items()
+            if task.id in members
+        ]
         return specs if num is None else specs[:num]
 
     def tau2_task(self, spec: TaskSpec) -> Task:
@@ -240,5 +258,6 @@ class Tau2Environment:
 
     def _check_split(self, split: str) -> None:
         if split not in self._splits:
-            raise ValueError(f"unknown split {split!r} of τ² domain {self.domain}; valid splits are "
-                             f"{', '.join(self._splits)}")
+            raise ValueError(
+                f"unknown split {split!r} of τ² domain {self.domain}; valid splits are {', '.join(self._splits)}"
+            )

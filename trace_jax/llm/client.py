@@ -30,16 +30,18 @@ _FENCE = re.compile(r"```(?:json)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 def llm_defaults() -> ml_collections.ConfigDict:
     """The `llm` config block: which endpoint and model, sampling, and how hard to retry."""
-    return ml_collections.ConfigDict(dict(
-        model="",  # must be set: the endpoint's model name
-        base_url="",  # "" = $OPENAI_BASE_URL, else the openai default
-        api_key_env="OPENAI_API_KEY",  # the NAME of the env var holding the key ("unused" when it is unset)
-        temperature=1.0,
-        max_tokens=4096,
-        timeout_s=120.0,
-        max_retries=3,  # transport retries (connection errors, 408/409/429/5xx), done by the openai library
-        max_json_attempts=3,  # complete_json's attempts in all, each told the previous reply's error
-    ))
+    return ml_collections.ConfigDict(
+        dict(
+            model="",  # must be set: the endpoint's model name
+            base_url="",  # "" = $OPENAI_BASE_URL, else the openai default
+            api_key_env="OPENAI_API_KEY",  # the NAME of the env var holding the key ("unused" when it is unset)
+            temperature=1.0,
+            max_tokens=4096,
+            timeout_s=120.0,
+            max_retries=3,  # transport retries (connection errors, 408/409/429/5xx), done by the openai library
+            max_json_attempts=3,  # complete_json's attempts in all, each told the previous reply's error
+        )
+    )
 
 
 _LLM_CHECKS = (
@@ -104,13 +106,19 @@ class ChatClient:
         self._client = openai.OpenAI(
             base_url=cfg.base_url or os.environ.get("OPENAI_BASE_URL") or None,
             api_key=os.environ.get(cfg.api_key_env) or _PLACEHOLDER_KEY,
-            timeout=cfg.timeout_s, max_retries=cfg.max_retries)
+            timeout=cfg.timeout_s,
+            max_retries=cfg.max_retries,
+        )
 
     def complete(self, messages: list[dict], *, sample: int = 0, temperature: float | None = None) -> str:
         """The first choice's content. `sample` numbers independent samples of one prompt; it is sent as the seed."""
-        request = {"model": self.cfg.model, "messages": messages,
-                   "temperature": float(self.cfg.temperature if temperature is None else temperature),
-                   "max_tokens": self.cfg.max_tokens, "sample": sample}
+        request = {
+            "model": self.cfg.model,
+            "messages": messages,
+            "temperature": float(self.cfg.temperature if temperature is None else temperature),
+            "max_tokens": self.cfg.max_tokens,
+            "sample": sample,
+        }
         path = self._cache_path(request)
         if path is not None and path.exists():
             self._count("cache_hits")
@@ -130,19 +138,28 @@ class ChatClient:
             except ValueError as error:  # json.JSONDecodeError included
                 last_error = error
                 self._count("malformed")
-                messages = [*messages, {"role": "assistant", "content": reply},
-                            {"role": "user", "content": _retry_prompt(error)}]
+                messages = [
+                    *messages,
+                    {"role": "assistant", "content": reply},
+                    {"role": "user", "content": _retry_prompt(error)},
+                ]
         self._count("failed")
-        raise MalformedReply(f"{self.cfg.model}: no valid JSON in {self.cfg.max_json_attempts} attempts; "
-                             f"the last reply's error: {last_error}")
+        raise MalformedReply(
+            f"{self.cfg.model}: no valid JSON in {self.cfg.max_json_attempts} attempts; "
+            f"the last reply's error: {last_error}"
+        )
 
     def _send(self, request: dict) -> str:
         """One chat completion from the endpoint; API errors (after the library's retries) become LLMError."""
         self._count("requests")
         try:
             response = self._client.chat.completions.create(
-                model=request["model"], messages=request["messages"], temperature=request["temperature"],
-                max_tokens=request["max_tokens"], seed=request["sample"])
+                model=request["model"],
+                messages=request["messages"],
+                temperature=request["temperature"],
+                max_tokens=request["max_tokens"],
+                seed=request["sample"],
+            )
         except openai.APIStatusError as error:
             raise LLMError(f"{self.cfg.model}: HTTP {error.status_code}: {error.message}") from error
         except openai.APIError as error:  # no response: connection error or timeout

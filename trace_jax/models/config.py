@@ -57,7 +57,7 @@ class ModelConfig:
             )
 
     @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         """Builds a config from the contents of an HF `config.json`."""
         archs = hf.get("architectures") or []
         family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -87,7 +87,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str | pathlib.Path) -> "ModelConfig":
+    def from_dir(cls, path: str | pathlib.Path) -> ModelConfig:
         """Reads `<path>/config.json`."""
         config_file = pathlib.Path(path) / "config.json"
         if not config_file.is_file():

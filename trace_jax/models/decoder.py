@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -73,6 +73,7 @@ class KVCache:
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
     """An empty cache (all rows of length 0) with no prefix slots."""
+
     def zeros(shape):
         return tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # distinct buffers (donated)
 
@@ -193,8 +194,9 @@ def _attention(q, k, v, q_pos, k_pos, k_valid, prefix=None):
     q = q.reshape(batch, t, kv_heads, groups, hd).transpose(0, 2, 3, 1, 4)  # [B, KV, g, T, hd]
     rows = lambda x: x.reshape(batch * kv_heads, -1, x.shape[-1])
     heads = lambda x: x.swapaxes(0, 1).reshape(kv_heads, -1, x.shape[-1])  # [KV, B*..., last]
-    dot = lambda a, b, contract: jax.lax.dot_general(a, b, (((2,), (contract,)), ((0,), (0,))),
-                                                     preferred_element_type=jnp.float32)
+    dot = lambda a, b, contract: jax.lax.dot_general(
+        a, b, (((2,), (contract,)), ((0,), (0,))), preferred_element_type=jnp.float32
+    )
     scores = dot(rows(q), rows(k), 2).reshape(batch, kv_heads, groups, t, s) * (hd**-0.5)
     mask = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
@@ -299,13 +301,21 @@ def forward_hidden(
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         if layer_k is None:
-            attn = _attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions, positions,
-                              jnp.ones((batch, t), bool))
+            attn = _attention(
+                q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions, positions, jnp.ones((batch, t), bool)
+            )
         else:
             layer_k = _write_cache(layer_k, k, write_pos, write_mask)
             layer_v = _write_cache(layer_v, v, write_pos, write_mask)
-            attn = _attention(q, layer_k, layer_v, positions, k_pos, k_valid,
-                              None if prefix_valid is None else (prefix_k, prefix_v, prefix_valid))
+            attn = _attention(
+                q,
+                layer_k,
+                layer_v,
+                positions,
+                k_pos,
+                k_valid,
+                None if prefix_valid is None else (prefix_k, prefix_v, prefix_valid),
+            )
         x = constrain(x + _linear(attn, layer, "o_proj", lora), "hidden")
         h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
         gated = jax.nn.silu(_linear(h, layer, "gate_proj", lora)) * _linear(h, layer, "up_proj", lora)
@@ -321,10 +331,15 @@ def forward_hidden(
     x = constrain(params["embed"][tokens] if hidden is None else hidden, "hidden")
     layers = params["layers"][start_layer:stop_layer]
     if row_lora is not None:
-        row_lora = {"mix": row_lora["mix"], "weights": jax.tree.map(lambda w: w[start_layer:stop_layer],
-                                                                    row_lora["weights"])}
-    caches = None if cache is None else [tuple(c[i] for i in ids) for c in (cache.k, cache.v, cache.prefix_k,
-                                                                              cache.prefix_v)]
+        row_lora = {
+            "mix": row_lora["mix"],
+            "weights": jax.tree.map(lambda w: w[start_layer:stop_layer], row_lora["weights"]),
+        }
+    caches = (
+        None
+        if cache is None
+        else [tuple(c[i] for i in ids) for c in (cache.k, cache.v, cache.prefix_k, cache.prefix_v)]
+    )
     if remat:
         x, new_k, new_v = _scan_layers(functools.partial(layer_fn, ctx=ctx), x, layers, row_lora, caches)
     else:
@@ -334,7 +349,9 @@ def forward_hidden(
         # the calls, so the compiled program is the same (docs/trace_pipeline.md, "Suite time").
         call = jax.jit(layer_fn)
         for i, layer in enumerate(layers):
-            lora = None if row_lora is None else (row_lora["mix"], jax.tree.map(lambda w: w[i], row_lora["weights"]))
+            lora = (
+                None if row_lora is None else (row_lora["mix"], jax.tree.map(lambda w, i=i: w[i], row_lora["weights"]))
+            )
             layer_cache = (None,) * 4 if caches is None else tuple(c[i] for c in caches)
             x, layer_k, layer_v = call(x, layer, lora, *layer_cache, ctx)
             new_k.append(layer_k)
@@ -349,8 +366,7 @@ def forward_hidden(
     return x, cache
 
 
-def _scan_layers(layer_fn: Callable, x: jax.Array, layers: list, row_lora: Params | None,
-                 caches: list[tuple] | None):
+def _scan_layers(layer_fn: Callable, x: jax.Array, layers: list, row_lora: Params | None, caches: list[tuple] | None):
     """The layers under `lax.scan`, each rematerialised: the backward pass then holds one layer's
     temporaries at a time. (Unrolled, XLA:CPU kept attention-sized buffers of every layer alive
     through the backward pass: 7 GB for a 2k-token sequence on SmolLM2, more than the machine

@@ -247,7 +247,7 @@ def _unpermute_rope(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _build_tokenizer(meta: dict[str, Any]) -> "PreTrainedTokenizerFast":
+def _build_tokenizer(meta: dict[str, Any]) -> PreTrainedTokenizerFast:
     """A fast byte-level BPE tokenizer from the GGUF vocabulary, merges and special tokens.
 
     Built with `tokenizers` directly because transformers' own GGUF tokenizer loader imports torch.

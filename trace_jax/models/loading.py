@@ -7,7 +7,7 @@ HF's [out, in] to [in, out]; `params["layers"]` is a list with one dict per laye
 from __future__ import annotations
 
 import pathlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,10 @@ _LAYER_TENSORS = [
     ("self_attn.k_norm.weight", ("k_norm",), False),
 ] + [
     (f"{module}.{proj}.{kind}", (proj, "kernel" if kind == "weight" else "bias"), kind == "weight")
-    for module, projs in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    for module, projs in (
+        ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+        ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    )
     for proj in projs
     for kind in ("weight", "bias")
 ]
@@ -115,7 +118,9 @@ def to_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return out
 
 
-def save_hf_checkpoint(params: dict, cfg_dir: str | pathlib.Path, out_dir: str | pathlib.Path, cfg: ModelConfig) -> None:
+def save_hf_checkpoint(
+    params: dict, cfg_dir: str | pathlib.Path, out_dir: str | pathlib.Path, cfg: ModelConfig
+) -> None:
     """Writes `params` as an HF folder: config.json (and tokenizer files) copied from `cfg_dir`. Files that
     already hold the same bytes are left as they are (`files.write_file_if_changed`)."""
     cfg_dir, out_dir = pathlib.Path(cfg_dir), pathlib.Path(out_dir)
@@ -124,5 +129,6 @@ def save_hf_checkpoint(params: dict, cfg_dir: str | pathlib.Path, out_dir: str |
         if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".txt", ".model", ".jinja"):
             write_if_changed(out_dir / f.name, f.read_bytes())
     tensors = to_hf_tensors(params, cfg)
-    write_file_if_changed(out_dir / "model.safetensors",
-                          lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    write_file_if_changed(
+        out_dir / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"})
+    )

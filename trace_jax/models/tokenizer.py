@@ -37,7 +37,7 @@ class ChatTokenizer:
         self.vocab_size: int = len(tokenizer)  # ids it can produce; a model's embedding may have more rows
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike) -> "ChatTokenizer":
+    def from_dir(cls, path: str | os.PathLike) -> ChatTokenizer:
         """Loads the tokenizer files of an HF model folder, plus eos ids from generation_config.json."""
         path = pathlib.Path(path)
         generation_eos: list[int] = []

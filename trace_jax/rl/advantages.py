@@ -8,7 +8,7 @@ advantages [N]; `compute_advantages` also drops groups whose rewards are all equ
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -74,6 +74,9 @@ def compute_advantages(name: str, rewards, group_ids) -> tuple[np.ndarray, np.nd
     keep = ~constant[groups]
     advantages = np.where(keep, ADVANTAGE_ESTIMATORS[name](rewards, groups), 0.0)
     dropped = int(constant.sum())
-    stats = {"groups": float(num_groups), "dropped_groups": float(dropped),
-             "dropped_fraction": dropped / num_groups if num_groups else 0.0}
+    stats = {
+        "groups": float(num_groups),
+        "dropped_groups": float(dropped),
+        "dropped_fraction": dropped / num_groups if num_groups else 0.0,
+    }
     return advantages.astype(np.float32), keep, stats

@@ -42,19 +42,32 @@ class LearnerSequence:
 
     def __post_init__(self):
         if not len(self.tokens) == len(self.loss_mask) == len(self.logprobs):
-            raise ValueError(f"tokens ({len(self.tokens)}), loss_mask ({len(self.loss_mask)}) and logprobs "
-                             f"({len(self.logprobs)}) differ in length")
+            raise ValueError(
+                f"tokens ({len(self.tokens)}), loss_mask ({len(self.loss_mask)}) and logprobs "
+                f"({len(self.logprobs)}) differ in length"
+            )
         if self.loss_mask and self.loss_mask[0]:
             raise ValueError("the first token cannot be learned: nothing precedes it")
 
     @classmethod
-    def completion(cls, prompt: Sequence[int], completion: Sequence[int], logprobs: Sequence[float],
-                   advantage: float = 0.0, adapter_idx: int = 0) -> LearnerSequence:
+    def completion(
+        cls,
+        prompt: Sequence[int],
+        completion: Sequence[int],
+        logprobs: Sequence[float],
+        advantage: float = 0.0,
+        adapter_idx: int = 0,
+    ) -> LearnerSequence:
         """A prompt followed by one sampled completion (single-turn tasks)."""
         if len(completion) != len(logprobs):
             raise ValueError("each completion token needs one logprob")
-        return cls(list(prompt) + list(completion), [0] * len(prompt) + [1] * len(completion),
-                   [0.0] * len(prompt) + list(logprobs), advantage, adapter_idx)
+        return cls(
+            list(prompt) + list(completion),
+            [0] * len(prompt) + [1] * len(completion),
+            [0.0] * len(prompt) + list(logprobs),
+            advantage,
+            adapter_idx,
+        )
 
     def first_learned(self) -> int:
         """Index of the first loss token (len(tokens) when there is none)."""
@@ -84,8 +97,15 @@ def micro_batch_rows(width: int, token_budget: int, row_multiple: int = 1) -> in
     return max(row_multiple, (token_budget // width) // row_multiple * row_multiple)
 
 
-def pack_sequences(sequences: Sequence[LearnerSequence], *, token_budget: int, row_multiple: int = 1,
-                   min_shared_prefix: int | None = 64, pad_id: int = 0, prefix_length: int | None = None) -> dict:
+def pack_sequences(
+    sequences: Sequence[LearnerSequence],
+    *,
+    token_budget: int,
+    row_multiple: int = 1,
+    min_shared_prefix: int | None = 64,
+    pad_id: int = 0,
+    prefix_length: int | None = None,
+) -> dict:
     """The learner batch ({"micro_batches": [...], shared-prefix entries}) of `sequences`.
 
     Row entries per micro-batch: tokens [R, W]; loss_positions [R, K], the entries of tokens[:, 1:]
@@ -111,8 +131,10 @@ def pack_sequences(sequences: Sequence[LearnerSequence], *, token_budget: int, r
     if prefix_length is None:
         cut = shared_prefix_length(heads, min_shared_prefix)
     elif any(len(h) <= prefix_length or list(h[:prefix_length]) != list(heads[0][:prefix_length]) for h in heads):
-        raise ValueError(f"the sequences do not all share a head of prefix_length {prefix_length} tokens before "
-                         "their first loss token")
+        raise ValueError(
+            f"the sequences do not all share a head of prefix_length {prefix_length} tokens before "
+            "their first loss token"
+        )
     else:
         cut = prefix_length
     adapters = sorted({s.adapter_idx for s in learned})
@@ -124,8 +146,9 @@ def pack_sequences(sequences: Sequence[LearnerSequence], *, token_budget: int, r
         width = bucket_size(lengths[order[at]], MIN_WIDTH)
         rows = micro_batch_rows(width, token_budget, row_multiple)
         chosen = order[at : at + rows]
-        micro_batches.append(_rows([learned[i] for i in chosen], [kept[i] for i in chosen], rows, width, cut,
-                                   adapters, pad_id))
+        micro_batches.append(
+            _rows([learned[i] for i in chosen], [kept[i] for i in chosen], rows, width, cut, adapters, pad_id)
+        )
         at += rows
     batch: dict = {"micro_batches": micro_batches}
     if cut:
@@ -137,8 +160,15 @@ def pack_sequences(sequences: Sequence[LearnerSequence], *, token_budget: int, r
     return batch
 
 
-def _rows(sequences: list[LearnerSequence], indices: list[int], rows: int, width: int, cut: int,
-          adapters: list[int], pad_id: int) -> dict[str, np.ndarray]:
+def _rows(
+    sequences: list[LearnerSequence],
+    indices: list[int],
+    rows: int,
+    width: int,
+    cut: int,
+    adapters: list[int],
+    pad_id: int,
+) -> dict[str, np.ndarray]:
     """One micro-batch of `rows` x `width`: the sequences after the shared prefix, then padding rows."""
     learned = [np.flatnonzero(s.loss_mask[cut + 1 : s.last_learned() + 1]) for s in sequences]
     scored = min(bucket_size(max(len(at) for at in learned), MIN_WIDTH), width - 1)
@@ -158,8 +188,15 @@ def _rows(sequences: list[LearnerSequence], indices: list[int], rows: int, width
         adapter_idx[i] = s.adapter_idx
     sequence = np.full((rows,), -1, np.int32)
     sequence[: len(indices)] = indices
-    batch = {"tokens": tokens, "loss_positions": positions, "loss_mask": loss_mask, "old_logp": old_logp,
-             "advantages": advantages, "adapter_idx": adapter_idx, "sequence": sequence}
+    batch = {
+        "tokens": tokens,
+        "loss_positions": positions,
+        "loss_mask": loss_mask,
+        "old_logp": old_logp,
+        "advantages": advantages,
+        "adapter_idx": adapter_idx,
+        "sequence": sequence,
+    }
     if cut:
         batch["prefix_of_row"] = np.searchsorted(adapters, adapter_idx).astype(np.int32)
     return batch

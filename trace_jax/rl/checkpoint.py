@@ -53,8 +53,12 @@ class TrainState:
 def _arrays(state: TrainState) -> dict:
     """The array part of a state, as one pytree (the typed key as its raw uint32 data, on the host: every process
     of a multi-process run holds the same key, and orbax writes a host array once)."""
-    return {"adapter_weights": state.adapter_weights, "scale": state.scale, "opt_state": state.opt_state,
-            "rng_data": np.asarray(jax.random.key_data(state.rng))}
+    return {
+        "adapter_weights": state.adapter_weights,
+        "scale": state.scale,
+        "opt_state": state.opt_state,
+        "rng_data": np.asarray(jax.random.key_data(state.rng)),
+    }
 
 
 def _abstract(tree: Any) -> Any:
@@ -76,8 +80,9 @@ class Checkpointer:
         self.directory = pathlib.Path(directory).absolute()
         self.save_every = save_every
         self._name_format = ocp.path.step.standard_name_format()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
-                                               step_name_format=self._name_format)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=False, step_name_format=self._name_format
+        )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("arrays", "meta"))
 
     def save(self, state: TrainState, *, force: bool = False) -> bool:
@@ -122,13 +127,20 @@ class Checkpointer:
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         template_impl = str(jax.random.key_impl(template.rng))
         if meta["rng_impl"] != template_impl:
-            raise ValueError(f"checkpoint step {step} holds a {meta['rng_impl']!r} RNG key, "
-                             f"the template a {template_impl!r} one")
+            raise ValueError(
+                f"checkpoint step {step} holds a {meta['rng_impl']!r} RNG key, the template a {template_impl!r} one"
+            )
         target = ocp.args.StandardRestore(_abstract(_arrays(template)))
         arrays = self._manager.restore(step, args=ocp.args.Composite(arrays=target))["arrays"]
         rng = jax.random.wrap_key_data(arrays["rng_data"], impl=template_impl)
-        return TrainState(step=meta["step"], adapter_weights=arrays["adapter_weights"], scale=arrays["scale"],
-                          opt_state=arrays["opt_state"], rng=rng, cursor=meta["cursor"])
+        return TrainState(
+            step=meta["step"],
+            adapter_weights=arrays["adapter_weights"],
+            scale=arrays["scale"],
+            opt_state=arrays["opt_state"],
+            rng=rng,
+            cursor=meta["cursor"],
+        )
 
     def close(self) -> None:
         """Waits for any pending work and releases orbax's resources."""

@@ -25,8 +25,9 @@ class CurriculumConfig:
 
     def __post_init__(self):
         if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0:
-            raise ValueError(f"config.curriculum.patience = {self.patience!r} is invalid; it must be an int >= 0 "
-                             "(0: off)")
+            raise ValueError(
+                f"config.curriculum.patience = {self.patience!r} is invalid; it must be an int >= 0 (0: off)"
+            )
         if not isinstance(self.upper, (int, float)) or not 0 <= self.upper <= 1:
             raise ValueError(f"config.curriculum.upper = {self.upper!r} is invalid; it must be a number in [0, 1]")
 
@@ -36,8 +37,9 @@ def start_state(levels: list[float]) -> dict:
     return {"levels": list(levels), "streaks": [0] * len(levels)}
 
 
-def climb(state: dict, rewards: list[float | None], tops: list[int],
-          config: CurriculumConfig) -> tuple[dict, list[int]]:
+def climb(
+    state: dict, rewards: list[float | None], tops: list[int], config: CurriculumConfig
+) -> tuple[dict, list[int]]:
     """The state after a step whose parts' mean training rewards were `rewards` (None: no episode of that part
     this step, which keeps its streak), and the parts that moved up; a part at its top level (`tops`) stays."""
     levels, streaks, moved = list(state["levels"]), list(state["streaks"]), []
@@ -53,11 +55,16 @@ def climb(state: dict, rewards: list[float | None], tops: list[int],
 
 def env_parts(env: ml_collections.ConfigDict) -> list[dict]:
     """The capability environment configs a training environment is made of (itself, or a mix's parts)."""
-    parts = [p.to_dict() if hasattr(p, "to_dict") else dict(p) for p in env.parts] if env.name == "mixed" \
+    parts = (
+        [p.to_dict() if hasattr(p, "to_dict") else dict(p) for p in env.parts]
+        if env.name == "mixed"
         else [env.to_dict()]
+    )
     if any(p.get("name") != "capability" for p in parts):
-        raise ValueError("config.curriculum.patience > 0 needs a capability environment (or a mix of them) in "
-                         f"config.env, not {env.name!r}")
+        raise ValueError(
+            "config.curriculum.patience > 0 needs a capability environment (or a mix of them) in "
+            f"config.env, not {env.name!r}"
+        )
     return parts
 
 

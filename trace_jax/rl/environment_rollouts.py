@@ -34,8 +34,7 @@ from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Tr
 from trace_jax.envs import make_environment
 from trace_jax.envs.base import TaskSpec
 from trace_jax.envs.hints import hinted_trials, offers_hint
-from trace_jax.evaluation import (EPISODE_LIMITS, check_base_run, play, recorded_episodes, summarize_run,
-                                  summary_scalars)
+from trace_jax.evaluation import EPISODE_LIMITS, check_base_run, play, recorded_episodes, summarize_run, summary_scalars
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, StepRollouts
 from trace_jax.rl.curriculum import CurriculumConfig, climb, env_parts, start_state, with_levels
@@ -45,8 +44,9 @@ from trace_jax.sampling import Sampler
 def trajectory_sequence(trajectory: Trajectory, advantage: float = 0.0) -> LearnerSequence:
     """The learner's view of a trajectory: its ids, the loss on the agent's sampled tokens, the
     sampler's logprobs, under the adapter it was played with."""
-    return LearnerSequence(trajectory.token_ids, trajectory.loss_mask, trajectory.logprobs, advantage,
-                           trajectory.job.adapter_idx)
+    return LearnerSequence(
+        trajectory.token_ids, trajectory.loss_mask, trajectory.logprobs, advantage, trajectory.job.adapter_idx
+    )
 
 
 def unhinted_sequence(trajectory: Trajectory, hinted_prompt: Sequence[int], prompt: Sequence[int]) -> LearnerSequence:
@@ -57,10 +57,14 @@ def unhinted_sequence(trajectory: Trajectory, hinted_prompt: Sequence[int], prom
     head = len(hinted_prompt)
     if list(trajectory.token_ids[:head]) != list(hinted_prompt) or any(trajectory.loss_mask[:head]):
         raise ValueError(f"episode {trajectory.job.task.task_id} does not open with the hinted first prompt given")
-    return LearnerSequence(list(prompt) + list(trajectory.token_ids[head:]),
-                           [0] * len(prompt) + list(trajectory.loss_mask[head:]),
-                           [0.0] * len(prompt) + list(trajectory.logprobs[head:]), 0.0, trajectory.job.adapter_idx,
-                           hinted=True)
+    return LearnerSequence(
+        list(prompt) + list(trajectory.token_ids[head:]),
+        [0] * len(prompt) + list(trajectory.loss_mask[head:]),
+        [0.0] * len(prompt) + list(trajectory.logprobs[head:]),
+        0.0,
+        trajectory.job.adapter_idx,
+        hinted=True,
+    )
 
 
 def hinted_per_group(rollout: ml_collections.ConfigDict) -> int:
@@ -82,12 +86,14 @@ def hint_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float
 def trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
     """Mean reward and success, reward components, turns, sampled tokens and end-reason shares."""
     n = len(trajectories)
-    out = {f"{prefix}/reward": float(np.mean([t.outcome.reward for t in trajectories])),
-           f"{prefix}/reward_std": float(np.std([t.outcome.reward for t in trajectories])),
-           f"{prefix}/success": float(np.mean([t.outcome.success for t in trajectories])),
-           f"{prefix}/turns": float(np.mean([t.num_turns for t in trajectories])),
-           f"{prefix}/errors": float(np.mean([t.num_errors for t in trajectories])),
-           f"{prefix}/generated_tokens": float(np.mean([t.generated_tokens for t in trajectories]))}
+    out = {
+        f"{prefix}/reward": float(np.mean([t.outcome.reward for t in trajectories])),
+        f"{prefix}/reward_std": float(np.std([t.outcome.reward for t in trajectories])),
+        f"{prefix}/success": float(np.mean([t.outcome.success for t in trajectories])),
+        f"{prefix}/turns": float(np.mean([t.num_turns for t in trajectories])),
+        f"{prefix}/errors": float(np.mean([t.num_errors for t in trajectories])),
+        f"{prefix}/generated_tokens": float(np.mean([t.generated_tokens for t in trajectories])),
+    }
     for reason, count in Counter(t.end_reason for t in trajectories).items():
         out[f"{prefix}/end_{reason}"] = count / n
     for name in sorted({c for t in trajectories for c in t.outcome.components}):
@@ -99,15 +105,18 @@ def trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str,
 class EnvironmentRollouts:
     """Training episodes and held-out evaluations of one environment, played by the sampler's model."""
 
-    def __init__(self, config: ml_collections.ConfigDict, tokenizer: ChatTokenizer, num_train_tasks: int,
-                 workdir: pathlib.Path):
+    def __init__(
+        self, config: ml_collections.ConfigDict, tokenizer: ChatTokenizer, num_train_tasks: int, workdir: pathlib.Path
+    ):
         self.config, self.tokenizer, self.workdir = config, tokenizer, workdir
         self.env = make_environment(config.env)
         self.hinted_per_group = hinted_per_group(config.rollout)
         if self.hinted_per_group and not hasattr(self.env, "hint_for"):
-            raise ValueError(f"config.rollout.hint_share = {config.rollout.hint_share} is invalid here: the "
-                             f"environment of config.env (name = {config.env.name!r}) offers no hints (the "
-                             "capability environments do); set it to 0.0")
+            raise ValueError(
+                f"config.rollout.hint_share = {config.rollout.hint_share} is invalid here: the "
+                f"environment of config.env (name = {config.env.name!r}) offers no hints (the "
+                "capability environments do); set it to 0.0"
+            )
         self.num_train_tasks = num_train_tasks
         self.eval_env = self.env  # the held-out tasks stay the starting level's while a curriculum climbs
         self.heldout = self.env.tasks(config.eval.split, config.eval.num_tasks)
@@ -121,8 +130,9 @@ class EnvironmentRollouts:
             self._tops = [0 if e.variant is not None else e.capability.max_difficulty for e in built]
         limits = {k: config.rollout[k] for k in ("batch_size", "max_turns", "max_tokens_per_turn", "max_errors")}
         self.train_rollout = RolloutConfig(**limits, temperature=config.rollout.temperature, top_p=config.rollout.top_p)
-        self.eval_rollout = dataclasses.replace(self.train_rollout, batch_size=config.eval.batch_size, temperature=0.0,
-                                                top_p=1.0)
+        self.eval_rollout = dataclasses.replace(
+            self.train_rollout, batch_size=config.eval.batch_size, temperature=0.0, top_p=1.0
+        )
         self.base_run = pathlib.Path(config.eval.base_run) if config.eval.base_run else None
         if self.base_run:
             check_base_run(self.base_run, self._base_evaluation(), "eval.base_run")
@@ -130,11 +140,20 @@ class EnvironmentRollouts:
     def _base_evaluation(self) -> ml_collections.ConfigDict:
         """The evaluation job's config whose episodes are this job's held-out evaluation of the base agent."""
         config = self.config
-        return ml_collections.ConfigDict(dict(
-            model=config.model, dtype=config.dtype, adapter="", seed=config.seed,
-            env={k: v for k, v in config.env.to_dict().items() if k != "split"},  # the training split is not played
-            split=config.eval.split, num_tasks=config.eval.num_tasks, trials=1, log_every_s=config.log_every_s,
-            rollout={k: getattr(self.eval_rollout, k) for k in ("batch_size", *EPISODE_LIMITS)}))
+        return ml_collections.ConfigDict(
+            dict(
+                model=config.model,
+                dtype=config.dtype,
+                adapter="",
+                seed=config.seed,
+                env={k: v for k, v in config.env.to_dict().items() if k != "split"},  # the training split is not played
+                split=config.eval.split,
+                num_tasks=config.eval.num_tasks,
+                trials=1,
+                log_every_s=config.log_every_s,
+                rollout={k: getattr(self.eval_rollout, k) for k in ("batch_size", *EPISODE_LIMITS)},
+            )
+        )
 
     def _seed_base_eval(self, episodes_path: pathlib.Path) -> None:
         """Starts the base agent's held-out episodes from `eval.base_run`'s (those of this job's tasks);
@@ -173,32 +192,40 @@ class EnvironmentRollouts:
         rewards: list[list[float]] = [[] for _ in self._tops]
         for record in rollouts.records:
             rewards[part_of(record["task_id"])].append(record["reward"])
-        state, moved = climb(self.curriculum_state, [float(np.mean(r)) if r else None for r in rewards], self._tops,
-                             self.curriculum)
+        state, moved = climb(
+            self.curriculum_state, [float(np.mean(r)) if r else None for r in rewards], self._tops, self.curriculum
+        )
         self._move_to(state)
         for i in moved:
             logging.info("curriculum: part %d moved to difficulty %s", i, state["levels"][i])
         return {f"curriculum/level_{i}": float(level) for i, level in enumerate(state["levels"])}
 
     def _engine(self, sampler: Sampler, rollout: RolloutConfig, env=None) -> RolloutEngine:
-        return RolloutEngine(env or self.env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=self.tokenizer,
-                             config=rollout)
+        return RolloutEngine(
+            env or self.env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=self.tokenizer, config=rollout
+        )
 
-    def sample(self, sampler: Sampler, first_task: int, key: jax.Array, adapter_idx: int,
-               num_tasks: int | None = None) -> StepRollouts:
+    def sample(
+        self, sampler: Sampler, first_task: int, key: jax.Array, adapter_idx: int, num_tasks: int | None = None
+    ) -> StepRollouts:
         """`group_size` episodes of each of the next `num_tasks` (default `tasks_per_step`) training tasks (a
         group's episodes adjacent), the first `hinted_per_group` of each played with the hint and learned from
         without it."""
         rollout_cfg = self.config.rollout
         tasks = self.train_tasks[first_task : first_task + (num_tasks or rollout_cfg.tasks_per_step)]
         hinted = {task.task_id for task in tasks if self.hinted_per_group and offers_hint(self.env, task)}
-        jobs = [Job(task, trial, adapter_idx, hint=trial < self.hinted_per_group and task.task_id in hinted)
-                for task in tasks for trial in range(rollout_cfg.group_size)]
+        jobs = [
+            Job(task, trial, adapter_idx, hint=trial < self.hinted_per_group and task.task_id in hinted)
+            for task in tasks
+            for trial in range(rollout_cfg.group_size)
+        ]
         engine = self._engine(sampler, self.train_rollout)
         trajectories = distributed.run_shared(lambda share: engine.run(share, key=key), jobs)
         prompts = {task.task_id: self.first_prompts(task) for task in tasks if task.task_id in hinted}
-        sequences = [unhinted_sequence(t, *prompts[t.job.task.task_id]) if t.job.hint else trajectory_sequence(t)
-                     for t in trajectories]
+        sequences = [
+            unhinted_sequence(t, *prompts[t.job.task.task_id]) if t.job.hint else trajectory_sequence(t)
+            for t in trajectories
+        ]
         rewards = np.array([t.outcome.reward for t in trajectories], np.float64)
         groups = np.repeat(np.arange(len(tasks)), rollout_cfg.group_size)
         metrics = trajectory_metrics(trajectories, "rollout")
@@ -221,8 +248,13 @@ class EnvironmentRollouts:
         episodes_path = folder / f"step_{step}.jsonl"
         if self.base_run and adapter_idx == lora.NO_ADAPTER:
             distributed.on_main(lambda: self._seed_base_eval(episodes_path))
-        records = play(self._engine(sampler, self.eval_rollout, self.eval_env), jobs, key=jax.random.key(0),
-                       episodes_path=episodes_path, log_every_s=self.config.log_every_s)
+        records = play(
+            self._engine(sampler, self.eval_rollout, self.eval_env),
+            jobs,
+            key=jax.random.key(0),
+            episodes_path=episodes_path,
+            log_every_s=self.config.log_every_s,
+        )
         summary, table = summarize_run(records, trials=1)
         if distributed.is_main():
             (folder / f"step_{step}.md").write_text(table + "\n", encoding="utf-8")
@@ -230,5 +262,9 @@ class EnvironmentRollouts:
 
     def summary(self, base: dict[str, float], final: dict[str, float]) -> dict:
         """The job summary's held-out entries: mean reward and success, before and after."""
-        return {"base_reward": base["eval/reward"], "final_reward": final["eval/reward"],
-                "base_success": base["eval/success"], "final_success": final["eval/success"]}
+        return {
+            "base_reward": base["eval/reward"],
+            "final_reward": final["eval/reward"],
+            "base_success": base["eval/success"],
+            "final_success": final["eval/success"],
+        }

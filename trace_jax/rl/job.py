@@ -30,10 +30,16 @@ def common_checks() -> list[Check]:
         ("seed", lambda v: isinstance(v, int), "an int"),
         ("lora.rank", positive_int, "a positive int"),
         ("lora.alpha", lambda v: number(v) and v > 0, "> 0"),
-        ("lora.targets", lambda v: set(v) <= set(lora.ALL_TARGETS) | {t[:-5] for t in lora.ALL_TARGETS},
-         f"names from {list(lora.ALL_TARGETS)}"),
-        ("lora.first_layer", lambda v: isinstance(v, int) and v >= 0,
-         "an int >= 0 (layers below it get no adapter and run forward only in the learner)"),
+        (
+            "lora.targets",
+            lambda v: set(v) <= set(lora.ALL_TARGETS) | {t[:-5] for t in lora.ALL_TARGETS},
+            f"names from {list(lora.ALL_TARGETS)}",
+        ),
+        (
+            "lora.first_layer",
+            lambda v: isinstance(v, int) and v >= 0,
+            "an int >= 0 (layers below it get no adapter and run forward only in the learner)",
+        ),
         ("optimizer.lr", lambda v: number(v) and v > 0, "> 0"),
         ("optimizer.weight_decay", lambda v: number(v) and v >= 0, ">= 0"),
         ("optimizer.clip_norm", lambda v: number(v) and v > 0, "> 0"),
@@ -84,19 +90,24 @@ def start_run(config: ml_collections.ConfigDict, workdir: pathlib.Path, cursor: 
     params = plan.shard_params(model.params) if plan else model.params
     local = distributed.local_mesh(mesh)
     sampler_plan = plan if local is mesh else (ShardingPlan(local) if local.size > 1 else None)
-    sampler_params = params if local is mesh else (sampler_plan.shard_params(model.params) if sampler_plan
-                                                   else model.params)
+    sampler_params = (
+        params if local is mesh else (sampler_plan.shard_params(model.params) if sampler_plan else model.params)
+    )
     init_key, run_key = jax.random.split(jax.random.key(config.seed))
-    spec = lora.LoraSpec(rank=config.lora.rank, alpha=config.lora.alpha, targets=tuple(config.lora.targets),
-                         first_layer=config.lora.first_layer)
+    spec = lora.LoraSpec(
+        rank=config.lora.rank,
+        alpha=config.lora.alpha,
+        targets=tuple(config.lora.targets),
+        first_layer=config.lora.first_layer,
+    )
     adapters = lora.init_adapters(init_key, model.cfg, spec, 1, params["embed"].dtype)
     optimizer = make_optimizer(config.optimizer.lr, config.optimizer.weight_decay, config.optimizer.clip_norm)
     fresh = (adapters.weights, adapters.scale, optimizer.init(adapters.weights))
     weights, scale, opt_state = plan.shard_params(fresh) if plan else fresh  # on the mesh of every process
-    state = TrainState(step=0, adapter_weights=weights, scale=scale, opt_state=opt_state,
-                       rng=run_key, cursor=cursor)
-    checkpointer = Checkpointer(workdir / "checkpoints", keep=config.train.keep_checkpoints,
-                                save_every=config.train.checkpoint_every)
+    state = TrainState(step=0, adapter_weights=weights, scale=scale, opt_state=opt_state, rng=run_key, cursor=cursor)
+    checkpointer = Checkpointer(
+        workdir / "checkpoints", keep=config.train.keep_checkpoints, save_every=config.train.checkpoint_every
+    )
     if checkpointer.latest_step() is not None:
         state = checkpointer.restore(state)
         logging.info("resumed from step %d in %s", state.step, workdir)

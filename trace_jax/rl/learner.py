@@ -19,7 +19,7 @@ weight corrects for the context they were sampled in.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -35,8 +35,18 @@ from trace_jax.rl.losses import LossConfig, policy_loss, sft_loss, tis_weight
 from trace_jax.sharding import ShardingPlan
 
 # Per-row batch entries (split into micro-batches).
-ROW_KEYS = ("tokens", "loss_mask", "advantages", "old_logp", "sampler_logp", "adapter_idx", "prefix_of_row",
-            "loss_positions", "frozen_hidden", "sequence")
+ROW_KEYS = (
+    "tokens",
+    "loss_mask",
+    "advantages",
+    "old_logp",
+    "sampler_logp",
+    "adapter_idx",
+    "prefix_of_row",
+    "loss_positions",
+    "frozen_hidden",
+    "sequence",
+)
 # Shared prefixes, given whole to every micro-batch (see `token_logprobs`), and optionally their
 # residual streams entering the first adapted layer (see `frozen_inputs`).
 PREFIX_KEYS = ("prefix_tokens", "prefix_lengths", "prefix_adapter")
@@ -88,22 +98,33 @@ def _run_layers(params, tokens, cfg, row_lora, cache, num_new, constrain, remat,
             const = lambda kv: tuple(jax.lax.stop_gradient(x) if i < frozen else x for i, x in enumerate(kv))
             kwargs["cache"] = cache.replace(prefix_k=const(cache.prefix_k), prefix_v=const(cache.prefix_v))
         hidden, kwargs["cache"] = decoder.forward_hidden(params, tokens, cfg, stop_layer=frozen, **kwargs)
-    return decoder.forward_hidden(params, tokens, cfg, row_lora=row_lora, start_layer=frozen,
-                                  hidden=jax.lax.stop_gradient(hidden), **kwargs)
+    return decoder.forward_hidden(
+        params, tokens, cfg, row_lora=row_lora, start_layer=frozen, hidden=jax.lax.stop_gradient(hidden), **kwargs
+    )
 
 
 def _prefix_kv(params, adapters, prefix, cfg, constrain, remat, frozen) -> tuple[tuple, tuple]:
     """Keys and values (one [G, KV, P, hd] array per layer) of the G shared prefixes, each run
     once under its own adapter (prefix_adapter[g])."""
     groups, prefix_len = prefix["prefix_tokens"].shape
-    _, cache = _run_layers(params, prefix["prefix_tokens"], cfg, lora.for_rows(adapters, prefix["prefix_adapter"]),
-                           decoder.init_cache(cfg, groups, prefix_len, params["embed"].dtype),
-                           prefix["prefix_lengths"], constrain, remat, frozen, prefix.get(PREFIX_HIDDEN))
+    _, cache = _run_layers(
+        params,
+        prefix["prefix_tokens"],
+        cfg,
+        lora.for_rows(adapters, prefix["prefix_adapter"]),
+        decoder.init_cache(cfg, groups, prefix_len, params["embed"].dtype),
+        prefix["prefix_lengths"],
+        constrain,
+        remat,
+        frozen,
+        prefix.get(PREFIX_HIDDEN),
+    )
     return cache.k, cache.v
 
 
-def _final_hidden(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat, prefix_kv=None, frozen=0,
-                  hidden=None):
+def _final_hidden(
+    params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat, prefix_kv=None, frozen=0, hidden=None
+):
     """Final hidden states of `tokens`, each row continuing its shared prefix when `prefix` is given.
 
     The prefixes' keys and values (`prefix_kv`, computed here when not given) become the
@@ -124,17 +145,35 @@ def _rows_cache(params, tokens, cfg, prefix_kv, prefix_of_row, prefix_lengths) -
     """An empty cache for `tokens` whose row b continues prefix prefix_of_row[b] (keys and values
     `prefix_kv`, one array per layer run)."""
     cache = decoder.init_cache(cfg, tokens.shape[0], tokens.shape[1], params["embed"].dtype)
-    return cache.replace(prefix_k=prefix_kv[0], prefix_v=prefix_kv[1], prefix_slot=prefix_of_row,
-                         prefix_len=jnp.take(prefix_lengths, prefix_of_row))
+    return cache.replace(
+        prefix_k=prefix_kv[0],
+        prefix_v=prefix_kv[1],
+        prefix_slot=prefix_of_row,
+        prefix_len=jnp.take(prefix_lengths, prefix_of_row),
+    )
 
 
-def _forward_logprobs(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat, temperature,
-                      prefix_kv=None, frozen=0, positions=None, frozen_hidden=None):
+def _forward_logprobs(
+    params,
+    adapters,
+    tokens,
+    adapter_idx,
+    prefix,
+    cfg,
+    constrain,
+    remat,
+    temperature,
+    prefix_kv=None,
+    frozen=0,
+    positions=None,
+    frozen_hidden=None,
+):
     """Logprobs and entropies of tokens[:, 1:] under softmax(logits / temperature) (the last position
     predicts nothing, so it is not run); with `positions` [B, K], only of those entries of
     tokens[:, 1:] (the vocabulary projection, a large part of a step, runs on them alone)."""
-    hidden = _final_hidden(params, adapters, tokens[:, :-1], adapter_idx, prefix, cfg, constrain, remat, prefix_kv,
-                           frozen, frozen_hidden)
+    hidden = _final_hidden(
+        params, adapters, tokens[:, :-1], adapter_idx, prefix, cfg, constrain, remat, prefix_kv, frozen, frozen_hidden
+    )
     targets = tokens[:, 1:]
     if positions is not None:
         hidden = jnp.take_along_axis(hidden, positions[..., None], axis=1)
@@ -142,9 +181,18 @@ def _forward_logprobs(params, adapters, tokens, adapter_idx, prefix, cfg, constr
     return _logprobs_and_entropy(decoder.logits_from_hidden(params, hidden, cfg) / temperature, targets)
 
 
-def token_logprobs(params: dict, adapters: Adapters | None, tokens: jax.Array, adapter_idx: jax.Array,
-                   cfg: ModelConfig, *, prefix: dict | None = None, constrain: decoder.Constrain = decoder.no_constraint,
-                   remat: bool = False, temperature: float = 1.0) -> jax.Array:
+def token_logprobs(
+    params: dict,
+    adapters: Adapters | None,
+    tokens: jax.Array,
+    adapter_idx: jax.Array,
+    cfg: ModelConfig,
+    *,
+    prefix: dict | None = None,
+    constrain: decoder.Constrain = decoder.no_constraint,
+    remat: bool = False,
+    temperature: float = 1.0,
+) -> jax.Array:
     """log p(tokens[:, t+1] | tokens[:, :t+1]) [B, T-1] in fp32, row b under adapter adapter_idx[b].
 
     p is the policy sampled at `temperature`, softmax(logits / temperature), as the sampler
@@ -158,24 +206,39 @@ def token_logprobs(params: dict, adapters: Adapters | None, tokens: jax.Array, a
     return _forward_logprobs(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat, temperature)[0]
 
 
-def reference_logprobs(params: dict, tokens: jax.Array, cfg: ModelConfig, *, prefix: dict | None = None,
-                       constrain: decoder.Constrain = decoder.no_constraint, remat: bool = False,
-                       temperature: float = 1.0, prefix_kv: tuple | None = None,
-                       positions: jax.Array | None = None) -> jax.Array:
+def reference_logprobs(
+    params: dict,
+    tokens: jax.Array,
+    cfg: ModelConfig,
+    *,
+    prefix: dict | None = None,
+    constrain: decoder.Constrain = decoder.no_constraint,
+    remat: bool = False,
+    temperature: float = 1.0,
+    prefix_kv: tuple | None = None,
+    positions: jax.Array | None = None,
+) -> jax.Array:
     """Token logprobs of the frozen base (every row NO_ADAPTER, so no LoRA is computed): the KL reference.
     `prefix_kv`: the prefixes' keys and values under the base, when already computed; `positions`:
     as in `make_grad_fn`."""
     idx = jnp.full(tokens.shape[:1], NO_ADAPTER, jnp.int32)
-    return _forward_logprobs(params, None, tokens, idx, prefix, cfg, constrain, remat, temperature, prefix_kv,
-                             positions=positions)[0]
+    return _forward_logprobs(
+        params, None, tokens, idx, prefix, cfg, constrain, remat, temperature, prefix_kv, positions=positions
+    )[0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "frozen", "scan"))
 def _frozen_prefix(params, prefix_tokens, prefix_lengths, cfg, frozen, scan):
     groups, prefix_len = prefix_tokens.shape
-    hidden, cache = decoder.forward_hidden(params, prefix_tokens, cfg, stop_layer=frozen, num_new=prefix_lengths,
-                                           cache=decoder.init_cache(cfg, groups, prefix_len, params["embed"].dtype),
-                                           remat=scan)
+    hidden, cache = decoder.forward_hidden(
+        params,
+        prefix_tokens,
+        cfg,
+        stop_layer=frozen,
+        num_new=prefix_lengths,
+        cache=decoder.init_cache(cfg, groups, prefix_len, params["embed"].dtype),
+        remat=scan,
+    )
     return hidden, cache.k[:frozen], cache.v[:frozen]
 
 
@@ -197,12 +260,25 @@ def frozen_inputs(params: dict, cfg: ModelConfig, frozen_layers: int, batch: dic
     out = dict(batch)
     prefix_kv = None
     if "prefix_tokens" in batch:
-        out[PREFIX_HIDDEN], *prefix_kv = _frozen_prefix(params, batch["prefix_tokens"], batch["prefix_lengths"], cfg,
-                                                        frozen_layers, remat)
+        out[PREFIX_HIDDEN], *prefix_kv = _frozen_prefix(
+            params, batch["prefix_tokens"], batch["prefix_lengths"], cfg, frozen_layers, remat
+        )
     out["micro_batches"] = [
-        {**mb, "frozen_hidden": _frozen_rows(params, mb["tokens"][:, :-1], prefix_kv, mb.get("prefix_of_row"),
-                                             batch.get("prefix_lengths"), cfg, frozen_layers, remat)}
-        for mb in batch["micro_batches"]]
+        {
+            **mb,
+            "frozen_hidden": _frozen_rows(
+                params,
+                mb["tokens"][:, :-1],
+                prefix_kv,
+                mb.get("prefix_of_row"),
+                batch.get("prefix_lengths"),
+                cfg,
+                frozen_layers,
+                remat,
+            ),
+        }
+        for mb in batch["micro_batches"]
+    ]
     return out
 
 
@@ -223,8 +299,14 @@ def split_micro_batches(batch: dict, n: int) -> list[dict]:
     return [{k: v[m::n] for k, v in batch.items() if k in ROW_KEYS} for m in range(n)]
 
 
-def make_rescore_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, plan: ShardingPlan | None = None,
-                    remat: bool = False, temperature: float = 1.0) -> Callable:
+def make_rescore_fn(
+    cfg: ModelConfig,
+    loss_cfg: LossConfig,
+    *,
+    plan: ShardingPlan | None = None,
+    remat: bool = False,
+    temperature: float = 1.0,
+) -> Callable:
     """`rescore(params, adapter_weights, scale, batch, hinted) -> (batch, metrics)`: a packed GRPO batch
     (`batching.pack_sequences`) whose hinted rows are made ready for the update.
 
@@ -246,8 +328,18 @@ def make_rescore_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, plan: ShardingPla
         if plan is not None:
             mb = {k: plan.constrain(v, "batch") for k, v in mb.items()}
         prefix = {**shared, "prefix_of_row": mb["prefix_of_row"]} if shared else None
-        return _forward_logprobs(params, Adapters(weights, scale), mb["tokens"], mb["adapter_idx"], prefix, cfg,
-                                 constrain, remat, temperature, positions=mb["loss_positions"])[0]
+        return _forward_logprobs(
+            params,
+            Adapters(weights, scale),
+            mb["tokens"],
+            mb["adapter_idx"],
+            prefix,
+            cfg,
+            constrain,
+            remat,
+            temperature,
+            positions=mb["loss_positions"],
+        )[0]
 
     def rescore(params, weights, scale, batch, hinted):
         marked = np.flatnonzero(np.asarray(hinted, bool))
@@ -270,8 +362,10 @@ def make_rescore_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, plan: ShardingPla
             metrics["hinted_logp_gain"] = float(np.mean(sampled - old))
             if loss_cfg.tis_cap is not None:
                 is_weights = np.asarray(tis_weight(old, sampled, loss_cfg.tis_cap))
-                metrics.update(hinted_is_weight=float(is_weights.mean()),
-                               hinted_capped=float(np.mean(is_weights >= np.float32(loss_cfg.tis_cap))))
+                metrics.update(
+                    hinted_is_weight=float(is_weights.mean()),
+                    hinted_capped=float(np.mean(is_weights >= np.float32(loss_cfg.tis_cap))),
+                )
         return {**batch, "micro_batches": parts}, metrics
 
     return rescore
@@ -280,9 +374,17 @@ def make_rescore_fn(cfg: ModelConfig, loss_cfg: LossConfig, *, plan: ShardingPla
 OBJECTIVES = ("grpo", "sft")
 
 
-def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig | None, *, micro_batches: int = 1,
-                 plan: ShardingPlan | None = None, remat: bool = False, temperature: float = 1.0,
-                 objective: str = "grpo", frozen_layers: int = 0) -> Callable:
+def make_grad_fn(
+    cfg: ModelConfig,
+    loss_cfg: LossConfig | None,
+    *,
+    micro_batches: int = 1,
+    plan: ShardingPlan | None = None,
+    remat: bool = False,
+    temperature: float = 1.0,
+    objective: str = "grpo",
+    frozen_layers: int = 0,
+) -> Callable:
     """`grads(params, adapter_weights, scale, batch) -> (grads, metrics)`: the gradient of the batch
     loss (sum / denominator) w.r.t. the adapter weights, accumulated over micro-batches.
 
@@ -316,21 +418,49 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig | None, *, micro_batches
             mb = {k: plan.constrain(v, "batch") for k, v in mb.items()}
         prefix = {**shared, "prefix_of_row": mb["prefix_of_row"]} if shared else None
         positions = mb.get("loss_positions")
-        logp, entropy = _forward_logprobs(params, Adapters(weights, scale), mb["tokens"], mb["adapter_idx"], prefix,
-                                          cfg, constrain, remat, temperature, prefix_kv, frozen_layers, positions,
-                                          mb.get("frozen_hidden"))
+        logp, entropy = _forward_logprobs(
+            params,
+            Adapters(weights, scale),
+            mb["tokens"],
+            mb["adapter_idx"],
+            prefix,
+            cfg,
+            constrain,
+            remat,
+            temperature,
+            prefix_kv,
+            frozen_layers,
+            positions,
+            mb.get("frozen_hidden"),
+        )
         mask = mb["loss_mask"].astype(jnp.float32)
         if objective == "sft":
             loss_sum, denom, diagnostics = sft_loss(logp, mask)
         else:
             ref_logp = None
             if use_kl:
-                ref_logp = jax.lax.stop_gradient(reference_logprobs(params, mb["tokens"], cfg, prefix=prefix,
-                                                                    constrain=constrain, remat=remat,
-                                                                    temperature=temperature, prefix_kv=ref_kv,
-                                                                    positions=positions))
-            loss_sum, denom, diagnostics = policy_loss(logp, mb["old_logp"], mb["advantages"], mask, loss_cfg,
-                                                       ref_logp=ref_logp, sampler_logp=mb.get("sampler_logp"))
+                ref_logp = jax.lax.stop_gradient(
+                    reference_logprobs(
+                        params,
+                        mb["tokens"],
+                        cfg,
+                        prefix=prefix,
+                        constrain=constrain,
+                        remat=remat,
+                        temperature=temperature,
+                        prefix_kv=ref_kv,
+                        positions=positions,
+                    )
+                )
+            loss_sum, denom, diagnostics = policy_loss(
+                logp,
+                mb["old_logp"],
+                mb["advantages"],
+                mask,
+                loss_cfg,
+                ref_logp=ref_logp,
+                sampler_logp=mb.get("sampler_logp"),
+            )
         diagnostics["entropy"] = (jnp.sum(entropy * mask), jnp.sum(mask))
         return loss_sum, (loss_sum, denom, diagnostics)
 
@@ -341,7 +471,8 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig | None, *, micro_batches
         """The prefixes' keys and values, the pullback from their cotangents to adapter gradients, and
         (for the KL term) their keys and values under the base."""
         prefix_kv, pullback = jax.vjp(
-            lambda w: _prefix_kv(params, Adapters(w, scale), shared, cfg, constrain, remat, frozen_layers), weights)
+            lambda w: _prefix_kv(params, Adapters(w, scale), shared, cfg, constrain, remat, frozen_layers), weights
+        )
         ref_kv = _prefix_kv(params, None, shared, cfg, constrain, remat, 0) if use_kl else None
         return prefix_kv, pullback, ref_kv
 
@@ -362,8 +493,10 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig | None, *, micro_batches
         known = set(ROW_KEYS) | set(PREFIX_KEYS) | {PREFIX_HIDDEN} | set(PASS_THROUGH) | {"micro_batches"}
         unknown = sorted(set(batch) - known)
         if unknown:
-            raise ValueError(f"unknown batch entries {unknown}; expected {ROW_KEYS} or micro_batches "
-                             f"(+ {PREFIX_KEYS}, {PASS_THROUGH})")
+            raise ValueError(
+                f"unknown batch entries {unknown}; expected {ROW_KEYS} or micro_batches "
+                f"(+ {PREFIX_KEYS}, {PASS_THROUGH})"
+            )
         parts = batch["micro_batches"] if "micro_batches" in batch else split_micro_batches(batch, micro_batches)
         if not parts:
             raise ValueError("the batch has no micro-batches")
@@ -385,10 +518,19 @@ def make_grad_fn(cfg: ModelConfig, loss_cfg: LossConfig | None, *, micro_batches
     return grads
 
 
-def make_train_step(cfg: ModelConfig, loss_cfg: LossConfig | None, optimizer: optax.GradientTransformation, *,
-                    micro_batches: int = 1, plan: ShardingPlan | None = None, remat: bool = False,
-                    temperature: float = 1.0, objective: str = "grpo", frozen_layers: int = 0,
-                    updates: int = 1) -> Callable:
+def make_train_step(
+    cfg: ModelConfig,
+    loss_cfg: LossConfig | None,
+    optimizer: optax.GradientTransformation,
+    *,
+    micro_batches: int = 1,
+    plan: ShardingPlan | None = None,
+    remat: bool = False,
+    temperature: float = 1.0,
+    objective: str = "grpo",
+    frozen_layers: int = 0,
+    updates: int = 1,
+) -> Callable:
     """`step(params, adapter_weights, opt_state, scale, batch) -> (adapter_weights, opt_state, metrics)`.
 
     batch (see `make_grad_fn`): tokens [B, T] int32, loss_mask [B, T-1], advantages [B],
@@ -405,8 +547,16 @@ def make_train_step(cfg: ModelConfig, loss_cfg: LossConfig | None, optimizer: op
     """
     if updates < 1:
         raise ValueError(f"updates must be >= 1, got {updates}")
-    grad_fn = make_grad_fn(cfg, loss_cfg, micro_batches=micro_batches, plan=plan, remat=remat,
-                           temperature=temperature, objective=objective, frozen_layers=frozen_layers)
+    grad_fn = make_grad_fn(
+        cfg,
+        loss_cfg,
+        micro_batches=micro_batches,
+        plan=plan,
+        remat=remat,
+        temperature=temperature,
+        objective=objective,
+        frozen_layers=frozen_layers,
+    )
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def apply(weights, opt_state, g):
@@ -424,8 +574,7 @@ def make_train_step(cfg: ModelConfig, loss_cfg: LossConfig | None, optimizer: op
             g, metrics = grad_fn(params, weights, scale, mini_batch)
             weights, opt_state = apply(weights, opt_state, g)
             history.append(metrics)
-        metrics = history[0] if len(history) == 1 else {k: np.mean([float(m[k]) for m in history])
-                                                         for k in history[0]}
+        metrics = history[0] if len(history) == 1 else {k: np.mean([float(m[k]) for m in history]) for k in history[0]}
         return weights, opt_state, metrics
 
     return step

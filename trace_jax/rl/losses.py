@@ -8,7 +8,7 @@ mask is all zero (padding rows) are not trajectories and count in no denominator
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -63,8 +63,9 @@ class LossConfig:
 
     def __post_init__(self):
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"LossConfig.aggregation {self.aggregation!r} is unknown; "
-                             f"choose from {sorted(AGGREGATIONS)}")
+            raise ValueError(
+                f"LossConfig.aggregation {self.aggregation!r} is unknown; choose from {sorted(AGGREGATIONS)}"
+            )
         if not 0.0 <= self.eps_low < 1.0:
             raise ValueError(f"LossConfig.eps_low must be in [0, 1), got {self.eps_low}")
         if not self.eps_high >= 0.0:
@@ -73,8 +74,9 @@ class LossConfig:
             raise ValueError(f"LossConfig.kl_coef must be >= 0, got {self.kl_coef}")
         if self.tis_cap is not None and not self.tis_cap > 0.0:
             raise ValueError(f"LossConfig.tis_cap must be None or > 0, got {self.tis_cap}")
-        if self.max_len is not None and (isinstance(self.max_len, bool) or not isinstance(self.max_len, int)
-                                         or self.max_len <= 0):
+        if self.max_len is not None and (
+            isinstance(self.max_len, bool) or not isinstance(self.max_len, int) or self.max_len <= 0
+        ):
             raise ValueError(f"LossConfig.max_len must be None or a positive int, got {self.max_len!r}")
         if self.aggregation == "seq_sum_fixed_len" and self.max_len is None:
             raise ValueError("LossConfig.max_len is required when aggregation is 'seq_sum_fixed_len'")
@@ -119,8 +121,9 @@ def policy_loss(
     mask = mask.astype(logp_new.dtype)
     # Outside the mask, stored logprobs may be padding (0, -inf, nan): keep every term finite there.
     filler = jax.lax.stop_gradient(logp_new)
-    logp_old, ref_logp, sampler_logp = (None if x is None else jnp.where(mask > 0, x, filler)
-                                        for x in (logp_old, ref_logp, sampler_logp))
+    logp_old, ref_logp, sampler_logp = (
+        None if x is None else jnp.where(mask > 0, x, filler) for x in (logp_old, ref_logp, sampler_logp)
+    )
     adv = advantages[:, None].astype(logp_new.dtype)
     log_ratio = logp_new - logp_old
     ratio = jnp.exp(log_ratio)

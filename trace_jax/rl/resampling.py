@@ -31,14 +31,15 @@ def replace_groups(rollouts: StepRollouts, drop: np.ndarray, extra: StepRollouts
     keep = np.array([g in kept_groups for g in rollouts.group_ids.tolist()], bool)
     offset = int(rollouts.group_ids.max()) + 1
     return dataclasses.replace(
-        rollouts, sequences=[s for s, k in zip(rollouts.sequences, keep) if k] + list(extra.sequences),
+        rollouts,
+        sequences=[s for s, k in zip(rollouts.sequences, keep) if k] + list(extra.sequences),
         rewards=np.concatenate([rollouts.rewards[keep], extra.rewards]),
         group_ids=np.concatenate([rollouts.group_ids[keep], np.asarray(extra.group_ids) + offset]),
-        records=list(rollouts.records) + list(extra.records))
+        records=list(rollouts.records) + list(extra.records),
+    )
 
 
-def sample_informative(draw: Draw, tasks: int, resamples: int, min_informative: float
-                       ) -> tuple[StepRollouts, int, int]:
+def sample_informative(draw: Draw, tasks: int, resamples: int, min_informative: float) -> tuple[StepRollouts, int, int]:
     """The step's rollouts of `tasks` tasks with up to `resamples` rounds of replacing its constant groups by new
     tasks' while fewer than `min_informative` of its groups vary; returns them, the tasks used and the episodes
     played. Metrics are the first draw's (the policy on the step's own tasks), with "rollout/episodes",
@@ -53,6 +54,10 @@ def sample_informative(draw: Draw, tasks: int, resamples: int, min_informative: 
         rollouts = replace_groups(rollouts, constant, extra)
         used, played, replaced = used + int(constant.sum()), played + len(extra.rewards), replaced + int(constant.sum())
     informative = 1.0 - constant_groups(rollouts.rewards, rollouts.group_ids).mean()
-    metrics = {**first.metrics, "rollout/episodes": float(played), "rollout/resampled_groups": float(replaced),
-               "rollout/informative_groups": float(informative)}
+    metrics = {
+        **first.metrics,
+        "rollout/episodes": float(played),
+        "rollout/resampled_groups": float(replaced),
+        "rollout/informative_groups": float(informative),
+    }
     return dataclasses.replace(rollouts, metrics=metrics), used, played

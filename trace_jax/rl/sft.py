@@ -60,8 +60,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
 def gold_trajectories(env, tokenizer: ChatTokenizer, tasks, max_turns: int) -> list[Trajectory]:
     """The gold agent's episodes of `tasks`, recorded as the model's tokens (scripted user where one is needed)."""
     config = RolloutConfig(batch_size=64, max_turns=max_turns, max_tokens_per_turn=1 << 30)
-    engine = RolloutEngine(env, agent=GoldAgent(), user=ScriptedUser(user_actions=True), tokenizer=tokenizer,
-                           config=config)
+    engine = RolloutEngine(
+        env, agent=GoldAgent(), user=ScriptedUser(user_actions=True), tokenizer=tokenizer, config=config
+    )
     return engine.run([Job(task, adapter_idx=ADAPTER) for task in tasks], key=jax.random.key(0))
 
 
@@ -86,8 +87,9 @@ class FrozenStreams:
     runs only the adapted layers (at first_layer 20 of SmolLM2's 30, a third of the forward pass
     and its backward instead of the whole)."""
 
-    def __init__(self, run, sequences: list[LearnerSequence], frozen_layers: int, token_budget: int, pad_id: int,
-                 remat: bool):
+    def __init__(
+        self, run, sequences: list[LearnerSequence], frozen_layers: int, token_budget: int, pad_id: int, remat: bool
+    ):
         batch = pack_sequences(sequences, token_budget=token_budget, row_multiple=run.row_multiple, pad_id=pad_id)
         self.prefix_length = int(batch["prefix_lengths"][0]) if "prefix_lengths" in batch else 0
         batch = frozen_inputs(run.params, run.model.cfg, frozen_layers, batch, remat=remat)
@@ -124,23 +126,43 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     run = start_run(config, workdir, cursor={})
     tokenizer = run.model.tokenizer
     env = make_environment(config.env)
-    played = gold_trajectories(env, tokenizer, env.tasks(config.env.split, config.data.num_tasks),
-                               config.data.max_turns)
+    played = gold_trajectories(
+        env, tokenizer, env.tasks(config.env.split, config.data.num_tasks), config.data.max_turns
+    )
     kept = [t for t in played if t.outcome.success]
     if not kept:
         raise ValueError(f"no gold episode of {config.env.name}/{config.env.split} succeeded: nothing to clone")
-    logging.info("cloning %d gold trajectories (%d of %d played succeeded), %d agent tokens", len(kept), len(kept),
-                 len(played), sum(sum(t.loss_mask) for t in kept))
+    logging.info(
+        "cloning %d gold trajectories (%d of %d played succeeded), %d agent tokens",
+        len(kept),
+        len(kept),
+        len(played),
+        sum(sum(t.loss_mask) for t in kept),
+    )
     sequences = [LearnerSequence(t.token_ids, t.loss_mask, t.logprobs, 0.0, ADAPTER) for t in kept]
-    train_step = make_train_step(run.model.cfg, None, run.optimizer, plan=run.plan, remat=config.train.remat,
-                                 objective="sft", frozen_layers=config.lora.first_layer)
+    train_step = make_train_step(
+        run.model.cfg,
+        None,
+        run.optimizer,
+        plan=run.plan,
+        remat=config.train.remat,
+        objective="sft",
+        frozen_layers=config.lora.first_layer,
+    )
     streams = None
     if config.lora.first_layer and run.state.step < config.train.steps:
         t0 = time.monotonic()
-        streams = FrozenStreams(run, sequences, config.lora.first_layer, config.train.micro_batch_tokens,
-                                tokenizer.pad_token_id, config.train.remat)
-        logging.info("streams entering layer %d computed once in %.1f s", config.lora.first_layer,
-                     time.monotonic() - t0)
+        streams = FrozenStreams(
+            run,
+            sequences,
+            config.lora.first_layer,
+            config.train.micro_batch_tokens,
+            tokenizer.pad_token_id,
+            config.train.remat,
+        )
+        logging.info(
+            "streams entering layer %d computed once in %.1f s", config.lora.first_layer, time.monotonic() - t0
+        )
     writer = MetricsWriter(workdir)
     progress = Progress(config.train.steps, start=run.state.step, every_s=config.log_every_s)
     state = run.state
@@ -149,18 +171,28 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     for step in range(state.step, config.train.steps):
         t0 = time.monotonic()
         items = step_items(len(sequences), config.data.trajectories_per_step, config.seed, step)
-        batch = pack_sequences([sequences[i] for i in items], token_budget=config.train.micro_batch_tokens,
-                               row_multiple=run.row_multiple, pad_id=tokenizer.pad_token_id,
-                               prefix_length=streams.prefix_length if streams else None)
+        batch = pack_sequences(
+            [sequences[i] for i in items],
+            token_budget=config.train.micro_batch_tokens,
+            row_multiple=run.row_multiple,
+            pad_id=tokenizer.pad_token_id,
+            prefix_length=streams.prefix_length if streams else None,
+        )
         if streams:
             batch = streams.add_to(batch, items)
         weights, opt_state, learner_metrics = train_step(run.params, weights, opt_state, state.scale, batch)
         metrics = {f"learner/{k}": float(v) for k, v in learner_metrics.items()}
-        metrics.update({"learner/tokens": float(padded_tokens(batch)), "learner/loss_tokens": float(learned_tokens(batch)),
-                        "learner/micro_batches": float(len(batch["micro_batches"])),
-                        "time/step_s": time.monotonic() - t0})
-        state = TrainState(step=step + 1, adapter_weights=weights, scale=state.scale, opt_state=opt_state,
-                           rng=state.rng, cursor={})
+        metrics.update(
+            {
+                "learner/tokens": float(padded_tokens(batch)),
+                "learner/loss_tokens": float(learned_tokens(batch)),
+                "learner/micro_batches": float(len(batch["micro_batches"])),
+                "time/step_s": time.monotonic() - t0,
+            }
+        )
+        state = TrainState(
+            step=step + 1, adapter_weights=weights, scale=state.scale, opt_state=opt_state, rng=state.rng, cursor={}
+        )
         writer.write(step + 1, metrics)  # before the checkpoint, as the GRPO job does
         run.checkpointer.save(state, force=step + 1 == config.train.steps)
         progress.update(step + 1, f"loss {metrics['learner/loss']:.4f}")
@@ -171,8 +203,12 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     if config.export.merged and distributed.is_main():
         merged = lora.merge(run.model.params, jax.device_get(run.sampler_adapters()), ADAPTER)
         save_hf_checkpoint(merged, run.model.path, workdir / "merged", run.model.cfg)
-    summary = {"steps": int(state.step), "trajectories": len(kept), "gold_played": len(played),
-               "final_loss": metrics.get("learner/loss", logged_scalars(workdir, state.step).get("learner/loss")),
-               "seconds": round(time.monotonic() - start_time, 1)}
+    summary = {
+        "steps": int(state.step),
+        "trajectories": len(kept),
+        "gold_played": len(played),
+        "final_loss": metrics.get("learner/loss", logged_scalars(workdir, state.step).get("learner/loss")),
+        "seconds": round(time.monotonic() - start_time, 1),
+    }
     distributed.on_main(lambda: write_json_atomic(workdir / "summary.json", summary))
     return summary

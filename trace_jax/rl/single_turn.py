@@ -36,18 +36,32 @@ class ScoredRollouts:
     def summary(self, prefix: str) -> dict[str, float]:
         """Mean reward and completion length, and the mean of every numeric task diagnostic."""
         lengths = np.array([len(c.token_ids) for c in self.completions], np.float64)
-        out = {f"{prefix}/reward": float(self.rewards.mean()), f"{prefix}/reward_std": float(self.rewards.std()),
-               f"{prefix}/completion_tokens": float(lengths.mean()),
-               f"{prefix}/truncated": float(np.mean([c.finish_reason != "stop" for c in self.completions]))}
+        out = {
+            f"{prefix}/reward": float(self.rewards.mean()),
+            f"{prefix}/reward_std": float(self.rewards.std()),
+            f"{prefix}/completion_tokens": float(lengths.mean()),
+            f"{prefix}/truncated": float(np.mean([c.finish_reason != "stop" for c in self.completions])),
+        }
         numeric = {k for d in self.diagnostics for k, v in d.items() if isinstance(v, (bool, int, float))}
         for name in sorted(numeric):
             out[f"{prefix}/{name}"] = float(np.mean([float(d[name]) for d in self.diagnostics if name in d]))
         return out
 
 
-def rollout(sampler: Sampler, tokenizer: ChatTokenizer, task_set: ModuleType, tasks: Sequence, *, key: jax.Array,
-            group_size: int = 1, adapter_idx: int, temperature: float, top_p: float = 1.0, max_new_tokens: int,
-            batch_size: int | None = None) -> ScoredRollouts:
+def rollout(
+    sampler: Sampler,
+    tokenizer: ChatTokenizer,
+    task_set: ModuleType,
+    tasks: Sequence,
+    *,
+    key: jax.Array,
+    group_size: int = 1,
+    adapter_idx: int,
+    temperature: float,
+    top_p: float = 1.0,
+    max_new_tokens: int,
+    batch_size: int | None = None,
+) -> ScoredRollouts:
     """`group_size` samples of every task (rows of one task are adjacent), each scored by `task_set.reward`; sample
     i draws from random stream i, so what is sampled does not depend on `batch_size`."""
     rendered = [tokenizer.apply_chat(task.messages, tools=task.tools) for task in tasks]  # once per task
@@ -59,16 +73,28 @@ def rollout(sampler: Sampler, tokenizer: ChatTokenizer, task_set: ModuleType, ta
         completions = []
         for start in range(0, len(rows), batch_size):
             chunk = rows[start : start + batch_size]
-            outs, _ = sampler.generate([prompts[i] for i in chunk], key=key, stream=chunk,
-                                       max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                       adapter_idx=adapter_idx, stop_token_ids=sorted(tokenizer.eos_token_ids))
+            outs, _ = sampler.generate(
+                [prompts[i] for i in chunk],
+                key=key,
+                stream=chunk,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                adapter_idx=adapter_idx,
+                stop_token_ids=sorted(tokenizer.eos_token_ids),
+            )
             completions.extend(outs)
         return completions
 
     completions = distributed.run_shared(generate, list(range(len(prompts))))  # each process its share of rows
     scored = [task_set.reward(task, completion.text) for task, completion in zip(owners, completions)]
-    return ScoredRollouts(prompts, completions, np.array([s for s, _ in scored], np.float64),
-                          np.repeat(np.arange(len(tasks)), group_size), [d for _, d in scored])
+    return ScoredRollouts(
+        prompts,
+        completions,
+        np.array([s for s, _ in scored], np.float64),
+        np.repeat(np.arange(len(tasks)), group_size),
+        [d for _, d in scored],
+    )
 
 
 class TaskSetRollouts:
@@ -79,20 +105,34 @@ class TaskSetRollouts:
         self.config, self.tokenizer = config, tokenizer
         self.task_set = TASK_SETS[config.task]
         self.train_tasks = self.task_set.make_tasks("train", num_train_tasks, config.seed)
-        self.heldout = {split: self.task_set.make_tasks(split, config.eval.num_tasks, config.seed)
-                        for split in config.eval.splits}
+        self.heldout = {
+            split: self.task_set.make_tasks(split, config.eval.num_tasks, config.seed) for split in config.eval.splits
+        }
 
-    def sample(self, sampler: Sampler, first_task: int, key: jax.Array, adapter_idx: int,
-               num_tasks: int | None = None) -> StepRollouts:
+    def sample(
+        self, sampler: Sampler, first_task: int, key: jax.Array, adapter_idx: int, num_tasks: int | None = None
+    ) -> StepRollouts:
         """`group_size` completions of each of the next `num_tasks` (default `tasks_per_step`) training
         tasks."""
         rollout_cfg = self.config.rollout
         tasks = self.train_tasks[first_task : first_task + (num_tasks or rollout_cfg.tasks_per_step)]
-        scored = rollout(sampler, self.tokenizer, self.task_set, tasks, key=key, group_size=rollout_cfg.group_size,
-                         adapter_idx=adapter_idx, temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p,
-                         max_new_tokens=rollout_cfg.max_new_tokens, batch_size=rollout_cfg.batch_size)
-        sequences = [LearnerSequence.completion(p, c.token_ids, c.logprobs, adapter_idx=adapter_idx)
-                     for p, c in zip(scored.prompts, scored.completions)]
+        scored = rollout(
+            sampler,
+            self.tokenizer,
+            self.task_set,
+            tasks,
+            key=key,
+            group_size=rollout_cfg.group_size,
+            adapter_idx=adapter_idx,
+            temperature=rollout_cfg.temperature,
+            top_p=rollout_cfg.top_p,
+            max_new_tokens=rollout_cfg.max_new_tokens,
+            batch_size=rollout_cfg.batch_size,
+        )
+        sequences = [
+            LearnerSequence.completion(p, c.token_ids, c.logprobs, adapter_idx=adapter_idx)
+            for p, c in zip(scored.prompts, scored.completions)
+        ]
         return StepRollouts(sequences, scored.rewards, scored.group_ids, scored.summary("rollout"))
 
     def evaluate(self, sampler: Sampler, adapter_idx: int, step: int) -> dict[str, float]:
@@ -101,9 +141,17 @@ class TaskSetRollouts:
         del step
         metrics = {}
         for index, (split, tasks) in enumerate(self.heldout.items()):
-            scored = rollout(sampler, self.tokenizer, self.task_set, tasks, key=jax.random.key(0),
-                             adapter_idx=adapter_idx, temperature=0.0, max_new_tokens=self.config.eval.max_new_tokens,
-                             batch_size=self.config.eval.batch_size)
+            scored = rollout(
+                sampler,
+                self.tokenizer,
+                self.task_set,
+                tasks,
+                key=jax.random.key(0),
+                adapter_idx=adapter_idx,
+                temperature=0.0,
+                max_new_tokens=self.config.eval.max_new_tokens,
+                batch_size=self.config.eval.batch_size,
+            )
             metrics.update(scored.summary("eval" if index == 0 else f"eval_{split}"))
         return metrics
 

@@ -67,12 +67,12 @@ from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
 from trace_jax.rl.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from trace_jax.rl.batching import pack_sequences, padded_tokens
 from trace_jax.rl.checkpoint import TrainState
-from trace_jax.rl.environment_rollouts import EnvironmentRollouts, hinted_per_group
 from trace_jax.rl.curriculum import CurriculumConfig, env_parts
-from trace_jax.rl.resampling import sample_informative
+from trace_jax.rl.environment_rollouts import EnvironmentRollouts, hinted_per_group
 from trace_jax.rl.job import ADAPTER, common_checks, export_adapter, start_run
 from trace_jax.rl.learner import make_rescore_fn, make_train_step
 from trace_jax.rl.losses import AGGREGATIONS, LossConfig
+from trace_jax.rl.resampling import sample_informative
 from trace_jax.rl.single_turn import TaskSetRollouts
 from trace_jax.runtime import bound_memory_maps, peak_memory_gb, release_freed_memory
 from trace_jax.sampling import Sampler
@@ -85,10 +85,16 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
     checks = common_checks() + [
         ("rollout.tasks_per_step", positive_int, "a positive int"),
         ("rollout.group_size", lambda v: positive_int(v) and v >= 2, "an int >= 2 (advantages compare a group)"),
-        ("rollout.temperature", lambda v: number(v) and v > 0,
-         "> 0 (the learner trains the policy at this temperature)"),
-        ("rollout.top_p", lambda v: v == 1.0,
-         "1.0: the sampler's logprobs serve as the old policy's, and truncation would make them differ"),
+        (
+            "rollout.temperature",
+            lambda v: number(v) and v > 0,
+            "> 0 (the learner trains the policy at this temperature)",
+        ),
+        (
+            "rollout.top_p",
+            lambda v: v == 1.0,
+            "1.0: the sampler's logprobs serve as the old policy's, and truncation would make them differ",
+        ),
         ("rollout.batch_size", positive_int, "a positive int (rows sampled at once)"),
         ("rollout.min_shared_prefix", lambda v: v is None or (isinstance(v, int) and v >= 1), "None or an int >= 1"),
         ("advantage", lambda v: v in ADVANTAGE_ESTIMATORS, f"one of {sorted(ADVANTAGE_ESTIMATORS)}"),
@@ -97,12 +103,21 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
         ("loss.eps_high", in_unit, "in (0, 1]"),
         ("loss.kl_coef", lambda v: number(v) and v >= 0, ">= 0"),
         ("train.steps", lambda v: v is None or positive_int(v), "None (use train.rollout_budget) or a positive int"),
-        ("train.rollout_budget", lambda v: v is None or positive_int(v),
-         "None (use train.steps) or a positive int (training episodes in all)"),
-        ("train.updates_per_step", positive_int,
-         "a positive int (optimizer updates a step, each on its share of the step's micro-batches)"),
-        ("train.snapshot_fractions", lambda v: isinstance(v, tuple | list) and all(number(f) and 0 < f < 1 for f in v),
-         "a tuple of fractions in (0, 1): the adapter is also exported at these shares of the steps (may be ())"),
+        (
+            "train.rollout_budget",
+            lambda v: v is None or positive_int(v),
+            "None (use train.steps) or a positive int (training episodes in all)",
+        ),
+        (
+            "train.updates_per_step",
+            positive_int,
+            "a positive int (optimizer updates a step, each on its share of the step's micro-batches)",
+        ),
+        (
+            "train.snapshot_fractions",
+            lambda v: isinstance(v, tuple | list) and all(number(f) and 0 < f < 1 for f in v),
+            "a tuple of fractions in (0, 1): the adapter is also exported at these shares of the steps (may be ())",
+        ),
         ("eval.num_tasks", lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0: no held-out evaluation)"),
         ("eval.every", positive_int, "a positive int"),
         ("eval.batch_size", positive_int, "a positive int"),
@@ -112,25 +127,40 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
             ("env.name", lambda v: v in ENVIRONMENTS, f"one of {sorted(ENVIRONMENTS)}"),
             ("env.split", lambda v: isinstance(v, str) and bool(v), "the environment's training split"),
             ("eval.split", lambda v: isinstance(v, str) and bool(v), "the environment's held-out split"),
-            ("eval.base_run", lambda v: isinstance(v, str),
-             '"" (play the base agent\'s held-out episodes) or an evaluation job\'s workdir to read them from'),
+            (
+                "eval.base_run",
+                lambda v: isinstance(v, str),
+                "\"\" (play the base agent's held-out episodes) or an evaluation job's workdir to read them from",
+            ),
             ("rollout.max_turns", positive_int, "a positive int"),
             ("rollout.max_tokens_per_turn", positive_int, "a positive int"),
             ("rollout.max_errors", lambda v: isinstance(v, int) and v >= 0, "an int >= 0"),
-            ("rollout.train_tasks", lambda v: v is None or positive_int(v),
-             "None (the next tasks of the split every step) or a positive int (the steps cycle through the "
-             "split's first train_tasks tasks)"),
-            ("rollout.hint_share", lambda v: number(v) and 0.0 <= v <= 1.0,
-             "a number in [0, 1]: the share of each group's episodes played with the environment's hint (0: none)"),
-            ("loss.tis_cap", lambda v: v is None or (number(v) and v >= 1.0),
-             "None (hinted rows learned as on-policy ones) or a number >= 1: the cap of a hinted token's "
-             "importance weight (an unhinted token's is 1)"),
+            (
+                "rollout.train_tasks",
+                lambda v: v is None or positive_int(v),
+                "None (the next tasks of the split every step) or a positive int (the steps cycle through the "
+                "split's first train_tasks tasks)",
+            ),
+            (
+                "rollout.hint_share",
+                lambda v: number(v) and 0.0 <= v <= 1.0,
+                "a number in [0, 1]: the share of each group's episodes played with the environment's hint (0: none)",
+            ),
+            (
+                "loss.tis_cap",
+                lambda v: v is None or (number(v) and v >= 1.0),
+                "None (hinted rows learned as on-policy ones) or a number >= 1: the cap of a hinted token's "
+                "importance weight (an unhinted token's is 1)",
+            ),
         ]
     return checks + [
         ("task", lambda v: v in TASK_SETS, f"one of {sorted(TASK_SETS)} (or give config.env instead)"),
         ("rollout.max_new_tokens", positive_int, "a positive int"),
-        ("eval.splits", lambda v: isinstance(v, (tuple, list)) and len(v) >= 1 and all(isinstance(x, str) for x in v),
-         "a non-empty tuple of the task set's held-out split names"),
+        (
+            "eval.splits",
+            lambda v: isinstance(v, (tuple, list)) and len(v) >= 1 and all(isinstance(x, str) for x in v),
+            "a non-empty tuple of the task set's held-out split names",
+        ),
         ("eval.max_new_tokens", positive_int, "a positive int"),
     ]
 
@@ -138,18 +168,28 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
 def validate_config(config: ml_collections.ConfigDict) -> None:
     """Fails at start, naming the key, on a missing or invalid setting."""
     if ("env" in config) == ("task" in config):
-        raise ValueError("config needs exactly one of config.task (a single-turn task set) and config.env "
-                         "(an environment)")
+        raise ValueError(
+            "config needs exactly one of config.task (a single-turn task set) and config.env (an environment)"
+        )
     check_config(config, _checks(config))
     if (config.train.steps is None) == (config.train.rollout_budget is None):
         raise ValueError("config.train.steps and config.train.rollout_budget: set exactly one (the other None)")
     if _hints(config):
         _check_hints(config)
-    optional = [("rollout.resamples", config.rollout.get("resamples", 0), lambda v: isinstance(v, int) and v >= 0,
-                 "an int >= 0: rounds of re-sampling a step's constant groups (0: none)"),
-                ("rollout.min_informative", config.rollout.get("min_informative", 0.5),
-                 lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]: the share of varying groups re-sampling "
-                 "stops at")]
+    optional = [
+        (
+            "rollout.resamples",
+            config.rollout.get("resamples", 0),
+            lambda v: isinstance(v, int) and v >= 0,
+            "an int >= 0: rounds of re-sampling a step's constant groups (0: none)",
+        ),
+        (
+            "rollout.min_informative",
+            config.rollout.get("min_informative", 0.5),
+            lambda v: number(v) and 0 <= v <= 1,
+            "a number in [0, 1]: the share of varying groups re-sampling stops at",
+        ),
+    ]
     for key, value, ok, expected in optional:
         if not ok(value):
             raise ValueError(f"config.{key} = {value!r} is invalid; it must be {expected}")
@@ -167,9 +207,11 @@ def _check_hints(config: ml_collections.ConfigDict) -> None:
     """A share of hinted episodes must make at least one a group."""
     share = config.rollout.hint_share
     if not hinted_per_group(config.rollout):
-        raise ValueError(f"config.rollout.hint_share = {share} is invalid: it hints no episode of a group of "
-                         f"{config.rollout.group_size} (rounded); set it to 0.0 or at least "
-                         f"{0.5 / config.rollout.group_size:g}")
+        raise ValueError(
+            f"config.rollout.hint_share = {share} is invalid: it hints no episode of a group of "
+            f"{config.rollout.group_size} (rounded); set it to 0.0 or at least "
+            f"{0.5 / config.rollout.group_size:g}"
+        )
 
 
 def _resamples(config: ml_collections.ConfigDict) -> int:
@@ -208,9 +250,14 @@ def _snapshot_steps(config: ml_collections.ConfigDict, steps: int) -> set[int]:
 def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
     """The policy loss; with hints and `loss.tis_cap`, truncated importance sampling (the module docstring)."""
     max_len = config.rollout.max_new_tokens if "task" in config else None
-    return LossConfig(aggregation=config.loss.aggregation, eps_low=config.loss.eps_low,
-                      eps_high=config.loss.eps_high, kl_coef=config.loss.kl_coef, max_len=max_len,
-                      tis_cap=config.loss.tis_cap if _hints(config) else None)
+    return LossConfig(
+        aggregation=config.loss.aggregation,
+        eps_low=config.loss.eps_low,
+        eps_high=config.loss.eps_high,
+        kl_coef=config.loss.kl_coef,
+        max_len=max_len,
+        tis_cap=config.loss.tis_cap if _hints(config) else None,
+    )
 
 
 def _base_eval(workdir: pathlib.Path, evaluate: Callable[[int, int], dict[str, float]]) -> dict[str, float]:
@@ -230,8 +277,14 @@ def _eval_due(step: int, config: ml_collections.ConfigDict) -> bool:
     return config.eval.num_tasks > 0 and (step % config.eval.every == 0 or step == num_steps(config))
 
 
-def _resumed_eval(workdir: pathlib.Path, step: int, evaluate: Callable[[int, int], dict[str, float]],
-                  writer: MetricsWriter, config: ml_collections.ConfigDict, last: bool) -> dict[str, float] | None:
+def _resumed_eval(
+    workdir: pathlib.Path,
+    step: int,
+    evaluate: Callable[[int, int], dict[str, float]],
+    writer: MetricsWriter,
+    config: ml_collections.ConfigDict,
+    last: bool,
+) -> dict[str, float] | None:
     """The held-out metrics of the checkpointed `step` a run resumes from (`last`: the run's last, its budget
     spent): read back when logged, and evaluated now when a kill interrupted that evaluation (an environment's
     resumes from its episodes)."""
@@ -255,14 +308,23 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     tokenizer = run.model.tokenizer
     steps = num_steps(config)
     num_train_tasks = steps * config.rollout.tasks_per_step * (1 + _resamples(config))  # room for re-sampling
-    source = (EnvironmentRollouts(config, tokenizer, num_train_tasks, workdir) if "env" in config
-              else TaskSetRollouts(config, tokenizer, num_train_tasks))
+    source = (
+        EnvironmentRollouts(config, tokenizer, num_train_tasks, workdir)
+        if "env" in config
+        else TaskSetRollouts(config, tokenizer, num_train_tasks)
+    )
     state = run.state
     if "env" in config:
         source.restore(state.cursor)
     elapsed = lambda: state.cursor.get("elapsed_s", 0.0) + time.monotonic() - start_time
-    sampler = Sampler(run.model.cfg, run.sampler_params, adapters=run.sampler_adapters(), plan=run.sampler_plan,
-                      detokenize=tokenizer.decode, min_shared_prefix=config.rollout.min_shared_prefix)
+    sampler = Sampler(
+        run.model.cfg,
+        run.sampler_params,
+        adapters=run.sampler_adapters(),
+        plan=run.sampler_plan,
+        detokenize=tokenizer.decode,
+        min_shared_prefix=config.rollout.min_shared_prefix,
+    )
     evaluate = lambda adapter_idx, step: source.evaluate(sampler, adapter_idx, step)
     writer = MetricsWriter(workdir)
     base = _base_eval(workdir, evaluate) if config.eval.num_tasks else None
@@ -271,14 +333,31 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         if state.step == 0:
             writer.write(0, base)
     loss_cfg = _loss_config(config)
-    train_step = make_train_step(run.model.cfg, loss_cfg, run.optimizer, plan=run.plan,
-                                 remat=config.train.remat, temperature=config.rollout.temperature,
-                                 frozen_layers=config.lora.first_layer, updates=config.train.updates_per_step)
-    rescore = (make_rescore_fn(run.model.cfg, loss_cfg, plan=run.plan, remat=config.train.remat,
-                               temperature=config.rollout.temperature) if _hints(config) else None)
+    train_step = make_train_step(
+        run.model.cfg,
+        loss_cfg,
+        run.optimizer,
+        plan=run.plan,
+        remat=config.train.remat,
+        temperature=config.rollout.temperature,
+        frozen_layers=config.lora.first_layer,
+        updates=config.train.updates_per_step,
+    )
+    rescore = (
+        make_rescore_fn(
+            run.model.cfg, loss_cfg, plan=run.plan, remat=config.train.remat, temperature=config.rollout.temperature
+        )
+        if _hints(config)
+        else None
+    )
 
-    latest_eval = base if state.step == 0 else _resumed_eval(workdir, state.step, evaluate, writer, config,
-                                                                   budget_spent(config, _episodes(state, config)))
+    latest_eval = (
+        base
+        if state.step == 0
+        else _resumed_eval(
+            workdir, state.step, evaluate, writer, config, budget_spent(config, _episodes(state, config))
+        )
+    )
     progress = Progress(steps, start=state.step, every_s=config.log_every_s)
     snapshots = _snapshot_steps(config, steps)
     weights, opt_state = state.adapter_weights, state.opt_state
@@ -288,21 +367,34 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         t0 = time.monotonic()
         cursor = state.cursor["next_task"]
         step_key = jax.random.fold_in(state.rng, step)
-        draw = lambda offset, num, attempt: source.sample(
-            sampler, cursor + offset, step_key if attempt == 0 else jax.random.fold_in(step_key, attempt), ADAPTER,
-            num_tasks=num)
-        rollouts, tasks_used, played = sample_informative(draw, config.rollout.tasks_per_step, _resamples(config),
-                                                          config.rollout.get("min_informative", 0.5))
+        draw = lambda offset, num, attempt: source.sample(  # called within this step only
+            sampler,
+            cursor + offset,  # noqa: B023
+            step_key if attempt == 0 else jax.random.fold_in(step_key, attempt),  # noqa: B023
+            ADAPTER,
+            num_tasks=num,
+        )
+        rollouts, tasks_used, played = sample_informative(
+            draw, config.rollout.tasks_per_step, _resamples(config), config.rollout.get("min_informative", 0.5)
+        )
         climbed = source.follow(rollouts) if "env" in config else {}  # the curriculum, after the step's rollouts
         release_freed_memory()  # the rollouts' freed arenas, before the learner's (see runtime.py)
         t_sampled = time.monotonic()
         advantages, keep, advantage_stats = compute_advantages(config.advantage, rollouts.rewards, rollouts.group_ids)
         metrics = {**rollouts.metrics, **climbed, **{f"advantage/{k}": v for k, v in advantage_stats.items()}}
-        kept = [dataclasses.replace(rollouts.sequences[i], advantage=float(advantages[i]))
-                for i in np.flatnonzero(keep) if rollouts.sequences[i].last_learned() >= 0]
+        kept = [
+            dataclasses.replace(rollouts.sequences[i], advantage=float(advantages[i]))
+            for i in np.flatnonzero(keep)
+            if rollouts.sequences[i].last_learned() >= 0
+        ]
         if kept:  # a batch of only constant-reward groups carries no signal: no update
-            batch = pack_sequences(kept, token_budget=config.train.micro_batch_tokens, row_multiple=run.row_multiple,
-                                   min_shared_prefix=config.rollout.min_shared_prefix, pad_id=tokenizer.pad_token_id)
+            batch = pack_sequences(
+                kept,
+                token_budget=config.train.micro_batch_tokens,
+                row_multiple=run.row_multiple,
+                min_shared_prefix=config.rollout.min_shared_prefix,
+                pad_id=tokenizer.pad_token_id,
+            )
             batch["dropped_fraction"] = np.float32(advantage_stats["dropped_fraction"])
             if rescore is not None:  # before the update: the old policy is the current adapter
                 batch, hint_stats = rescore(run.params, weights, state.scale, batch, [s.hinted for s in kept])
@@ -317,14 +409,27 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         bound_memory_maps()  # the learner's programs, as the rollout engine does for the sampler's
         if rss_gb is not None:
             metrics.update({"memory/rss_gb": rss_gb, "memory/peak_rss_gb": peak_memory_gb()})
-        metrics.update({"time/sample_s": t_sampled - t0, "time/learn_s": t_learned - t_sampled,
-                        "time/step_s": t_learned - t0, "rollout/rows": float(len(rollouts.sequences))})
-        state = TrainState(step=step + 1, adapter_weights=weights, scale=state.scale, opt_state=opt_state,
-                           rng=state.rng, cursor={"next_task": cursor + tasks_used,
-                                                  "episodes": _episodes(state, config) + played,
-                                                  **({"curriculum": source.curriculum_state}
-                                                     if getattr(source, "curriculum_state", None) else {}),
-                                                  "elapsed_s": round(elapsed(), 1)})
+        metrics.update(
+            {
+                "time/sample_s": t_sampled - t0,
+                "time/learn_s": t_learned - t_sampled,
+                "time/step_s": t_learned - t0,
+                "rollout/rows": float(len(rollouts.sequences)),
+            }
+        )
+        state = TrainState(
+            step=step + 1,
+            adapter_weights=weights,
+            scale=state.scale,
+            opt_state=opt_state,
+            rng=state.rng,
+            cursor={
+                "next_task": cursor + tasks_used,
+                "episodes": _episodes(state, config) + played,
+                **({"curriculum": source.curriculum_state} if getattr(source, "curriculum_state", None) else {}),
+                "elapsed_s": round(elapsed(), 1),
+            },
+        )
         start_time = time.monotonic()  # the cursor now holds the time so far
         if rollouts.records and distributed.is_main():  # what the agent did, for reading a run after the fact
             write_jsonl_atomic(workdir / "rollouts" / f"step_{step + 1}.jsonl", rollouts.records)
@@ -347,8 +452,11 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     run.state = state
     writer.close()
     export_adapter(run, workdir / "adapter")
-    summary = {**(source.summary(base, latest_eval) if base is not None else {}), "steps": int(state.step),
-               "rollouts": _episodes(state, config),
-               "seconds": round(elapsed(), 1)}  # over every process of the run, less work lost to a kill
+    summary = {
+        **(source.summary(base, latest_eval) if base is not None else {}),
+        "steps": int(state.step),
+        "rollouts": _episodes(state, config),
+        "seconds": round(elapsed(), 1),
+    }  # over every process of the run, less work lost to a kill
     distributed.on_main(lambda: write_json_atomic(workdir / "summary.json", summary))
     return summary

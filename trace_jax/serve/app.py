@@ -53,36 +53,53 @@ class Server:
 
     async def chat(self, request: Request) -> Response:
         body = protocol.parse_json(await request.body())
-        settings = protocol.sampling(body, default_max_tokens=self.default_max_tokens, max_n=self.engine.batch,
-                                     chat=True)
+        settings = protocol.sampling(
+            body, default_max_tokens=self.default_max_tokens, max_n=self.engine.batch, chat=True
+        )
         messages, tools = protocol.chat_messages(body), protocol.chat_tools(body)
         adapter, route = await asyncio.to_thread(self.catalog.resolve, body.get("model"), messages)
         try:
             prompt = self.tokenizer.apply_chat(messages, tools=tools)
         except Exception as error:  # noqa: BLE001 - a conversation the chat template refuses
             raise ApiError(f"the chat template cannot render these messages: {error}", param="messages") from None
-        return await self._answer(request, [prompt], settings, adapter, chat=True, model=body["model"], tools=tools,
-                                  route=route)
+        return await self._answer(
+            request, [prompt], settings, adapter, chat=True, model=body["model"], tools=tools, route=route
+        )
 
     async def completions(self, request: Request) -> Response:
         body = protocol.parse_json(await request.body())
-        settings = protocol.sampling(body, default_max_tokens=self.default_max_tokens, max_n=self.engine.batch,
-                                     chat=False)
+        settings = protocol.sampling(
+            body, default_max_tokens=self.default_max_tokens, max_n=self.engine.batch, chat=False
+        )
         adapter, _ = self.catalog.resolve(body.get("model"))
         prompts = protocol.completion_prompts(body, self.tokenizer.encode)
-        return await self._answer(request, prompts, settings, adapter, chat=False, model=body["model"], tools=None,
-                                  route=None)
+        return await self._answer(
+            request, prompts, settings, adapter, chat=False, model=body["model"], tools=None, route=None
+        )
 
-    async def _answer(self, request: Request, prompts: list[list[int]], settings: Sampling, adapter: int, *,
-                      chat: bool, model: str, tools: list[dict] | None, route: Route | None) -> Response:
+    async def _answer(
+        self,
+        request: Request,
+        prompts: list[list[int]],
+        settings: Sampling,
+        adapter: int,
+        *,
+        chat: bool,
+        model: str,
+        tools: list[dict] | None,
+        route: Route | None,
+    ) -> Response:
         limit, vocab = self.engine.sampler.max_context, self.tokenizer.vocab_size
         param = "messages" if chat else "prompt"
         for prompt in prompts:
             if not prompt or not all(0 <= t < vocab for t in prompt):
                 raise ApiError(f"a prompt must be at least one token, each an id in [0, {vocab})", param=param)
             if len(prompt) >= limit:
-                raise ApiError(f"the prompt has {len(prompt)} tokens; this model's context holds {limit} (prompt "
-                               "and completion)", param=param, code="context_length_exceeded")
+                raise ApiError(
+                    f"the prompt has {len(prompt)} tokens; this model's context holds {limit} (prompt and completion)",
+                    param=param,
+                    code="context_length_exceeded",
+                )
         run = _Run(self, prompts, settings, adapter)
         head = protocol.envelope(protocol.completion_id(chat), model, chat, chunk=settings.stream)
         headers = {"x-trace-adapter": route.name} if route else {}
@@ -93,8 +110,11 @@ class Server:
             finals = await run.finals(request)
         except ClientGone:
             return Response(status_code=499)
-        body = {**head, "choices": [self._choice(finals[i], chat, tools, settings) for i in range(len(finals))],
-                "usage": run.usage(finals)}
+        body = {
+            **head,
+            "choices": [self._choice(finals[i], chat, tools, settings) for i in range(len(finals))],
+            "usage": run.usage(finals),
+        }
         if route:
             body["route"] = route.body()
         return JSONResponse(body, headers=headers)
@@ -104,10 +124,18 @@ class Server:
         if chat:
             content, calls = protocol.assistant_reply(final.text, tools)
             message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-            return {"index": final.index, "message": message, "finish_reason": finish_reason(final, calls),
-                    "logprobs": protocol.chat_logprobs(ids, logprobs, self.decode) if settings.logprobs else None}
-        return {"index": final.index, "text": final.text, "finish_reason": finish_reason(final, None),
-                "logprobs": protocol.text_logprobs(ids, logprobs, self.decode) if settings.logprobs else None}
+            return {
+                "index": final.index,
+                "message": message,
+                "finish_reason": finish_reason(final, calls),
+                "logprobs": protocol.chat_logprobs(ids, logprobs, self.decode) if settings.logprobs else None,
+            }
+        return {
+            "index": final.index,
+            "text": final.text,
+            "finish_reason": finish_reason(final, None),
+            "logprobs": protocol.text_logprobs(ids, logprobs, self.decode) if settings.logprobs else None,
+        }
 
     def shown(self, token_ids, logprobs) -> tuple[list[int], list[float]]:
         """The tokens a reply shows (its end-of-turn token is not text) and their logprobs."""
@@ -134,12 +162,21 @@ class _Run:
         self.total = len(prompts) * settings.n
         self.ids = []
         for number, prompt in enumerate(prompts):
-            put: Callable[[Progress], None] = (
-                lambda progress, first=number * settings.n: loop.call_soon_threadsafe(self.queue.put_nowait,
-                                                                                      (first, progress)))
-            request = GenerationRequest(tuple(prompt), settings.max_tokens, adapter, settings.temperature,
-                                        settings.top_p, settings.top_k, settings.stop, settings.n, settings.seed,
-                                        settings.stream)
+            put: Callable[[Progress], None] = lambda progress, first=number * settings.n: loop.call_soon_threadsafe(
+                self.queue.put_nowait, (first, progress)
+            )
+            request = GenerationRequest(
+                tuple(prompt),
+                settings.max_tokens,
+                adapter,
+                settings.temperature,
+                settings.top_p,
+                settings.top_k,
+                settings.stop,
+                settings.n,
+                settings.seed,
+                settings.stream,
+            )
             self.ids.append(self.engine.submit(request, put))
 
     async def next(self) -> tuple[int, Progress]:
@@ -171,8 +208,11 @@ class _Run:
 
     def usage(self, finals: list[Progress]) -> dict:
         n = self.settings.n
-        return protocol.usage(sum(len(p) for p in self.prompts) * n, sum(len(f.token_ids) for f in finals),
-                              sum(f.cached_tokens for f in finals))
+        return protocol.usage(
+            sum(len(p) for p in self.prompts) * n,
+            sum(len(f.token_ids) for f in finals),
+            sum(f.cached_tokens for f in finals),
+        )
 
 
 def _event(data: dict) -> str:
@@ -189,11 +229,13 @@ async def _sse(run: _Run, head: dict, chat: bool, tools: list[dict] | None, rout
 
     def chunk(number: int, text: str, progress: Progress, finish: str | None = None, calls=None) -> dict:
         ids, logprobs = server.shown(progress.token_ids, progress.logprobs)
-        new_ids, new_logprobs = ids[shown_tokens[number]:], logprobs[shown_tokens[number]:]
+        new_ids, new_logprobs = ids[shown_tokens[number] :], logprobs[shown_tokens[number] :]
         shown_tokens[number] = len(ids)
         if chat:
-            delta = {"content": text, **({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
-                                         if calls else {})}
+            delta = {
+                "content": text,
+                **({"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]} if calls else {}),
+            }
             logs = protocol.chat_logprobs(new_ids, new_logprobs, server.decode) if settings.logprobs else None
             choice = {"index": number, "delta": delta, "logprobs": logs, "finish_reason": finish}
         else:
@@ -205,8 +247,20 @@ async def _sse(run: _Run, head: dict, chat: bool, tools: list[dict] | None, rout
     try:
         if chat:
             for number in range(run.total):
-                yield _event({**head, "choices": [{"index": number, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}], **extra})
+                yield _event(
+                    {
+                        **head,
+                        "choices": [
+                            {
+                                "index": number,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                        **extra,
+                    }
+                )
         while len(finals) < run.total:
             try:
                 number, progress = await run.next()
@@ -235,19 +289,29 @@ async def _api_error(request: Request, error: ApiError) -> Response:
 
 async def _http_error(request: Request, error: HTTPException) -> Response:
     kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-    return JSONResponse(ApiError(f"{request.method} {request.url.path}: {error.detail}", status=error.status_code,
-                                 kind=kind).body(), status_code=error.status_code)
+    return JSONResponse(
+        ApiError(f"{request.method} {request.url.path}: {error.detail}", status=error.status_code, kind=kind).body(),
+        status_code=error.status_code,
+    )
 
 
 async def _server_error(request: Request, error: Exception) -> Response:
-    return JSONResponse(ApiError(f"the server failed on this request: {type(error).__name__}: {error}", status=500,
-                                 kind="server_error").body(), status_code=500)
+    return JSONResponse(
+        ApiError(
+            f"the server failed on this request: {type(error).__name__}: {error}", status=500, kind="server_error"
+        ).body(),
+        status_code=500,
+    )
 
 
 def build_app(server: Server) -> Starlette:
     """The ASGI app of `server`'s routes."""
-    routes = [Path("/v1/models", server.models, methods=["GET"]), Path("/stats", server.stats, methods=["GET"]),
-              Path("/v1/chat/completions", server.chat, methods=["POST"]),
-              Path("/v1/completions", server.completions, methods=["POST"])]
-    return Starlette(routes=routes, exception_handlers={ApiError: _api_error, HTTPException: _http_error,
-                                                        Exception: _server_error})
+    routes = [
+        Path("/v1/models", server.models, methods=["GET"]),
+        Path("/stats", server.stats, methods=["GET"]),
+        Path("/v1/chat/completions", server.chat, methods=["POST"]),
+        Path("/v1/completions", server.completions, methods=["POST"]),
+    ]
+    return Starlette(
+        routes=routes, exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error}
+    )

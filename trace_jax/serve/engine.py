@@ -116,8 +116,10 @@ class ServingEngine:
         if not 1 <= request.n <= self.batch:
             raise ValueError(f"n = {request.n}: this server plays 1 to {self.batch} choices per request")
         if not request.prompt or len(request.prompt) >= self.sampler.max_context:
-            raise ValueError(f"the prompt has {len(request.prompt)} tokens; this model's context holds "
-                             f"{self.sampler.max_context} (prompt and completion)")
+            raise ValueError(
+                f"the prompt has {len(request.prompt)} tokens; this model's context holds "
+                f"{self.sampler.max_context} (prompt and completion)"
+            )
         with self._wake:
             if self._closed:
                 raise RuntimeError("the serving engine is closed")
@@ -136,9 +138,14 @@ class ServingEngine:
         """Counters since start (requests, choices, cancelled, prompt/cached/generated tokens; the sampler's
         prefill and decode calls, tokens and seconds) and the rows now running, parked and free, and the requests
         waiting."""
-        return {**self.stats, "running_rows": len(self._rows), "parked_rows": len(self._parked),
-                "free_rows": len(self._free), "waiting": len(self._waiting) + len(self._incoming),
-                "sampler": dict(self._session.stats)}
+        return {
+            **self.stats,
+            "running_rows": len(self._rows),
+            "parked_rows": len(self._parked),
+            "free_rows": len(self._free),
+            "waiting": len(self._waiting) + len(self._incoming),
+            "sampler": dict(self._session.stats),
+        }
 
     def close(self) -> None:
         with self._wake:
@@ -201,19 +208,33 @@ class ServingEngine:
                 active.cached[choice] = cached
                 self._rows[row] = (request_id, choice)
                 self._tokens[row] = list(request.prompt)
-                stream = choice_stream(request.seed, choice) if request.seed is not None else (
-                    _UNSEEDED + next(self._unseeded) % _UNSEEDED)
+                stream = (
+                    choice_stream(request.seed, choice)
+                    if request.seed is not None
+                    else (_UNSEEDED + next(self._unseeded) % _UNSEEDED)
+                )
                 feeds.append((row, list(request.prompt[held:]), request, stream))
-            self.stats.update(requests=1, choices=request.n, prompt_tokens=len(request.prompt) * request.n,
-                              cached_tokens=sum(active.cached.values()))
+            self.stats.update(
+                requests=1,
+                choices=request.n,
+                prompt_tokens=len(request.prompt) * request.n,
+                cached_tokens=sum(active.cached.values()),
+            )
         if not feeds:
             return
         rows, parts, requests, streams = zip(*feeds)
         room = [min(r.max_tokens, self.sampler.max_context - len(r.prompt)) for r in requests]
-        self._session.feed(list(rows), list(parts), max_new_tokens=room,
-                           temperature=[r.temperature for r in requests], top_p=[r.top_p for r in requests],
-                           top_k=[r.top_k for r in requests], adapter_idx=[r.adapter for r in requests],
-                           stream=list(streams), stop_strings=[r.stop for r in requests])
+        self._session.feed(
+            list(rows),
+            list(parts),
+            max_new_tokens=room,
+            temperature=[r.temperature for r in requests],
+            top_p=[r.top_p for r in requests],
+            top_k=[r.top_k for r in requests],
+            adapter_idx=[r.adapter for r in requests],
+            stream=list(streams),
+            stop_strings=[r.stop for r in requests],
+        )
 
     def _row_for(self, request: GenerationRequest, first: bool) -> tuple[int, int, int]:
         """A row for a choice of `request`, how many of its prompt tokens the row holds already, and how many of
@@ -222,8 +243,14 @@ class ServingEngine:
         afresh (after a shared system prompt, where it has one; prefilled now if it is the first)."""
         prompt = list(request.prompt)
         if first:
-            best = max(((common_prefix_length([tokens, prompt]), row) for row, (adapter, tokens)
-                        in self._parked.items() if adapter == request.adapter), default=(0, -1))
+            best = max(
+                (
+                    (common_prefix_length([tokens, prompt]), row)
+                    for row, (adapter, tokens) in self._parked.items()
+                    if adapter == request.adapter
+                ),
+                default=(0, -1),
+            )
             held, row = min(best[0], len(prompt) - 1), best[1]
             if held >= MIN_REUSE and self._session.keep(row, held):
                 del self._parked[row]
@@ -252,8 +279,16 @@ class ServingEngine:
         active = self._active[request_id]
         self._parked[row] = (active.request.adapter, tokens)
         self.stats.update(generated_tokens=len(completion.token_ids))
-        active.callback(Progress(choice, tuple(completion.token_ids), tuple(completion.logprobs),
-                                 completion.finish_reason, completion.text, active.cached[choice]))
+        active.callback(
+            Progress(
+                choice,
+                tuple(completion.token_ids),
+                tuple(completion.logprobs),
+                completion.finish_reason,
+                completion.text,
+                active.cached[choice],
+            )
+        )
         active.left -= 1
         if not active.left:
             del self._active[request_id]

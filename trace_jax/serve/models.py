@@ -78,14 +78,17 @@ class TraceRouter:
         self._router, self._offsets = None, None
         if self.names:
             if "router" not in routing:
-                raise ValueError(f"the TRACE run in {run_dir} did not store its router's settings (a run before "
-                                 "they were kept): run its routing stage again (remove 'routing' from stages.json)")
+                raise ValueError(
+                    f"the TRACE run in {run_dir} did not store its router's settings (a run before "
+                    "they were kept): run its routing stage again (remove 'routing' from stages.json)"
+                )
             candidates = read_json(run_dir / "analysis" / "capabilities.json")["candidates"]
             descriptions = {c["name"]: c["description"] for c in candidates}
             options = [RouteOption(n, descriptions[n], routing["examples"][n]) for n in self.names]
             settings = routing["router"]
-            self._router = Router(model, options, max_messages=settings["max_messages"], batch_size=1,
-                                  calibration=settings["calibration"])
+            self._router = Router(
+                model, options, max_messages=settings["max_messages"], batch_size=1, calibration=settings["calibration"]
+            )
             self._offsets = settings["offsets"]
         self._decisions: dict[str, Route] = {}
         self._lock = threading.Lock()
@@ -104,8 +107,11 @@ class TraceRouter:
             return Route(NO_ADAPTER, "general_service", {"general_service": 1.0})
         (index,), weights, _ = self._router.route([start], self._offsets)
         labels = ["general_service", *self.names]
-        return Route(NO_ADAPTER if index == NO_ADAPTER else self.adapters[index], labels[index + 1],
-                     {label: round(float(w), 4) for label, w in zip(labels, weights[0])})
+        return Route(
+            NO_ADAPTER if index == NO_ADAPTER else self.adapters[index],
+            labels[index + 1],
+            {label: round(float(w), 4) for label, w in zip(labels, weights[0])},
+        )
 
 
 class Catalog:
@@ -133,5 +139,9 @@ class Catalog:
             return NO_ADAPTER, None
         if name in self.adapters:
             return self.adapters.index(name), None
-        raise ApiError(f"the model {name!r} does not exist here; served: {', '.join(self.names())}",
-                       param="model", status=404, code="model_not_found")
+        raise ApiError(
+            f"the model {name!r} does not exist here; served: {', '.join(self.names())}",
+            param="model",
+            status=404,
+            code="model_not_found",
+        )

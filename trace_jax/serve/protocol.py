@@ -26,8 +26,15 @@ MAX_STOPS = 4
 class ApiError(Exception):
     """A request the server refuses: HTTP `status` and OpenAI's error body."""
 
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.param, self.code, self.kind = status, param, code, kind
 
@@ -86,8 +93,9 @@ def _stops(stop: Any) -> tuple[str, ...]:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError(f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them; got {stop!r}",
-                       param="stop")
+        raise ApiError(
+            f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them; got {stop!r}", param="stop"
+        )
     return tuple(stops)
 
 
@@ -99,12 +107,18 @@ def sampling(body: dict, *, default_max_tokens: int, max_n: int, chat: bool) -> 
     if chat:
         logprobs = _flag(body, "logprobs")
         if body.get("top_logprobs"):
-            raise ApiError("top_logprobs is not supported: the sampler reports the sampled token's logprob only",
-                           param="top_logprobs")
+            raise ApiError(
+                "top_logprobs is not supported: the sampler reports the sampled token's logprob only",
+                param="top_logprobs",
+            )
     else:
         logprobs = _number(body, "logprobs", None, 0, 0, integer=True) == 0
-    for name_, allowed in (("best_of", (None, 1)), ("echo", (None, False)), ("suffix", (None,)),
-                           ("logit_bias", (None, {}))):
+    for name_, allowed in (
+        ("best_of", (None, 1)),
+        ("echo", (None, False)),
+        ("suffix", (None,)),
+        ("logit_bias", (None, {})),
+    ):
         if body.get(name_) not in allowed:
             raise ApiError(f"{name_} is not supported by this server", param=name_)
     if chat and body.get("response_format") not in (None, {"type": "text"}):
@@ -115,18 +129,22 @@ def sampling(body: dict, *, default_max_tokens: int, max_n: int, chat: bool) -> 
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_number(body, "top_p", 1.0, 1e-9, 1.0)),
         top_k=_number(body, "top_k", 0, 0, limit, integer=True),
-        stop=stops, n=_number(body, "n", 1, 1, max_n, integer=True),
+        stop=stops,
+        n=_number(body, "n", 1, 1, max_n, integer=True),
         seed=_number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True),
-        stream=_flag(body, "stream"), include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
-        logprobs=logprobs)
+        stream=_flag(body, "stream"),
+        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+        logprobs=logprobs,
+    )
 
 
 def _text(content: Any, param: str) -> str:
     """A message's content as text: a string, or a list of text parts."""
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
     raise ApiError(f"{param} must be a string or a list of text parts (this server reads text only)", param=param)
 
@@ -156,10 +174,15 @@ def _tool_calls(calls: Any, param: str) -> list[dict]:
         raise ApiError(f"{param} must be a list", param=param)
     for j, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
-                or not isinstance(function.get("arguments", "{}"), (str, dict)):
-            raise ApiError(f"{param}[{j}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}",
-                           param=f"{param}[{j}]")
+        if (
+            not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments", "{}"), (str, dict))
+        ):
+            raise ApiError(
+                f"{param}[{j}] must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}",
+                param=f"{param}[{j}]",
+            )
     return calls
 
 
@@ -180,15 +203,19 @@ def chat_tools(body: dict) -> list[dict] | None:
             raise ApiError(f"{param} must be {{'type': 'function', 'function': {{...}}}}", param=param)
         name = function.get("name")
         if not isinstance(name, str) or not _TOOL_NAME.match(name):
-            raise ApiError(f"{param}.function.name must be 1-64 letters, digits, '_' or '-'; got {name!r}",
-                           param=f"{param}.function.name")
+            raise ApiError(
+                f"{param}.function.name must be 1-64 letters, digits, '_' or '-'; got {name!r}",
+                param=f"{param}.function.name",
+            )
         if name in names:
             raise ApiError(f"{param}: a second tool named {name!r}", param=f"{param}.function.name")
         names.add(name)
         parameters = function.get("parameters", {"type": "object"})
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-            raise ApiError(f"{param}.function.parameters must be a JSON schema of type 'object'",
-                           param=f"{param}.function.parameters")
+            raise ApiError(
+                f"{param}.function.parameters must be a JSON schema of type 'object'",
+                param=f"{param}.function.parameters",
+            )
         if not isinstance(function.get("description", ""), str):
             raise ApiError(f"{param}.function.description must be a string", param=f"{param}.function.description")
     return tools if tools and choice != "none" else None
@@ -213,16 +240,20 @@ def assistant_reply(text: str, tools: list[dict] | None) -> tuple[str | None, li
     parsed = parse_assistant_output(text, tools)
     if parsed.errors or not parsed.tool_calls:
         return text, None
-    calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-              "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-             for c in parsed.tool_calls]
+    calls = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+        }
+        for c in parsed.tool_calls
+    ]
     return parsed.content or None, calls
 
 
 def _held_back(text: str, holds: tuple[str, ...]) -> int:
     """How many of `text`'s last characters could begin one of `holds`."""
-    return max((k for h in holds for k in range(min(len(h) - 1, len(text)), 0, -1) if text.endswith(h[:k])),
-               default=0)
+    return max((k for h in holds for k in range(min(len(h) - 1, len(text)), 0, -1) if text.endswith(h[:k])), default=0)
 
 
 class TextDeltas:
@@ -251,12 +282,12 @@ class TextDeltas:
         if not calls:
             return self._advance(text), None
         sent = self.sent.strip()
-        return (content or "")[len(sent):] if (content or "").startswith(sent) else "", calls
+        return (content or "")[len(sent) :] if (content or "").startswith(sent) else "", calls
 
     def _advance(self, text: str) -> str:
         if not text.startswith(self.sent):
             return ""  # the decoding of earlier tokens changed: what follows waits for the end
-        delta, self.sent = text[len(self.sent):], text
+        delta, self.sent = text[len(self.sent) :], text
         return delta
 
 
@@ -267,14 +298,16 @@ def completion_id(chat: bool) -> str:
 def envelope(response_id: str, model: str, chat: bool, chunk: bool = False) -> dict:
     """The fields every response or chunk of one request shares."""
     kind = ("chat.completion" if chat else "text_completion") + (".chunk" if chunk and chat else "")
-    return {"id": response_id, "object": kind, "created": int(time.time()), "model": model,
-            "system_fingerprint": None}
+    return {"id": response_id, "object": kind, "created": int(time.time()), "model": model, "system_fingerprint": None}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def chat_logprobs(token_ids, logprobs, decode: Callable[[list[int]], str]) -> dict:

@@ -80,26 +80,50 @@ def _tool(name: str, description: str, properties: dict[str, dict]) -> dict:
 
 
 TOOLS: list[dict] = [
-    _tool("get_order_status", "Look up the shipping status of an order.",
-          {"order_id": {"type": "string", "description": "Order id, like W12345."}}),
-    _tool("cancel_order", "Cancel an order that has not shipped yet.",
-          {"order_id": {"type": "string", "description": "Order id, like W12345."},
-           "reason": {"type": "string", "enum": list(_REASONS)}}),
-    _tool("get_weather", "Current weather in a city.",
-          {"city": {"type": "string"}, "unit": {"type": "string", "enum": list(_UNITS)}}),
-    _tool("convert_currency", "Convert an amount of money between currencies.",
-          {"amount": {"type": "number"},
-           "from_currency": {"type": "string", "enum": list(_CURRENCIES)},
-           "to_currency": {"type": "string", "enum": list(_CURRENCIES)}}),
-    _tool("book_table", "Reserve a restaurant table.",
-          {"restaurant": {"type": "string"},
-           "people": {"type": "integer", "description": "Party size."},
-           "time": {"type": "string", "description": "24-hour time, like 19:30."}}),
-    _tool("send_email", "Send an e-mail.",
-          {"to": {"type": "string", "description": "Recipient e-mail address."},
-           "subject": {"type": "string"}}),
-    _tool("reset_password", "Send a password-reset link to an account's e-mail address.",
-          {"email": {"type": "string"}}),
+    _tool(
+        "get_order_status",
+        "Look up the shipping status of an order.",
+        {"order_id": {"type": "string", "description": "Order id, like W12345."}},
+    ),
+    _tool(
+        "cancel_order",
+        "Cancel an order that has not shipped yet.",
+        {
+            "order_id": {"type": "string", "description": "Order id, like W12345."},
+            "reason": {"type": "string", "enum": list(_REASONS)},
+        },
+    ),
+    _tool(
+        "get_weather",
+        "Current weather in a city.",
+        {"city": {"type": "string"}, "unit": {"type": "string", "enum": list(_UNITS)}},
+    ),
+    _tool(
+        "convert_currency",
+        "Convert an amount of money between currencies.",
+        {
+            "amount": {"type": "number"},
+            "from_currency": {"type": "string", "enum": list(_CURRENCIES)},
+            "to_currency": {"type": "string", "enum": list(_CURRENCIES)},
+        },
+    ),
+    _tool(
+        "book_table",
+        "Reserve a restaurant table.",
+        {
+            "restaurant": {"type": "string"},
+            "people": {"type": "integer", "description": "Party size."},
+            "time": {"type": "string", "description": "24-hour time, like 19:30."},
+        },
+    ),
+    _tool(
+        "send_email",
+        "Send an e-mail.",
+        {"to": {"type": "string", "description": "Recipient e-mail address."}, "subject": {"type": "string"}},
+    ),
+    _tool(
+        "reset_password", "Send a password-reset link to an account's e-mail address.", {"email": {"type": "string"}}
+    ),
 ]
 
 
@@ -119,22 +143,83 @@ _POOLS = {
     "train": _Pools(
         order_numbers=range(10000, 55000),
         amounts=range(2, 2001, 2),  # even
-        cities=("Paris", "Tokyo", "Berlin", "Madrid", "Chicago", "Toronto", "Sydney", "Cairo", "Lima",
-                "Oslo", "Dublin", "Seoul", "Denver", "Mumbai", "Nairobi", "Lisbon", "Vienna", "Boston"),
-        restaurants=("Luigi's", "The Blue Door", "Sakura House", "El Toro", "Green Fork", "Bistro Nord",
-                     "Golden Dragon", "Casa Verde", "The Oak Room", "Spice Route"),
-        people_names=("anna", "ben", "carla", "dmitri", "elena", "farid", "grace", "hugo", "ines", "jonas",
-                      "kofi", "lena", "marco", "nadia"),
-        subjects=("Invoice question", "Meeting tomorrow", "Holiday plans", "Project update", "Refund request",
-                  "Lunch on Friday", "New address", "Contract draft"),
+        cities=(
+            "Paris",
+            "Tokyo",
+            "Berlin",
+            "Madrid",
+            "Chicago",
+            "Toronto",
+            "Sydney",
+            "Cairo",
+            "Lima",
+            "Oslo",
+            "Dublin",
+            "Seoul",
+            "Denver",
+            "Mumbai",
+            "Nairobi",
+            "Lisbon",
+            "Vienna",
+            "Boston",
+        ),
+        restaurants=(
+            "Luigi's",
+            "The Blue Door",
+            "Sakura House",
+            "El Toro",
+            "Green Fork",
+            "Bistro Nord",
+            "Golden Dragon",
+            "Casa Verde",
+            "The Oak Room",
+            "Spice Route",
+        ),
+        people_names=(
+            "anna",
+            "ben",
+            "carla",
+            "dmitri",
+            "elena",
+            "farid",
+            "grace",
+            "hugo",
+            "ines",
+            "jonas",
+            "kofi",
+            "lena",
+            "marco",
+            "nadia",
+        ),
+        subjects=(
+            "Invoice question",
+            "Meeting tomorrow",
+            "Holiday plans",
+            "Project update",
+            "Refund request",
+            "Lunch on Friday",
+            "New address",
+            "Contract draft",
+        ),
     ),
     "heldout": _Pools(
         order_numbers=range(55000, 100000),
         amounts=range(1, 2000, 2),  # odd
-        cities=("Rome", "Austin", "Helsinki", "Prague", "Bangkok", "Quito", "Athens", "Montreal", "Osaka",
-                "Zurich", "Lagos", "Perth"),
-        restaurants=("Chez Marie", "The Red Lantern", "Olive Grove", "Taco Loco", "Harbor Grill",
-                     "Little Saigon"),
+        cities=(
+            "Rome",
+            "Austin",
+            "Helsinki",
+            "Prague",
+            "Bangkok",
+            "Quito",
+            "Athens",
+            "Montreal",
+            "Osaka",
+            "Zurich",
+            "Lagos",
+            "Perth",
+        ),
+        restaurants=("Chez Marie", "The Red Lantern", "Olive Grove", "Taco Loco", "Harbor Grill", "Little Saigon"),
         people_names=("olga", "pedro", "quinn", "rosa", "samir", "tara", "umar", "vera", "wes", "yuki"),
         subjects=("Budget review", "Team dinner", "Travel receipts", "Weekly report", "Birthday party"),
     ),
@@ -142,25 +227,38 @@ _POOLS = {
 
 _TEMPLATES = {
     "train": {
-        "get_order_status": ("What's the status of my order {order_id}?",
-                             "Can you check where order {order_id} is?",
-                             "Has my order {order_id} shipped yet?"),
-        "cancel_order": ("Please cancel order {order_id}, {reason}.",
-                         "I want to cancel my order {order_id} because {reason}."),
-        "get_weather": ("What's the weather in {city} in {unit}?",
-                        "How warm is it in {city} right now? Give me {unit}."),
-        "convert_currency": ("Convert {amount} {from_currency} to {to_currency}.",
-                             "How much is {amount} {from_currency} in {to_currency}?"),
-        "book_table": ("Book a table at {restaurant} for {people} people at {time}.",
-                       "Can you reserve {restaurant} for {people} at {time}?"),
-        "send_email": ('Send an email to {to} with the subject "{subject}".',
-                       'Email {to} about "{subject}".'),
-        "reset_password": ("I forgot my password, my account email is {email}.",
-                           "Please reset the password for {email}."),
+        "get_order_status": (
+            "What's the status of my order {order_id}?",
+            "Can you check where order {order_id} is?",
+            "Has my order {order_id} shipped yet?",
+        ),
+        "cancel_order": (
+            "Please cancel order {order_id}, {reason}.",
+            "I want to cancel my order {order_id} because {reason}.",
+        ),
+        "get_weather": (
+            "What's the weather in {city} in {unit}?",
+            "How warm is it in {city} right now? Give me {unit}.",
+        ),
+        "convert_currency": (
+            "Convert {amount} {from_currency} to {to_currency}.",
+            "How much is {amount} {from_currency} in {to_currency}?",
+        ),
+        "book_table": (
+            "Book a table at {restaurant} for {people} people at {time}.",
+            "Can you reserve {restaurant} for {people} at {time}?",
+        ),
+        "send_email": ('Send an email to {to} with the subject "{subject}".', 'Email {to} about "{subject}".'),
+        "reset_password": (
+            "I forgot my password, my account email is {email}.",
+            "Please reset the password for {email}.",
+        ),
     },
     "heldout": {
-        "get_order_status": ("I'd like an update on order {order_id}, please.",
-                             "Where is my package from order {order_id}?"),
+        "get_order_status": (
+            "I'd like an update on order {order_id}, please.",
+            "Where is my package from order {order_id}?",
+        ),
         "cancel_order": ("Cancel {order_id} for me: {reason}.",),
         "get_weather": ("Tell me the current weather for {city}, using {unit}.",),
         "convert_currency": ("I have {amount} {from_currency}; what is that in {to_currency}?",),
@@ -190,8 +288,11 @@ _ARGUMENT_SAMPLERS: dict[str, Callable[[random.Random, _Pools], dict[str, Any]]]
     "cancel_order": lambda rng, pools: {"order_id": _order_id(rng, pools), "reason": rng.choice(list(_REASONS))},
     "get_weather": lambda rng, pools: {"city": rng.choice(pools.cities), "unit": rng.choice(_UNITS)},
     "convert_currency": _conversion,
-    "book_table": lambda rng, pools: {"restaurant": rng.choice(pools.restaurants), "people": rng.randint(1, 10),
-                                      "time": rng.choice(_TIMES)},
+    "book_table": lambda rng, pools: {
+        "restaurant": rng.choice(pools.restaurants),
+        "people": rng.randint(1, 10),
+        "time": rng.choice(_TIMES),
+    },
     "send_email": lambda rng, pools: {"to": _email(rng, pools), "subject": rng.choice(pools.subjects)},
     "reset_password": lambda rng, pools: {"email": _email(rng, pools)},
 }
@@ -268,16 +369,23 @@ def reward(task: ToolCallTask, completion_text: str) -> tuple[float, dict]:
     if call is not None:
         score = FORMAT_CREDIT
     if name_ok:
-        matched = sum(key in call.arguments and _same(call.arguments[key], value)
-                      for key, value in task.expected_arguments.items())
+        matched = sum(
+            key in call.arguments and _same(call.arguments[key], value)
+            for key, value in task.expected_arguments.items()
+        )
         unexpected = len(set(call.arguments) - set(task.expected_arguments))
         fraction = matched / (len(task.expected_arguments) + unexpected)
         score += NAME_CREDIT + ARGUMENTS_CREDIT * fraction
         errors += validate_arguments(call.arguments, _parameters(task.tools, task.expected_name))
     if num_calls > 1:
         score = min(score, MULTI_CALL_CAP)
-    diagnostics = {"format_ok": call is not None, "name_ok": name_ok, "args_fraction": fraction,
-                   "num_calls": num_calls, "errors": tuple(errors)}
+    diagnostics = {
+        "format_ok": call is not None,
+        "name_ok": name_ok,
+        "args_fraction": fraction,
+        "num_calls": num_calls,
+        "errors": tuple(errors),
+    }
     return score, diagnostics
 
 

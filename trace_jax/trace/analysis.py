@@ -40,32 +40,38 @@ ANALYSTS = ("programmatic", "llm")
 
 def analysis_defaults() -> ml_collections.ConfigDict:
     """Stage 1's settings (the paper's where it gives them)."""
-    return ml_collections.ConfigDict({
-        "analyst": "programmatic",  # or "llm": trace_jax.trace.programmatic_analyst / llm_analyst
-        "runs": 10,  # labelling runs N (the authors' code: 10)
-        "min_runs": 8,  # K: runs a capability must pass in
-        "delta": 0.2,  # least contrastive gap ER- - ER+
-        "coverage": 0.1,  # least share of failures labelled LACKING
-        "seed": 0,  # bootstrap resamples (programmatic runs and the intervals)
-        "interval_resamples": 1000,
-        # the LLM analyst's (the endpoint is the pipeline's `llm` block)
-        "discovery_tokens": 12000,  # trajectories shown at discovery, in tokens
-        "message_chars": 300,  # each message's content cut to this many characters (the authors' ~300)
-        "max_candidates": 10,
-        "label_batch": 10,  # trajectories per labelling request
-    })
+    return ml_collections.ConfigDict(
+        {
+            "analyst": "programmatic",  # or "llm": trace_jax.trace.programmatic_analyst / llm_analyst
+            "runs": 10,  # labelling runs N (the authors' code: 10)
+            "min_runs": 8,  # K: runs a capability must pass in
+            "delta": 0.2,  # least contrastive gap ER- - ER+
+            "coverage": 0.1,  # least share of failures labelled LACKING
+            "seed": 0,  # bootstrap resamples (programmatic runs and the intervals)
+            "interval_resamples": 1000,
+            # the LLM analyst's (the endpoint is the pipeline's `llm` block)
+            "discovery_tokens": 12000,  # trajectories shown at discovery, in tokens
+            "message_chars": 300,  # each message's content cut to this many characters (the authors' ~300)
+            "max_candidates": 10,
+            "label_batch": 10,  # trajectories per labelling request
+        }
+    )
 
 
 def _checks(config: ml_collections.ConfigDict) -> list[Check]:
     runs = config.get("runs")
-    return [("analysis.analyst", lambda v: v in ANALYSTS, f"one of {ANALYSTS}"),
-            ("analysis.runs", positive_int, "an int >= 1"),
-            ("analysis.min_runs", lambda v: positive_int(v) and v <= runs, f"an int in [1, analysis.runs = {runs}]"),
-            ("analysis.delta", lambda v: number(v) and -1 <= v <= 1, "a number in [-1, 1]"),
-            ("analysis.coverage", lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-            ("analysis.seed", lambda v: isinstance(v, int), "an int"),
-            *((f"analysis.{key}", positive_int, "an int >= 1") for key in (
-                "interval_resamples", "discovery_tokens", "message_chars", "max_candidates", "label_batch"))]
+    return [
+        ("analysis.analyst", lambda v: v in ANALYSTS, f"one of {ANALYSTS}"),
+        ("analysis.runs", positive_int, "an int >= 1"),
+        ("analysis.min_runs", lambda v: positive_int(v) and v <= runs, f"an int in [1, analysis.runs = {runs}]"),
+        ("analysis.delta", lambda v: number(v) and -1 <= v <= 1, "a number in [-1, 1]"),
+        ("analysis.coverage", lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+        ("analysis.seed", lambda v: isinstance(v, int), "an int"),
+        *(
+            (f"analysis.{key}", positive_int, "an int >= 1")
+            for key in ("interval_resamples", "discovery_tokens", "message_chars", "max_candidates", "label_batch")
+        ),
+    ]
 
 
 def validate_analysis_config(config: ml_collections.ConfigDict) -> None:
@@ -79,13 +85,19 @@ def make_analyst(config: ml_collections.ConfigDict, env, workdir: str | pathlib.
     validate_analysis_config(config.analysis)
     if config.analysis.analyst == "llm":
         settings = config.analysis
-        return LLMAnalyst(ChatClient(config.llm, pathlib.Path(workdir) / "analysis" / "llm_cache"),
-                          discovery_tokens=settings.discovery_tokens, message_chars=settings.message_chars,
-                          max_candidates=settings.max_candidates, label_batch=settings.label_batch)
+        return LLMAnalyst(
+            ChatClient(config.llm, pathlib.Path(workdir) / "analysis" / "llm_cache"),
+            discovery_tokens=settings.discovery_tokens,
+            message_chars=settings.message_chars,
+            max_candidates=settings.max_candidates,
+            label_batch=settings.label_batch,
+        )
     state = getattr(env, "state", None)
     if state is None:
-        raise ValueError(f"config.analysis.analyst = 'programmatic' labels τ² retail-style trajectories; environment "
-                         f"{env.name!r} has no τ² domain: use analyst='llm'")
+        raise ValueError(
+            f"config.analysis.analyst = 'programmatic' labels τ² retail-style trajectories; environment "
+            f"{env.name!r} has no τ² domain: use analyst='llm'"
+        )
     return ProgrammaticAnalyst(state.write_tools, state.tool_schemas)
 
 
@@ -117,8 +129,12 @@ def _labellings(analyst: Analyst, trajectories, cards, runs: int, folder: pathli
     return labellings, dropped
 
 
-def analyze(trajectories: Sequence[ScoredTrajectory], analyst: Analyst, config: ml_collections.ConfigDict,
-            workdir: str | pathlib.Path) -> dict:
+def analyze(
+    trajectories: Sequence[ScoredTrajectory],
+    analyst: Analyst,
+    config: ml_collections.ConfigDict,
+    workdir: str | pathlib.Path,
+) -> dict:
     """Runs (or resumes) stage 1 and returns `capabilities.json`'s content."""
     validate_analysis_config(config)
     folder = pathlib.Path(workdir) / "analysis"
@@ -140,13 +156,22 @@ def analyze(trajectories: Sequence[ScoredTrajectory], analyst: Analyst, config: 
     spans = selection.intervals(full, num=config.interval_resamples, seed=config.seed)
     by_name = {card.name: card for card in cards}
     for row in rows:
-        row.update(delta_interval=spans[row["name"]]["delta"], cov_interval=spans[row["name"]]["cov"],
-                   **by_name[row["name"]].to_json())
+        row.update(
+            delta_interval=spans[row["name"]]["delta"],
+            cov_interval=spans[row["name"]]["cov"],
+            **by_name[row["name"]].to_json(),
+        )
         row["examples"] = _examples(labellings[0], trajectories, row["name"])
         row["lacking_families"] = _lacking_families(labellings[0], trajectories, row["name"])
-    result = {"selected": [row["name"] for row in rows if row["selected"]], "candidates": rows,
-              "failed": sum(not t.success for t in trajectories), "passed": sum(t.success for t in trajectories),
-              "runs": len(runs), "dropped_labellings": dropped, "settings": config.to_dict()}
+    result = {
+        "selected": [row["name"] for row in rows if row["selected"]],
+        "candidates": rows,
+        "failed": sum(not t.success for t in trajectories),
+        "passed": sum(t.success for t in trajectories),
+        "runs": len(runs),
+        "dropped_labellings": dropped,
+        "settings": config.to_dict(),
+    }
     (folder / "analysis.md").write_text(report(result), encoding="utf-8")
     write_json_atomic(folder / "capabilities.json", result)
     return result
@@ -166,18 +191,21 @@ def _lacking_families(labelling: Labelling, trajectories: Sequence[ScoredTraject
 
 def report(result: dict) -> str:
     """`analysis.md`: every candidate's numbers, then the evidence behind each selected one."""
-    lines = [f"# Capability analysis\n\n{result['failed']} failed and {result['passed']} successful trajectories, "
-             f"{result['runs']} labelling runs; kept when Delta >= {result['settings']['delta']} and "
-             f"Cov >= {result['settings']['coverage']} in >= {result['settings']['min_runs']} runs.\n",
-             "| capability | Cov (mean ± std) | Cov 95% CI | Delta (mean ± std) | Delta 95% CI | runs passed "
-             "| selected |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Capability analysis\n\n{result['failed']} failed and {result['passed']} successful trajectories, "
+        f"{result['runs']} labelling runs; kept when Delta >= {result['settings']['delta']} and "
+        f"Cov >= {result['settings']['coverage']} in >= {result['settings']['min_runs']} runs.\n",
+        "| capability | Cov (mean ± std) | Cov 95% CI | Delta (mean ± std) | Delta 95% CI | runs passed | selected |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in result["candidates"]:
         lo, hi = row["cov_interval"]
         dlo, dhi = row["delta_interval"]
-        lines.append(f"| {row['name']} | {row['mean_cov']:.3f} ± {row['std_cov']:.3f} | [{lo:.3f}, {hi:.3f}] | "
-                     f"{row['mean_delta']:.3f} ± {row['std_delta']:.3f} | [{dlo:.3f}, {dhi:.3f}] | "
-                     f"{row['runs_passed']}/{row['runs_total']} | {'yes' if row['selected'] else 'no'} |")
+        lines.append(
+            f"| {row['name']} | {row['mean_cov']:.3f} ± {row['std_cov']:.3f} | [{lo:.3f}, {hi:.3f}] | "
+            f"{row['mean_delta']:.3f} ± {row['std_delta']:.3f} | [{dlo:.3f}, {dhi:.3f}] | "
+            f"{row['runs_passed']}/{row['runs_total']} | {'yes' if row['selected'] else 'no'} |"
+        )
     for reason in result["dropped_labellings"]:
         lines.append(f"\nDropped {reason}")
     for row in result["candidates"]:

@@ -57,14 +57,17 @@ class Analyst(Protocol):
     def discover(self, trajectories: Sequence[ScoredTrajectory]) -> list[CapabilityCard]:
         """The candidate capabilities these trajectories suggest."""
 
-    def label(self, trajectories: Sequence[ScoredTrajectory], cards: Sequence[CapabilityCard],
-              attempt: int) -> Labelling:
+    def label(
+        self, trajectories: Sequence[ScoredTrajectory], cards: Sequence[CapabilityCard], attempt: int
+    ) -> Labelling:
         """Labelling number `attempt`: a label for every card and every trajectory."""
 
 
 def labelling_to_json(labelling: Labelling) -> dict:
-    return {name: {tid: [label.label, label.evidence] for tid, label in labels.items()}
-            for name, labels in labelling.items()}
+    return {
+        name: {tid: [label.label, label.evidence] for tid, label in labels.items()}
+        for name, labels in labelling.items()
+    }
 
 
 def labelling_from_json(data: Mapping) -> Labelling:
@@ -81,6 +84,10 @@ def to_run(labelling: Labelling, trajectories: Sequence[ScoredTrajectory], attem
             cells[f"{by_id[tid].label.lower()}_{outcome[tid]}"].append(tid)
         labels[name] = cells
     failed = sum(o == "failed" for o in outcome.values())
-    return LabellingRun.from_json({"attempt": attempt, "totals": {"total_failed": failed,
-                                                                  "total_passed": len(outcome) - failed},
-                                   "labels": labels})
+    return LabellingRun.from_json(
+        {
+            "attempt": attempt,
+            "totals": {"total_failed": failed, "total_passed": len(outcome) - failed},
+            "labels": labels,
+        }
+    )

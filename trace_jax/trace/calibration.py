@@ -44,13 +44,37 @@ INFORMATIVE_SPREAD = 0.5  # a group whose rewards differ by this much is informa
 # The gate values: the paper's (mean 0.3-0.6, std > 0.2, > 60% informative groups) and the authors' released
 # code's (mean reward and success in [0.2, 0.6], >= 50% informative, all-success and all-zero groups <= 20% each).
 GATES = {
-    "paper": dict(min_mean=0.3, max_mean=0.6, min_std=0.2, min_informative=0.6, min_success=0.0, max_success=1.0,
-                  max_all_success=1.0, max_all_zero=1.0),
-    "released_code": dict(min_mean=0.2, max_mean=0.6, min_std=0.0, min_informative=0.5, min_success=0.2,
-                          max_success=0.6, max_all_success=0.2, max_all_zero=0.2),
+    "paper": dict(
+        min_mean=0.3,
+        max_mean=0.6,
+        min_std=0.2,
+        min_informative=0.6,
+        min_success=0.0,
+        max_success=1.0,
+        max_all_success=1.0,
+        max_all_zero=1.0,
+    ),
+    "released_code": dict(
+        min_mean=0.2,
+        max_mean=0.6,
+        min_std=0.0,
+        min_informative=0.5,
+        min_success=0.2,
+        max_success=0.6,
+        max_all_success=0.2,
+        max_all_zero=0.2,
+    ),
     # every level passes: smoke runs of the pipeline whose agent is not meant to learn (configs/trace_tiny.py)
-    "none": dict(min_mean=0.0, max_mean=1.0, min_std=0.0, min_informative=0.0, min_success=0.0, max_success=1.0,
-                 max_all_success=1.0, max_all_zero=1.0),
+    "none": dict(
+        min_mean=0.0,
+        max_mean=1.0,
+        min_std=0.0,
+        min_informative=0.0,
+        min_success=0.0,
+        max_success=1.0,
+        max_all_success=1.0,
+        max_all_zero=1.0,
+    ),
 }
 
 
@@ -58,28 +82,34 @@ def calibration_defaults() -> ml_collections.ConfigDict:
     """The paper's calibration, with half of each group hinted."""
     from trace_jax.envs.capability.environment import CUT_SHARE
 
-    return ml_collections.ConfigDict({
-        "seeds": 20, "samples": 8, "temperature": 1.0,
-        "gates": "paper",  # or "released_code", or "none" (`GATES`)
-        "hint_share": 0.5,  # of each task's samples played with its hint (training's rollout.hint_share)
-        "start_difficulty": 0,
-        "min_step": 0.5,  # the finest difficulty step between levels (0.5: one mix of two levels; 1: none)
-        "policy": True,  # τ²'s retail policy in the system prompt, as the target has it
-        "cut_share": CUT_SHARE,  # what an episode cut at a limit keeps of its reward (the environment's docstring)
-    })
+    return ml_collections.ConfigDict(
+        {
+            "seeds": 20,
+            "samples": 8,
+            "temperature": 1.0,
+            "gates": "paper",  # or "released_code", or "none" (`GATES`)
+            "hint_share": 0.5,  # of each task's samples played with its hint (training's rollout.hint_share)
+            "start_difficulty": 0,
+            "min_step": 0.5,  # the finest difficulty step between levels (0.5: one mix of two levels; 1: none)
+            "policy": True,  # τ²'s retail policy in the system prompt, as the target has it
+            "cut_share": CUT_SHARE,  # what an episode cut at a limit keeps of its reward (the environment's docstring)
+        }
+    )
 
 
 def _checks(config: ml_collections.ConfigDict) -> list[Check]:
     share = (lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]")
-    return [("calibration.seeds", positive_int, "an int >= 1"),
-            ("calibration.samples", lambda v: positive_int(v) and v >= 2, "an int >= 2 (a group needs two)"),
-            ("calibration.temperature", lambda v: number(v) and v > 0, "a number > 0 (groups need sampling)"),
-            ("calibration.gates", lambda v: v in GATES, " or ".join(f'"{g}"' for g in GATES)),
-            ("calibration.hint_share", *share),
-            ("calibration.start_difficulty", lambda v: isinstance(v, int), "an int (below 0: a scaffolded level)"),
-            ("calibration.min_step", lambda v: number(v) and 0 < v <= 1, "a number in (0, 1]"),
-            ("calibration.policy", lambda v: isinstance(v, bool), "True or False"),
-            ("calibration.cut_share", *share)]
+    return [
+        ("calibration.seeds", positive_int, "an int >= 1"),
+        ("calibration.samples", lambda v: positive_int(v) and v >= 2, "an int >= 2 (a group needs two)"),
+        ("calibration.temperature", lambda v: number(v) and v > 0, "a number > 0 (groups need sampling)"),
+        ("calibration.gates", lambda v: v in GATES, " or ".join(f'"{g}"' for g in GATES)),
+        ("calibration.hint_share", *share),
+        ("calibration.start_difficulty", lambda v: isinstance(v, int), "an int (below 0: a scaffolded level)"),
+        ("calibration.min_step", lambda v: number(v) and 0 < v <= 1, "a number in (0, 1]"),
+        ("calibration.policy", lambda v: isinstance(v, bool), "True or False"),
+        ("calibration.cut_share", *share),
+    ]
 
 
 def validate_calibration_config(config: ml_collections.ConfigDict) -> None:
@@ -103,15 +133,21 @@ def group_stats(rewards: np.ndarray, successes: np.ndarray, hinted: int = 0) -> 
     first `hinted` samples of each group carried the hint, the success of hinted and unhinted samples apart."""
     n = rewards.shape[1]
     wins = successes.sum(axis=1)
-    stats = {"episodes": int(rewards.size), "mean": float(rewards.mean()), "std": float(rewards.std()),
-             "success": float(successes.mean()),
-             "informative": float(np.mean(informative_groups(rewards, successes))),
-             "all_success": float(np.mean(wins == n)), "all_zero": float(np.mean(rewards.max(axis=1) == 0))}
-    for k in (2 ** i for i in range(int(math.log2(n)) + 1)):
+    stats = {
+        "episodes": int(rewards.size),
+        "mean": float(rewards.mean()),
+        "std": float(rewards.std()),
+        "success": float(successes.mean()),
+        "informative": float(np.mean(informative_groups(rewards, successes))),
+        "all_success": float(np.mean(wins == n)),
+        "all_zero": float(np.mean(rewards.max(axis=1) == 0)),
+    }
+    for k in (2**i for i in range(int(math.log2(n)) + 1)):
         stats[f"pass@{k}"] = float(np.mean([pass_at_k(int(c), n, k) for c in wins]))
     if 0 < hinted < n:
-        stats.update(hinted_success=float(successes[:, :hinted].mean()),
-                     unhinted_success=float(successes[:, hinted:].mean()))
+        stats.update(
+            hinted_success=float(successes[:, :hinted].mean()), unhinted_success=float(successes[:, hinted:].mean())
+        )
     return stats
 
 
@@ -128,8 +164,11 @@ def level_stats(rewards: np.ndarray, successes: np.ndarray, variants: list[str],
 def gate_failures(stats: dict, config: ml_collections.ConfigDict) -> list[str]:
     """Why `stats` fail the gates (empty: they pass); a level of several variants fails where any variant does."""
     if "variants" in stats:
-        return [f"{variant}: {failure}" for variant, part in stats["variants"].items()
-                for failure in gate_failures(part, config)]
+        return [
+            f"{variant}: {failure}"
+            for variant, part in stats["variants"].items()
+            for failure in gate_failures(part, config)
+        ]
     g, failures = gates(config), []
     if not g["min_mean"] <= stats["mean"] <= g["max_mean"]:
         failures.append(f"mean reward {stats['mean']:.3f} outside [{g['min_mean']}, {g['max_mean']}]")
@@ -177,9 +216,13 @@ def next_difficulty(tries: list[dict], config: ml_collections.ConfigDict, bounds
 def _drop_reason(tries: list[dict], config: ml_collections.ConfigDict, bounds: tuple[int, int]) -> str:
     """Why the walk ended without a pass, from its last try."""
     last = tries[-1]
-    where = {-1: f"too hard even at its most scaffolded level ({bounds[0]})" if last["difficulty"] == bounds[0]
-             else "too hard", 1: f"too easy even at its top level ({bounds[1]})" if last["difficulty"] == bounds[1]
-             else "too easy", 0: "inside the mean band but too uniform"}[_side(last["mean"], config)]
+    where = {
+        -1: f"too hard even at its most scaffolded level ({bounds[0]})"
+        if last["difficulty"] == bounds[0]
+        else "too hard",
+        1: f"too easy even at its top level ({bounds[1]})" if last["difficulty"] == bounds[1] else "too easy",
+        0: "inside the mean band but too uniform",
+    }[_side(last["mean"], config)]
     return f"{where}: " + "; ".join(last["failures"]) + f" at difficulty {last['difficulty']}"
 
 
@@ -207,33 +250,51 @@ def walk_bounds(scaffolds: tuple[str, ...], max_difficulty: int, hint_share: flo
 def calibration_feedback(result: dict, config: ml_collections.ConfigDict) -> str:
     """Why an environment could not be calibrated, in words for the LLM that wrote it (what to change)."""
     g = gates(config)
-    lines = [f"The module passed validation, but calibration against the agent to be trained failed: "
-             f"{config.seeds} tasks x {config.samples} episodes at temperature {config.temperature} must give a "
-             f"mean reward in [{g['min_mean']}, {g['max_mean']}], a reward std >= {g['min_std']} and >= "
-             f"{g['min_informative']:.0%} of task groups whose rewards differ across success or by >= "
-             f"{INFORMATIVE_SPREAD}."]
-    lines += [f"difficulty {t['difficulty']}: mean reward {t['mean']:.3f}, std {t['std']:.3f}, informative "
-              f"groups {t['informative']:.0%}, success {t['success']:.0%}: {'; '.join(t['failures'])}"
-              for t in result["tries"]]
+    lines = [
+        f"The module passed validation, but calibration against the agent to be trained failed: "
+        f"{config.seeds} tasks x {config.samples} episodes at temperature {config.temperature} must give a "
+        f"mean reward in [{g['min_mean']}, {g['max_mean']}], a reward std >= {g['min_std']} and >= "
+        f"{g['min_informative']:.0%} of task groups whose rewards differ across success or by >= "
+        f"{INFORMATIVE_SPREAD}."
+    ]
+    lines += [
+        f"difficulty {t['difficulty']}: mean reward {t['mean']:.3f}, std {t['std']:.3f}, informative "
+        f"groups {t['informative']:.0%}, success {t['success']:.0%}: {'; '.join(t['failures'])}"
+        for t in result["tries"]
+    ]
     mean = result["tries"][-1]["mean"]
     if mean > g["max_mean"]:
-        lines.append("The tasks are too easy for the agent: make them harder (more to find, more steps, subtler "
-                     "traps).")
+        lines.append(
+            "The tasks are too easy for the agent: make them harder (more to find, more steps, subtler traps)."
+        )
     elif mean < g["min_mean"]:
-        lines.append("The tasks are too hard for the agent: make them easier (fewer steps, more of the work "
-                     "pre-filled, clearer tickets).")
+        lines.append(
+            "The tasks are too hard for the agent: make them easier (fewer steps, more of the work "
+            "pre-filled, clearer tickets)."
+        )
     else:
         lines.append("Make the outcomes vary more between attempts at one task (reward levels the agent can reach).")
     return "\n".join(lines)
 
 
-def environment_config(capability: str, difficulty: float, config: ml_collections.ConfigDict,
-                       scenarios: str | None = None, variant: str | None = None) -> dict:
+def environment_config(
+    capability: str,
+    difficulty: float,
+    config: ml_collections.ConfigDict,
+    scenarios: str | None = None,
+    variant: str | None = None,
+) -> dict:
     """The `env` block of a capability environment, built-in (of one `variant`, or every kind) or (with
     `scenarios`, its exported tasks) written by the LLM (seed 0: calibration, training and the pipeline's examples
     all draw from its train split)."""
-    env = dict(name="capability", capability=capability, seed=0, difficulty=difficulty, policy=config.policy,
-               cut_share=config.cut_share)
+    env = dict(
+        name="capability",
+        capability=capability,
+        seed=0,
+        difficulty=difficulty,
+        policy=config.policy,
+        cut_share=config.cut_share,
+    )
     if variant is not None:
         env["variant"] = variant
     return {**env, "scenarios": scenarios} if scenarios else env
@@ -253,9 +314,16 @@ def rewards_by_group(records: list[dict], seeds: int, samples: int) -> tuple[np.
     return rewards, successes, variants
 
 
-def calibrate_capability(capability: str, bounds: tuple[int, int], base_eval: ml_collections.ConfigDict,
-                         config: ml_collections.ConfigDict, folder: pathlib.Path, agent: str = "model",
-                         scenarios: str | None = None, families: tuple[str, ...] = ()) -> dict:
+def calibrate_capability(
+    capability: str,
+    bounds: tuple[int, int],
+    base_eval: ml_collections.ConfigDict,
+    config: ml_collections.ConfigDict,
+    folder: pathlib.Path,
+    agent: str = "model",
+    scenarios: str | None = None,
+    families: tuple[str, ...] = (),
+) -> dict:
     """Calibrates one capability environment (built-in, or written with its exported `scenarios`) against the
     base agent of `base_eval` (an evaluation job's config; `agent` as the evaluation job takes it) between the
     levels `bounds` (`walk_bounds`); with `families`, each variant on its own in `folder/<variant>/`. Each
@@ -268,8 +336,13 @@ def calibrate_capability(capability: str, bounds: tuple[int, int], base_eval: ml
     return _calibrate_walk(capability, bounds, base_eval, config, folder, agent, scenarios)
 
 
-def calibrate_builtin(name: str, base_eval: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
-                      folder: pathlib.Path, agent: str = "model") -> dict:
+def calibrate_builtin(
+    name: str,
+    base_eval: ml_collections.ConfigDict,
+    config: ml_collections.ConfigDict,
+    folder: pathlib.Path,
+    agent: str = "model",
+) -> dict:
     """`calibrate_capability` of the built-in capability `name`: every level it has, per family where it has
     them."""
     from trace_jax.envs.capability import CAPABILITIES
@@ -279,9 +352,16 @@ def calibrate_builtin(name: str, base_eval: ml_collections.ConfigDict, config: m
     return calibrate_capability(name, bounds, base_eval, config, folder, agent, families=capability.families)
 
 
-def _calibrate_walk(capability: str, bounds: tuple[int, int], base_eval: ml_collections.ConfigDict,
-                    config: ml_collections.ConfigDict, folder: pathlib.Path, agent: str, scenarios: str | None = None,
-                    variant: str | None = None) -> dict:
+def _calibrate_walk(
+    capability: str,
+    bounds: tuple[int, int],
+    base_eval: ml_collections.ConfigDict,
+    config: ml_collections.ConfigDict,
+    folder: pathlib.Path,
+    agent: str,
+    scenarios: str | None = None,
+    variant: str | None = None,
+) -> dict:
     """One environment's walk (`calibrate_capability`), of one `variant` or every kind."""
     result_path = folder / "calibration.json"
     if (stored := _stored_result(result_path, bounds)) is not None:
@@ -297,24 +377,35 @@ def _calibrate_walk(capability: str, bounds: tuple[int, int], base_eval: ml_coll
         run.update(split="train", num_tasks=config.seeds, trials=config.samples, hint_share=config.hint_share)
         run.rollout.temperature = config.temperature
         evaluate(run, workdir, agent=agent)
-        rewards, successes, variants = rewards_by_group(recorded_episodes(workdir / "episodes.jsonl"), config.seeds,
-                                                        config.samples)
+        rewards, successes, variants = rewards_by_group(
+            recorded_episodes(workdir / "episodes.jsonl"), config.seeds, config.samples
+        )
         groups = {"rewards": rewards.tolist(), "successes": successes.tolist(), "variants": variants}
         distributed.on_main(lambda: write_json_atomic(workdir / GROUPS, groups))
         return rewards, successes, variants
 
     walked = calibrate(measure, config, bounds)
     chosen = walked["difficulty"]
-    result = {"capability": capability, **walked, "bounds": list(bounds),
-              "env": None if chosen is None else environment_config(capability, chosen, config, scenarios, variant),
-              "episodes_dir": None if chosen is None else str(folder / f"difficulty_{chosen}")}
+    result = {
+        "capability": capability,
+        **walked,
+        "bounds": list(bounds),
+        "env": None if chosen is None else environment_config(capability, chosen, config, scenarios, variant),
+        "episodes_dir": None if chosen is None else str(folder / f"difficulty_{chosen}"),
+    }
     distributed.on_main(lambda: write_json_atomic(result_path, result))  # every process computed the same
     return result
 
 
-def _calibrate_families(capability: str, bounds: tuple[int, int], base_eval: ml_collections.ConfigDict,
-                        config: ml_collections.ConfigDict, folder: pathlib.Path, agent: str,
-                        families: tuple[str, ...]) -> dict:
+def _calibrate_families(
+    capability: str,
+    bounds: tuple[int, int],
+    base_eval: ml_collections.ConfigDict,
+    config: ml_collections.ConfigDict,
+    folder: pathlib.Path,
+    agent: str,
+    families: tuple[str, ...],
+) -> dict:
     """Each family of `capability` calibrated on its own (its levels end at 0: `CapabilityEnvironment`); the
     environment to train on mixes the families that passed, each at its own level (`folder/calibration.json`)."""
     result_path = folder / "calibration.json"
@@ -322,16 +413,27 @@ def _calibrate_families(capability: str, bounds: tuple[int, int], base_eval: ml_
         return stored
     parts = {}
     for variant in families:
-        parts[variant] = _calibrate_walk(capability, (bounds[0], 0), base_eval, config, folder / variant, agent,
-                                         variant=variant)
+        parts[variant] = _calibrate_walk(
+            capability, (bounds[0], 0), base_eval, config, folder / variant, agent, variant=variant
+        )
     passed = [p for p in parts.values() if p["calibrated"]]
-    env = (None if not passed else passed[0]["env"] if len(passed) == 1
-           else {"name": "mixed", "parts": [p["env"] for p in passed]})
-    result = {"capability": capability, "calibrated": bool(passed), "difficulty": None, "bounds": list(bounds),
-              "env": env,
-              "families": {v: p["difficulty"] for v, p in parts.items()},
-              "episodes_dir": passed[0]["episodes_dir"] if passed else None,
-              "tries": [{**t, "variant": v} for v, p in parts.items() for t in p["tries"]]}
+    env = (
+        None
+        if not passed
+        else passed[0]["env"]
+        if len(passed) == 1
+        else {"name": "mixed", "parts": [p["env"] for p in passed]}
+    )
+    result = {
+        "capability": capability,
+        "calibrated": bool(passed),
+        "difficulty": None,
+        "bounds": list(bounds),
+        "env": env,
+        "families": {v: p["difficulty"] for v, p in parts.items()},
+        "episodes_dir": passed[0]["episodes_dir"] if passed else None,
+        "tries": [{**t, "variant": v} for v, p in parts.items() for t in p["tries"]],
+    }
     if not passed:
         result["reason"] = "; ".join(f"{v}: {p['reason']}" for v, p in parts.items())
     distributed.on_main(lambda: write_json_atomic(result_path, result))
@@ -350,17 +452,24 @@ def _stored_result(path: pathlib.Path, bounds: tuple[int, int]) -> dict | None:
 def calibration_table(results: list[dict]) -> str:
     """Every try of every environment (a family's as capability[variant]): the gate statistics, pass@k and the
     verdict."""
-    passes = sorted({k for r in results for t in r["tries"] for k in t if k.startswith("pass@")},
-                    key=lambda k: int(k[5:]))
-    lines = ["| capability | difficulty | episodes | mean | std | success (hinted / not) | informative | all 0 | "
-             "all 1 | " + " | ".join(passes) + " | verdict |", "|---" * (10 + len(passes)) + "|"]
+    passes = sorted(
+        {k for r in results for t in r["tries"] for k in t if k.startswith("pass@")}, key=lambda k: int(k[5:])
+    )
+    lines = [
+        "| capability | difficulty | episodes | mean | std | success (hinted / not) | informative | all 0 | "
+        "all 1 | " + " | ".join(passes) + " | verdict |",
+        "|---" * (10 + len(passes)) + "|",
+    ]
     for result in results:
         for t in result["tries"]:
             name = result["capability"] + (f"[{t['variant']}]" if "variant" in t else "")
             verdict = "pass" if not t["failures"] else "; ".join(t["failures"])
             split = f" ({t['hinted_success']:.2f} / {t['unhinted_success']:.2f})" if "hinted_success" in t else ""
-            lines.append(f"| {name} | {t['difficulty']} | {t['episodes']} | {t['mean']:.3f} | {t['std']:.3f} | "
-                         f"{t['success']:.2f}{split} | {t['informative']:.2f} | {t['all_zero']:.2f} | "
-                         f"{t['all_success']:.2f} | " + " | ".join(f"{t.get(k, float('nan')):.2f}" for k in passes)
-                         + f" | {verdict} |")
+            lines.append(
+                f"| {name} | {t['difficulty']} | {t['episodes']} | {t['mean']:.3f} | {t['std']:.3f} | "
+                f"{t['success']:.2f}{split} | {t['informative']:.2f} | {t['all_zero']:.2f} | "
+                f"{t['all_success']:.2f} | "
+                + " | ".join(f"{t.get(k, float('nan')):.2f}" for k in passes)
+                + f" | {verdict} |"
+            )
     return "\n".join(lines)

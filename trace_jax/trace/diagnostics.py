@@ -27,10 +27,12 @@ def diagnostics_defaults() -> ml_collections.ConfigDict:
 
 
 def diagnostics_checks() -> list[Check]:
-    return [("diagnostics.samples", lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0: no diagnostics)"),
-            ("diagnostics.per_family", lambda v: v is None or positive_int(v), "None (all) or a positive int"),
-            ("diagnostics.temperature", lambda v: number(v) and v > 0, "a number > 0 (samples must differ)"),
-            ("diagnostics.min_share", lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]")]
+    return [
+        ("diagnostics.samples", lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0: no diagnostics)"),
+        ("diagnostics.per_family", lambda v: v is None or positive_int(v), "None (all) or a positive int"),
+        ("diagnostics.temperature", lambda v: number(v) and v > 0, "a number > 0 (samples must differ)"),
+        ("diagnostics.min_share", lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    ]
 
 
 def validate_diagnostics_config(config: ml_collections.ConfigDict) -> None:
@@ -44,8 +46,9 @@ def targeted_families(lacking: dict[str, int], min_share: float) -> list[str]:
     return [family for family, n in lacking.items() if total and n / total >= min_share]
 
 
-def sampled_evaluation(heldout: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
-                       families: list[str]) -> ml_collections.ConfigDict:
+def sampled_evaluation(
+    heldout: ml_collections.ConfigDict, config: ml_collections.ConfigDict, families: list[str]
+) -> ml_collections.ConfigDict:
     """The held-out evaluation `heldout` (an evaluation job's config) on `families`, sampled `config.samples`
     times a ticket at `config.temperature`."""
     run = ml_collections.ConfigDict(heldout.to_dict())
@@ -63,16 +66,26 @@ def pass_rates(records: list[dict], k: int) -> dict:
         family_of[record["task_id"]] = record["family"]
 
     def rates(tasks: list[str]) -> dict:
-        return {f"pass@{j}": float(np.mean([pass_at_k(sum(per_task[t]), len(per_task[t]), j) for t in tasks]))
-                for j in (1, k)}
+        return {
+            f"pass@{j}": float(np.mean([pass_at_k(sum(per_task[t]), len(per_task[t]), j) for t in tasks]))
+            for j in (1, k)
+        }
 
     families = sorted(set(family_of.values()))
-    return {"tickets": len(per_task), **rates(list(per_task)),
-            "by_family": {f: rates([t for t in per_task if family_of[t] == f]) for f in families}}
+    return {
+        "tickets": len(per_task),
+        **rates(list(per_task)),
+        "by_family": {f: rates([t for t in per_task if family_of[t] == f]) for f in families},
+    }
 
 
-def run_diagnostics(heldout: ml_collections.ConfigDict, config: ml_collections.ConfigDict,
-                    lacking: dict[str, dict[str, int]], adapters: dict[str, str], folder: pathlib.Path) -> dict:
+def run_diagnostics(
+    heldout: ml_collections.ConfigDict,
+    config: ml_collections.ConfigDict,
+    lacking: dict[str, dict[str, int]],
+    adapters: dict[str, str],
+    folder: pathlib.Path,
+) -> dict:
     """Per adapter (capability -> PEFT folder): its targeted families and the base agent's and the adapter's
     pass rates there (`heldout`: the pipeline's held-out evaluation of the base agent; `lacking`: per capability,
     its lacking failures by family)."""
@@ -103,10 +116,14 @@ def diagnostics_table(results: dict) -> str:
     if not rows:
         return "(none)"
     k = rows[0][1]["samples"]
-    lines = [f"| capability | targeted families | tickets | pass@1 base -> adapter | pass@{k} base -> adapter |",
-             "|---|---|---:|---|---|"]
+    lines = [
+        f"| capability | targeted families | tickets | pass@1 base -> adapter | pass@{k} base -> adapter |",
+        "|---|---|---:|---|---|",
+    ]
     for name, r in rows:
-        lines.append(f"| {name} | {', '.join(r['families'])} | {r['base']['tickets']} | "
-                     f"{r['base']['pass@1']:.3f} -> {r['adapter']['pass@1']:.3f} | "
-                     f"{r['base'][f'pass@{k}']:.3f} -> {r['adapter'][f'pass@{k}']:.3f} |")
+        lines.append(
+            f"| {name} | {', '.join(r['families'])} | {r['base']['tickets']} | "
+            f"{r['base']['pass@1']:.3f} -> {r['adapter']['pass@1']:.3f} | "
+            f"{r['base'][f'pass@{k}']:.3f} -> {r['adapter'][f'pass@{k}']:.3f} |"
+        )
     return "\n".join(lines)

@@ -38,9 +38,11 @@ from trace_jax.trace.analyst import CapabilityCard
 
 _CODE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
-SYSTEM = ("You are an expert Python engineer who writes training environments for LLM customer-service agents of "
-          "{business}. You write one complete Python module against the authoring API below and reply with the "
-          "whole module in one ```python code block.\n\n{guide}")
+SYSTEM = (
+    "You are an expert Python engineer who writes training environments for LLM customer-service agents of "
+    "{business}. You write one complete Python module against the authoring API below and reply with the "
+    "whole module in one ```python code block.\n\n{guide}"
+)
 
 REQUEST = """Write the capability environment for this capability of the agent:
 
@@ -77,30 +79,34 @@ Judge = Callable[[int, ValidationReport, pathlib.Path], str | None]
 
 def env_writer_defaults() -> ml_collections.ConfigDict:
     """The writer's settings (the paper's released code regenerates up to 5 times)."""
-    return ml_collections.ConfigDict({
-        "max_attempts": 5,  # modules asked for per capability, each told the previous one's failure
-        "seeds": 100,  # validation seeds at each difficulty
-        "min_gold_success": 0.95,  # share of seeds (at each difficulty) where the gold solution must score 1.0
-        "max_empty_reward": 0.1,  # most mean reward of the agent that does nothing
-        "timeout_s": 600.0,  # the sandbox's wall clock for one validation (with the export)
-        "cpu_s": 300.0,  # the module's CPU seconds in the sandbox
-        "memory_mb": 2048,  # the module's memory in the sandbox, on top of the sandbox's own
-        "export_tasks": 200,  # train and held-out tasks exported per difficulty
-        "max_evidence": 5,  # evidence lines shown per capability
-    })
+    return ml_collections.ConfigDict(
+        {
+            "max_attempts": 5,  # modules asked for per capability, each told the previous one's failure
+            "seeds": 100,  # validation seeds at each difficulty
+            "min_gold_success": 0.95,  # share of seeds (at each difficulty) where the gold solution must score 1.0
+            "max_empty_reward": 0.1,  # most mean reward of the agent that does nothing
+            "timeout_s": 600.0,  # the sandbox's wall clock for one validation (with the export)
+            "cpu_s": 300.0,  # the module's CPU seconds in the sandbox
+            "memory_mb": 2048,  # the module's memory in the sandbox, on top of the sandbox's own
+            "export_tasks": 200,  # train and held-out tasks exported per difficulty
+            "max_evidence": 5,  # evidence lines shown per capability
+        }
+    )
 
 
 def _checks() -> list[Check]:
     share = (lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]")
-    return [("env_writer.max_attempts", positive_int, "an int >= 1"),
-            ("env_writer.seeds", positive_int, "an int >= 1"),
-            ("env_writer.min_gold_success", *share),
-            ("env_writer.max_empty_reward", *share),
-            ("env_writer.timeout_s", lambda v: number(v) and v > 0, "a number of seconds > 0"),
-            ("env_writer.cpu_s", lambda v: number(v) and v > 0, "a number of seconds > 0"),
-            ("env_writer.memory_mb", positive_int, "an int >= 1 (MB)"),
-            ("env_writer.export_tasks", positive_int, "an int >= 1"),
-            ("env_writer.max_evidence", lambda v: isinstance(v, int) and v >= 0, "an int >= 0")]
+    return [
+        ("env_writer.max_attempts", positive_int, "an int >= 1"),
+        ("env_writer.seeds", positive_int, "an int >= 1"),
+        ("env_writer.min_gold_success", *share),
+        ("env_writer.max_empty_reward", *share),
+        ("env_writer.timeout_s", lambda v: number(v) and v > 0, "a number of seconds > 0"),
+        ("env_writer.cpu_s", lambda v: number(v) and v > 0, "a number of seconds > 0"),
+        ("env_writer.memory_mb", positive_int, "an int >= 1 (MB)"),
+        ("env_writer.export_tasks", positive_int, "an int >= 1"),
+        ("env_writer.max_evidence", lambda v: isinstance(v, int) and v >= 0, "an int >= 0"),
+    ]
 
 
 def validate_env_writer_config(config: ml_collections.ConfigDict) -> None:
@@ -148,34 +154,61 @@ def prompt(card: CapabilityCard, evidence: Sequence[str], domain: str) -> list[d
     """The first request for `card`'s module in τ²'s `domain`: the API as the system message, the capability,
     the domain's tools and its example."""
     lines = "\n".join(f"- {line}" for line in evidence) or "- (none)"
-    request = REQUEST.format(name=card.name, domain=domain, description=card.description, lacking=card.lacking,
-                             evidence=lines, tools=authoring.tool_listing(domain),
-                             example=example(domain).read_text(encoding="utf-8").strip())
+    request = REQUEST.format(
+        name=card.name,
+        domain=domain,
+        description=card.description,
+        lacking=card.lacking,
+        evidence=lines,
+        tools=authoring.tool_listing(domain),
+        example=example(domain).read_text(encoding="utf-8").strip(),
+    )
     system = SYSTEM.format(business=world_domain(domain).business, guide=authoring.guide(domain))
     return [{"role": "system", "content": system}, {"role": "user", "content": request}]
 
 
-def _attempt(source: str | None, folder: pathlib.Path, i: int, name: str, domain: str,
-             config: ml_collections.ConfigDict, checks: Checks) -> ValidationReport:
+def _attempt(
+    source: str | None,
+    folder: pathlib.Path,
+    i: int,
+    name: str,
+    domain: str,
+    config: ml_collections.ConfigDict,
+    checks: Checks,
+) -> ValidationReport:
     """Attempt `i`'s report: read back when this very module was validated before, else from the sandbox."""
     report_path, source_path = folder / f"attempt_{i}.json", folder / f"attempt_{i}.py"
-    if report_path.exists() and (source is None or (source_path.exists()
-                                                    and source_path.read_text(encoding="utf-8") == source)):
+    if report_path.exists() and (
+        source is None or (source_path.exists() and source_path.read_text(encoding="utf-8") == source)
+    ):
         return ValidationReport.from_json(read_json(report_path))
     if source is None:
         report = ValidationReport.failed(NO_CODE, checks)
     else:
         source_path.write_text(source, encoding="utf-8")
         limits = Limits(timeout_s=config.timeout_s, cpu_s=config.cpu_s, memory_mb=config.memory_mb)
-        report = validate_module(source, name=name, domain=domain, checks=checks, limits=limits,
-                                 export=folder / "scenarios.json", export_tasks=config.export_tasks)
+        report = validate_module(
+            source,
+            name=name,
+            domain=domain,
+            checks=checks,
+            limits=limits,
+            export=folder / "scenarios.json",
+            export_tasks=config.export_tasks,
+        )
     write_json_atomic(report_path, report.to_json())
     return report
 
 
-def write_environment(card: CapabilityCard, evidence: Sequence[str], client: ChatClient,
-                      folder: str | pathlib.Path, config: ml_collections.ConfigDict,
-                      judge: Judge | None = None, domain: str = "retail") -> Synthesis:
+def write_environment(
+    card: CapabilityCard,
+    evidence: Sequence[str],
+    client: ChatClient,
+    folder: str | pathlib.Path,
+    config: ml_collections.ConfigDict,
+    judge: Judge | None = None,
+    domain: str = "retail",
+) -> Synthesis:
     """Asks `client` for `card`'s environment module in τ²'s `domain` until one passes validation (and
     `judge`, when given) or `config.max_attempts` attempts have failed (`config`: the `env_writer` block);
     writes everything under `folder` (see the module docstring) and resumes from it."""
@@ -188,10 +221,11 @@ def write_environment(card: CapabilityCard, evidence: Sequence[str], client: Cha
             logging.info("env writer %s: accepted before (%d attempts)", card.name, done.attempts)
             return done
     folder.mkdir(parents=True, exist_ok=True)
-    checks = Checks(seeds=config.seeds, min_gold_success=config.min_gold_success,
-                    max_empty_reward=config.max_empty_reward)
+    checks = Checks(
+        seeds=config.seeds, min_gold_success=config.min_gold_success, max_empty_reward=config.max_empty_reward
+    )
     stats_before = dict(client.stats)
-    messages = prompt(card, evidence[:config.max_evidence], domain)
+    messages = prompt(card, evidence[: config.max_evidence], domain)
     reports: list[ValidationReport] = []
     for i in range(1, config.max_attempts + 1):
         reply = client.complete(messages)
@@ -203,21 +237,35 @@ def write_environment(card: CapabilityCard, evidence: Sequence[str], client: Cha
                 report = dataclasses.replace(report, passed=False, error=verdict)
                 write_json_atomic(folder / f"attempt_{i}.json", report.to_json())
         reports.append(report)
-        logging.info("env writer %s: attempt %d/%d %s", card.name, i, config.max_attempts,
-                     "passed" if report.passed else "failed: " + report.failure_report().replace("\n", " | ")[:300])
+        logging.info(
+            "env writer %s: attempt %d/%d %s",
+            card.name,
+            i,
+            config.max_attempts,
+            "passed" if report.passed else "failed: " + report.failure_report().replace("\n", " | ")[:300],
+        )
         if report.passed:
             (folder / "module.py").write_text(source, encoding="utf-8")
             write_json_atomic(folder / "validation.json", report.to_json())
             break
-        messages = [*messages, {"role": "assistant", "content": reply},
-                    {"role": "user", "content": RETRY.format(report=report.failure_report())}]
+        messages = [
+            *messages,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": RETRY.format(report=report.failure_report())},
+        ]
     accepted = reports[-1].passed
-    synthesis = Synthesis(name=card.name, accepted=accepted, attempts=len(reports),
-                          requests=client.stats["requests"] - stats_before["requests"],
-                          cache_hits=client.stats["cache_hits"] - stats_before["cache_hits"],
-                          scenarios=str(folder / "scenarios.json") if accepted else None, reports=tuple(reports))
+    synthesis = Synthesis(
+        name=card.name,
+        accepted=accepted,
+        attempts=len(reports),
+        requests=client.stats["requests"] - stats_before["requests"],
+        cache_hits=client.stats["cache_hits"] - stats_before["cache_hits"],
+        scenarios=str(folder / "scenarios.json") if accepted else None,
+        reports=tuple(reports),
+    )
     write_json_atomic(summary_path, synthesis.to_json())
     if not accepted:
-        logging.warning("env writer %s: no module passed in %d attempts; the capability is dropped", card.name,
-                        len(reports))
+        logging.warning(
+            "env writer %s: no module passed in %d attempts; the capability is dropped", card.name, len(reports)
+        )
     return synthesis

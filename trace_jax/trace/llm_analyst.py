@@ -22,8 +22,10 @@ from trace_jax.trace.trajectories import ScoredTrajectory, compact
 CHARS_PER_TOKEN = 4  # a budget in tokens, counted in characters (English and JSON run about 4 per token)
 _NAME = re.compile(r"^[a-z][a-z0-9_]{1,48}$")
 
-SYSTEM = ("You are an expert analyst of LLM agents. You read agent trajectories and explain failures by the "
-          "capabilities the agent lacks. You answer with JSON only.")
+SYSTEM = (
+    "You are an expert analyst of LLM agents. You read agent trajectories and explain failures by the "
+    "capabilities the agent lacks. You answer with JSON only."
+)
 
 DISCOVERY = """Below are {shown_passed} successful and {shown_failed} failed trajectories \
 (of {passed} and {failed} in all) of one agent in one environment, one JSON object per line: reward and its \
@@ -64,8 +66,9 @@ def _cards(value) -> list[CapabilityCard]:
         raise ValueError('expected {"capabilities": [...]} with at least one capability')
     cards = []
     for item in value["capabilities"]:
-        if not isinstance(item, dict) or not all(isinstance(item.get(k), str) and item[k].strip()
-                                                 for k in ("name", "description", "lacking")):
+        if not isinstance(item, dict) or not all(
+            isinstance(item.get(k), str) and item[k].strip() for k in ("name", "description", "lacking")
+        ):
             raise ValueError(f'each capability needs non-empty "name", "description" and "lacking"; got {item!r:.200}')
         if not _NAME.match(item["name"]):
             raise ValueError(f"capability name {item['name']!r} is not short snake_case")
@@ -81,8 +84,15 @@ class LLMAnalyst:
 
     deterministic = False
 
-    def __init__(self, client: ChatClient, *, discovery_tokens: int = 12000, message_chars: int = 300,
-                 max_candidates: int = 10, label_batch: int = 10):
+    def __init__(
+        self,
+        client: ChatClient,
+        *,
+        discovery_tokens: int = 12000,
+        message_chars: int = 300,
+        max_candidates: int = 10,
+        label_batch: int = 10,
+    ):
         self.client = client
         self.discovery_tokens, self.message_chars = discovery_tokens, message_chars
         self.max_candidates, self.label_batch = max_candidates, label_batch
@@ -91,7 +101,7 @@ class LLMAnalyst:
         """Failed and successful trajectories in turns, as many as fit the discovery budget."""
         failed = [t for t in trajectories if not t.success]
         passed = [t for t in trajectories if t.success]
-        turns = [t for pair in zip(failed, passed) for t in pair] + failed[len(passed):] + passed[len(failed):]
+        turns = [t for pair in zip(failed, passed) for t in pair] + failed[len(passed) :] + passed[len(failed) :]
         shown, used = [], 0
         for trajectory in turns:
             view = compact(trajectory, self.message_chars)
@@ -107,26 +117,33 @@ class LLMAnalyst:
     def discover(self, trajectories: Sequence[ScoredTrajectory]) -> list[CapabilityCard]:
         shown = self._shown(trajectories)
         prompt = DISCOVERY.format(
-            shown_passed=sum(v["reward"] >= 1.0 for v in shown), shown_failed=sum(v["reward"] < 1.0 for v in shown),
-            passed=sum(t.success for t in trajectories), failed=sum(not t.success for t in trajectories),
-            max_candidates=self.max_candidates, trajectories=_lines(shown))
+            shown_passed=sum(v["reward"] >= 1.0 for v in shown),
+            shown_failed=sum(v["reward"] < 1.0 for v in shown),
+            passed=sum(t.success for t in trajectories),
+            failed=sum(not t.success for t in trajectories),
+            max_candidates=self.max_candidates,
+            trajectories=_lines(shown),
+        )
 
         def validate(value) -> list[CapabilityCard]:
             cards = _cards(value)
             if len(cards) > self.max_candidates:
                 raise ValueError(f"{len(cards)} capabilities; at most {self.max_candidates} were asked for")
             return cards
+
         try:
-            return self.client.complete_json([{"role": "system", "content": SYSTEM},
-                                              {"role": "user", "content": prompt}], validate)
+            return self.client.complete_json(
+                [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}], validate
+            )
         except MalformedReply as error:
             raise RuntimeError(f"capability discovery failed: {error}") from error
 
-    def label(self, trajectories: Sequence[ScoredTrajectory], cards: Sequence[CapabilityCard],
-              attempt: int) -> Labelling:
+    def label(
+        self, trajectories: Sequence[ScoredTrajectory], cards: Sequence[CapabilityCard], attempt: int
+    ) -> Labelling:
         labelling: dict[str, dict[str, Label]] = {card.name: {} for card in cards}
         for start in range(0, len(trajectories), self.label_batch):
-            batch = trajectories[start:start + self.label_batch]
+            batch = trajectories[start : start + self.label_batch]
             try:
                 labels = self._label_batch(batch, cards, attempt)
             except MalformedReply as error:
@@ -135,14 +152,17 @@ class LLMAnalyst:
                 labelling[name].update(by_id)
         return labelling
 
-    def _label_batch(self, batch: Sequence[ScoredTrajectory], cards: Sequence[CapabilityCard],
-                     attempt: int) -> dict[str, dict[str, Label]]:
+    def _label_batch(
+        self, batch: Sequence[ScoredTrajectory], cards: Sequence[CapabilityCard], attempt: int
+    ) -> dict[str, dict[str, Label]]:
         ids = [t.id for t in batch]
         names = [card.name for card in cards]
         prompt = LABELLING.format(
             capabilities="\n".join(f"- {c.name}: {c.description} LACKING looks like: {c.lacking}" for c in cards),
-            names=", ".join(names), ids=json.dumps(ids),
-            trajectories=_lines([compact(t, self.message_chars) for t in batch]))
+            names=", ".join(names),
+            ids=json.dumps(ids),
+            trajectories=_lines([compact(t, self.message_chars) for t in batch]),
+        )
 
         def validate(value) -> dict[str, dict[str, Label]]:
             labels = value.get("labels") if isinstance(value, dict) else None
@@ -162,5 +182,7 @@ class LLMAnalyst:
                     evidence = item.get("evidence", "") if isinstance(item, dict) else ""
                     parsed[name][tid] = Label(label, str(evidence))
             return parsed
-        return self.client.complete_json([{"role": "system", "content": SYSTEM},
-                                          {"role": "user", "content": prompt}], validate, sample=attempt)
+
+        return self.client.complete_json(
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}], validate, sample=attempt
+        )

@@ -74,17 +74,19 @@ SOURCES = ("builtin", "auto", "llm")  # environments.source: built-in generators
 
 
 def _checks() -> list[Check]:
-    return [("target.analysis_split", lambda v: isinstance(v, str) and bool(v), "a split of the target environment"),
-            ("target.analysis_tasks", positive_int, "a positive int"),
-            ("target.heldout_split", lambda v: isinstance(v, str) and bool(v), "a split of the target environment"),
-            ("target.heldout_tasks", positive_int, "a positive int"),
-            ("target.base_run", lambda v: isinstance(v, str), '"" or the workdir of the base held-out evaluation'),
-            ("routing.max_messages", positive_int, "a positive int"),
-            ("routing.batch_size", positive_int, "a positive int"),
-            ("routing.calibration", lambda v: v in CALIBRATIONS, " or ".join(f'"{c}"' for c in CALIBRATIONS)),
-            ("final.per_adapter", lambda v: isinstance(v, bool), "True (each adapter alone too: the oracle) or False"),
-            ("environments.source", lambda v: v in SOURCES, " or ".join(f'"{s}"' for s in SOURCES)),
-            ("environments.max_trained", lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0: all selected)")]
+    return [
+        ("target.analysis_split", lambda v: isinstance(v, str) and bool(v), "a split of the target environment"),
+        ("target.analysis_tasks", positive_int, "a positive int"),
+        ("target.heldout_split", lambda v: isinstance(v, str) and bool(v), "a split of the target environment"),
+        ("target.heldout_tasks", positive_int, "a positive int"),
+        ("target.base_run", lambda v: isinstance(v, str), '"" or the workdir of the base held-out evaluation'),
+        ("routing.max_messages", positive_int, "a positive int"),
+        ("routing.batch_size", positive_int, "a positive int"),
+        ("routing.calibration", lambda v: v in CALIBRATIONS, " or ".join(f'"{c}"' for c in CALIBRATIONS)),
+        ("final.per_adapter", lambda v: isinstance(v, bool), "True (each adapter alone too: the oracle) or False"),
+        ("environments.source", lambda v: v in SOURCES, " or ".join(f'"{s}"' for s in SOURCES)),
+        ("environments.max_trained", lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0: all selected)"),
+    ]
 
 
 def validate_config(config: ml_collections.ConfigDict) -> None:
@@ -101,30 +103,47 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     validate_diagnostics_config(config.diagnostics)
     grpo.validate_config(training_config(config, {"env": environment_config("tool_calling", 0, config.calibration)}))
     if config.calibration.hint_share != config.training.rollout.hint_share:
-        raise ValueError(f"config.calibration.hint_share = {config.calibration.hint_share} is invalid: calibration "
-                         "must hint the share of each group that training does, config.training.rollout.hint_share = "
-                         f"{config.training.rollout.hint_share}")
+        raise ValueError(
+            f"config.calibration.hint_share = {config.calibration.hint_share} is invalid: calibration "
+            "must hint the share of each group that training does, config.training.rollout.hint_share = "
+            f"{config.training.rollout.hint_share}"
+        )
     if config.environments.source != "builtin":
         validate_env_writer_config(config.env_writer)
-    writes = config.environments.source == "llm" or (config.environments.source == "auto"
-                                                      and config.analysis.analyst == "llm")
+    writes = config.environments.source == "llm" or (
+        config.environments.source == "auto" and config.analysis.analyst == "llm"
+    )
     if writes and jax.process_count() > 1:  # the writer's sandbox and the calibrations it asks for run in one process
-        raise ValueError(f"config.environments.source = {config.environments.source!r} with the "
-                         f"{config.analysis.analyst} analyst may have the LLM write environments, which a run of "
-                         "several processes does not do: set it to \"builtin\" or run as one process")
+        raise ValueError(
+            f"config.environments.source = {config.environments.source!r} with the "
+            f"{config.analysis.analyst} analyst may have the LLM write environments, which a run of "
+            'several processes does not do: set it to "builtin" or run as one process'
+        )
     if config.analysis.analyst == "llm" or config.environments.source == "llm":  # "auto": checked if it writes
         validate_llm_config(config.llm)
 
 
-def _evaluation_config(config: ml_collections.ConfigDict, split: str, num_tasks: int,
-                       adapter: str = "") -> ml_collections.ConfigDict:
+def _evaluation_config(
+    config: ml_collections.ConfigDict, split: str, num_tasks: int, adapter: str = ""
+) -> ml_collections.ConfigDict:
     """An evaluation job's config for the base agent (with `adapter`) on the target (greedy, the target's limits),
     its sampler sharded as training's (`training.mesh.tensor`)."""
     sharded = {"tensor": config.training.mesh.tensor} if config.training.mesh.tensor > 1 else {}
-    return ml_collections.ConfigDict(dict(
-        model=config.model, dtype=config.dtype, adapter=adapter, seed=config.seed, env=config.target.env.to_dict(),
-        split=split, num_tasks=num_tasks, trials=1, rollout=config.target.rollout.to_dict(),
-        log_every_s=config.log_every_s, **sharded))
+    return ml_collections.ConfigDict(
+        dict(
+            model=config.model,
+            dtype=config.dtype,
+            adapter=adapter,
+            seed=config.seed,
+            env=config.target.env.to_dict(),
+            split=split,
+            num_tasks=num_tasks,
+            trials=1,
+            rollout=config.target.rollout.to_dict(),
+            log_every_s=config.log_every_s,
+            **sharded,
+        )
+    )
 
 
 def heldout_evaluation(config: ml_collections.ConfigDict, adapter: str = "") -> ml_collections.ConfigDict:
@@ -133,8 +152,9 @@ def heldout_evaluation(config: ml_collections.ConfigDict, adapter: str = "") -> 
     return _evaluation_config(config, config.target.heldout_split, config.target.heldout_tasks, adapter)
 
 
-def analysis_evaluation(config: ml_collections.ConfigDict, adapter: str = "",
-                        num_tasks: int | None = None) -> ml_collections.ConfigDict:
+def analysis_evaluation(
+    config: ml_collections.ConfigDict, adapter: str = "", num_tasks: int | None = None
+) -> ml_collections.ConfigDict:
     """The evaluation job's config of the base agent (with `adapter`) on the first `num_tasks` (default: all) of
     the target's analysis tasks."""
     target = config.target
@@ -243,19 +263,26 @@ def evaluate_alone(config: ml_collections.ConfigDict, workdir: pathlib.Path, ada
     and the best single adapter's input; what TRACE's routed run played under it is reused); name -> success."""
     success = {}
     for name, folder in adapters.items():
-        success[name] = evaluate(heldout_evaluation(config, folder), workdir / "heldout" / name,
-                                 reuse=heldout_runs(workdir))["success"]
+        success[name] = evaluate(
+            heldout_evaluation(config, folder), workdir / "heldout" / name, reuse=heldout_runs(workdir)
+        )["success"]
     return success
 
 
-def route_tasks(config: ml_collections.ConfigDict, target: Environment, tasks: list[TaskSpec],
-                options: list[RouteOption]) -> tuple[list[int], np.ndarray, np.ndarray]:
+def route_tasks(
+    config: ml_collections.ConfigDict, target: Environment, tasks: list[TaskSpec], options: list[RouteOption]
+) -> tuple[list[int], np.ndarray, np.ndarray]:
     """Stage 4's router (the base model, `config.routing`'s settings) over `options`: each task's adapter index
     (NO_ADAPTER: the base model), the label weights and the calibration's offsets, from the task's opening
     messages."""
-    router = Router(load_model(config.model, config.dtype), options, max_messages=config.routing.max_messages,
-                    batch_size=config.routing.batch_size, calibration=config.routing.calibration,
-                    log_every_s=30.0)
+    router = Router(
+        load_model(config.model, config.dtype),
+        options,
+        max_messages=config.routing.max_messages,
+        batch_size=config.routing.batch_size,
+        calibration=config.routing.calibration,
+        log_every_s=30.0,
+    )
     return router.route([target.episode(t).reset() for t in tasks])
 
 
@@ -304,15 +331,17 @@ class Pipeline:
         if name not in STAGES:
             raise ValueError(f"unknown stage {name!r}: one of {', '.join(STAGES)}")
         done = lambda stage: self.stages[stage]["result"]
-        steps = {"base": self._base,
-                 "analysis": lambda: distributed.on_main(self._analysis),
-                 "environments": lambda: self._environments(done("analysis")["selected"]),
-                 "training": lambda: self._training(done("environments")),
-                 "routing": lambda: self._routing(done("training")),
-                 "final": lambda: self._final(done("training"), done("routing")),
-                 "diagnostics": lambda: self._diagnostics(done("training")),
-                 "report": lambda: distributed.on_main(lambda: write_report(self.workdir, self.stages, self.config))}
-        for stage in STAGES[:STAGES.index(name) + 1]:
+        steps = {
+            "base": self._base,
+            "analysis": lambda: distributed.on_main(self._analysis),
+            "environments": lambda: self._environments(done("analysis")["selected"]),
+            "training": lambda: self._training(done("environments")),
+            "routing": lambda: self._routing(done("training")),
+            "final": lambda: self._final(done("training"), done("routing")),
+            "diagnostics": lambda: self._diagnostics(done("training")),
+            "report": lambda: distributed.on_main(lambda: write_report(self.workdir, self.stages, self.config)),
+        }
+        for stage in STAGES[: STAGES.index(name) + 1]:
             result = self._stages.run(stage, steps[stage])
         return result
 
@@ -326,14 +355,18 @@ class Pipeline:
             runs.append((heldout_evaluation(self.config), heldout_dir))
         analysis, *played = evaluate_together(runs)
         heldout = played[0] if played else read_json(heldout_dir / "summary.json")
-        return {"analysis_success": analysis["success"], "heldout_success": heldout["success"],
-                "heldout_dir": str(heldout_dir)}
+        return {
+            "analysis_success": analysis["success"],
+            "heldout_success": heldout["success"],
+            "heldout_dir": str(heldout_dir),
+        }
 
     def _analysis(self) -> dict:
         records = recorded_episodes(self.workdir / "base_analysis" / "episodes.jsonl")
         trajectories = load_trajectories(records, self.target)
-        result = analyze(trajectories, make_analyst(self.config, self.target, self.workdir), self.config.analysis,
-                         self.workdir)
+        result = analyze(
+            trajectories, make_analyst(self.config, self.target, self.workdir), self.config.analysis, self.workdir
+        )
         return {"selected": result["selected"], "failed": result["failed"], "passed": result["passed"]}
 
     def _environments(self, selected: list[str]) -> dict:
@@ -346,15 +379,17 @@ class Pipeline:
         def calibrate(name: str) -> dict:
             folder = self.workdir / "environments" / name
             if domain not in DOMAINS:
-                return _dropped(f"capability environments are built in τ²'s {' or '.join(DOMAINS)} domain, "
-                                f"not {domain}")
+                return _dropped(
+                    f"capability environments are built in τ²'s {' or '.join(DOMAINS)} domain, not {domain}"
+                )
             builtin = domain == "retail" and name in CAPABILITIES  # the built-in generators are retail's
             if source == "llm" or (source == "auto" and not builtin):
                 return self._written(name, folder, base, domain)
             if builtin:
                 return {**calibrate_builtin(name, base, self.config.calibration, folder), "folder": str(folder)}
-            return _dropped(f"no built-in {domain} generator for this capability (environments.source = 'auto' "
-                            "writes one)")
+            return _dropped(
+                f"no built-in {domain} generator for this capability (environments.source = 'auto' writes one)"
+            )
 
         return calibrate_in_order(selected, self.config.environments.max_trained, calibrate)
 
@@ -371,15 +406,25 @@ class Pipeline:
         def calibrated(attempt: int, report: ValidationReport, scenarios: pathlib.Path) -> dict:
             at = written / f"calibration_{attempt}"
             bounds = walk_bounds(SCAFFOLDS, len(report.gold_success) - 1, self.config.calibration.hint_share)
-            return {**calibrate_capability(name, bounds, base, self.config.calibration, at,
-                                           scenarios=str(scenarios)), "scenarios": str(scenarios), "folder": str(at)}
+            return {
+                **calibrate_capability(name, bounds, base, self.config.calibration, at, scenarios=str(scenarios)),
+                "scenarios": str(scenarios),
+                "folder": str(at),
+            }
 
         def judge(attempt: int, report: ValidationReport, scenarios: pathlib.Path) -> str | None:
             result = calibrated(attempt, report, scenarios)
             return None if result["calibrated"] else calibration_feedback(result, self.config.calibration)
 
-        synthesis = write_environment(CapabilityCard(name, card["description"], card["lacking"]), evidence, client,
-                                      written, self.config.env_writer, judge=judge, domain=domain)
+        synthesis = write_environment(
+            CapabilityCard(name, card["description"], card["lacking"]),
+            evidence,
+            client,
+            written,
+            self.config.env_writer,
+            judge=judge,
+            domain=domain,
+        )
         if not synthesis.accepted:
             return _dropped(f"no LLM-written module passed validation and calibration in {synthesis.attempts} attempts")
         return calibrated(synthesis.attempts, synthesis.reports[-1], pathlib.Path(synthesis.scenarios))
@@ -402,14 +447,18 @@ class Pipeline:
         cards = self._cards()
         options = [RouteOption(name, cards[name]["description"], self._example(name)) for name in adapters]
         indices, weights, offsets = route_tasks(self.config, self.target, tasks, options)
-        return {"by_task": {t.task_id: i for t, i in zip(tasks, indices)},
-                "labels": ["general_service", *adapters],
-                "weights": {t.task_id: [round(float(w), 4) for w in row] for t, row in zip(tasks, weights)},
-                "examples": {o.name: o.example for o in options},
-                # what a server needs to route one conversation as this stage did (trace_jax/serve/models.py)
-                "router": {"max_messages": self.config.routing.max_messages,
-                           "calibration": self.config.routing.calibration,
-                           "offsets": [float(o) for o in offsets]}}
+        return {
+            "by_task": {t.task_id: i for t, i in zip(tasks, indices)},
+            "labels": ["general_service", *adapters],
+            "weights": {t.task_id: [round(float(w), 4) for w in row] for t, row in zip(tasks, weights)},
+            "examples": {o.name: o.example for o in options},
+            # what a server needs to route one conversation as this stage did (trace_jax/serve/models.py)
+            "router": {
+                "max_messages": self.config.routing.max_messages,
+                "calibration": self.config.routing.calibration,
+                "offsets": [float(o) for o in offsets],
+            },
+        }
 
     def _cards(self) -> dict[str, dict]:
         """The analysis's candidate capabilities by name (description, what lacking looks like, evidence)."""
@@ -431,8 +480,9 @@ class Pipeline:
         """Each adapter's sampled pass@k on the held-out tickets of the families its capability targets, against
         the base agent's (`trace_jax.trace.diagnostics`)."""
         lacking = {c["name"]: c.get("lacking_families", {}) for c in self._cards().values()}
-        return run_diagnostics(heldout_evaluation(self.config), self.config.diagnostics, lacking, adapters,
-                               self.workdir / "diagnostics")
+        return run_diagnostics(
+            heldout_evaluation(self.config), self.config.diagnostics, lacking, adapters, self.workdir / "diagnostics"
+        )
 
     def _final(self, adapters: dict, routing: dict) -> dict:
         """The routed held-out evaluation and, with `final.per_adapter`, each adapter alone (the oracle's input),
@@ -441,8 +491,17 @@ class Pipeline:
         folders = tuple(adapters.values())
         routes = Routes(folders, routing["by_task"]) if folders else None
         reuse = heldout_runs(self.workdir, self.stages["base"]["result"]["heldout_dir"])
-        runs = {"trace": evaluate(heldout_evaluation(self.config), self.workdir / "heldout" / "trace", routes=routes,
-                                  reuse=reuse)["success"], **alone}
-        oracle = oracle_routes(self.workdir, self.stages["base"]["result"]["heldout_dir"], list(adapters),
-                               routing["by_task"]) if self.config.final.per_adapter and adapters else None
+        runs = {
+            "trace": evaluate(
+                heldout_evaluation(self.config), self.workdir / "heldout" / "trace", routes=routes, reuse=reuse
+            )["success"],
+            **alone,
+        }
+        oracle = (
+            oracle_routes(
+                self.workdir, self.stages["base"]["result"]["heldout_dir"], list(adapters), routing["by_task"]
+            )
+            if self.config.final.per_adapter and adapters
+            else None
+        )
         return {"success": runs, "oracle": oracle}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 
-from trace_jax.envs.base import NORMAL_ENDS, END_MAX_ERRORS, END_MAX_TURNS
+from trace_jax.envs.base import END_MAX_ERRORS, END_MAX_TURNS, NORMAL_ENDS
 from trace_jax.trace.analyst import LACKING, NA, PRESENT, CapabilityCard, Label, Labelling
 from trace_jax.trace.trajectories import AgentCall, ScoredTrajectory, call_text
 
@@ -54,21 +54,27 @@ class ProgrammaticAnalyst:
         self.write_tools = frozenset(write_tools)
         self._schema_text = json.dumps(list(tools)).lower()
         self._labellers: dict[str, Callable[[ScoredTrajectory], Label]] = {
-            "tool_calling": self._tool_calling, "structured_data": self._structured_data,
-            "multi_step": self._multi_step, "precondition": self._precondition,
-            "communication": self._communication, "error_recovery": self._error_recovery}
+            "tool_calling": self._tool_calling,
+            "structured_data": self._structured_data,
+            "multi_step": self._multi_step,
+            "precondition": self._precondition,
+            "communication": self._communication,
+            "error_recovery": self._error_recovery,
+        }
 
     def discover(self, trajectories: Sequence[ScoredTrajectory]) -> list[CapabilityCard]:
         """The fixed dictionary (the trajectories do not change it)."""
         return list(CARDS)
 
-    def label(self, trajectories: Sequence[ScoredTrajectory], cards: Sequence[CapabilityCard],
-              attempt: int) -> Labelling:
+    def label(
+        self, trajectories: Sequence[ScoredTrajectory], cards: Sequence[CapabilityCard], attempt: int
+    ) -> Labelling:
         """Every card's label on every trajectory (the same for every attempt)."""
         unknown = [c.name for c in cards if c.name not in self._labellers]
         if unknown:
-            raise ValueError(f"the programmatic analyst has no labeller for {unknown}; "
-                             f"it labels {sorted(self._labellers)}")
+            raise ValueError(
+                f"the programmatic analyst has no labeller for {unknown}; it labels {sorted(self._labellers)}"
+            )
         return {card.name: {t.id: self._labellers[card.name](t) for t in trajectories} for card in cards}
 
     def _tool_calling(self, t: ScoredTrajectory) -> Label:
@@ -86,15 +92,18 @@ class ProgrammaticAnalyst:
                 return Label(LACKING, f"called {made} but the task needs {call_text(**gold)}")
         wrong = [c for c in t.calls if c.failed and not any(c.name == g["name"] for g in t.gold.tool_calls)]
         if wrong:
-            return Label(LACKING, f"called a tool the task does not need, which failed: {wrong[0]} -> "
-                                  f"{wrong[0].result[:80]}")
+            return Label(
+                LACKING, f"called a tool the task does not need, which failed: {wrong[0]} -> {wrong[0].result[:80]}"
+            )
         return Label(PRESENT, "every call well-formed; each gold tool it called got the gold arguments")
 
     def _derived(self, t: ScoredTrajectory) -> tuple[list[tuple[dict, str]], list[str]]:
         """The gold calls' argument values and the facts that neither the ticket nor the tool schemas
         state: the agent has to read them from tool results."""
+
         def derived(value: str) -> bool:
             return value.lower() not in t.ticket.lower() and value.lower() not in self._schema_text
+
         values = [(g, v) for g in t.gold.tool_calls for v in _leaves(g["arguments"]) if derived(v)]
         return values, [f for f in t.gold.facts if derived(f)]
 
@@ -105,8 +114,9 @@ class ProgrammaticAnalyst:
         for gold, value in values:
             if _called(t, gold["name"]) and not _made(t, gold):
                 made = next(c for c in t.calls if c.name == gold["name"])
-                return Label(LACKING, f"{made} does not carry {value!r} from the tool results "
-                                      f"(gold {call_text(**gold)})")
+                return Label(
+                    LACKING, f"{made} does not carry {value!r} from the tool results (gold {call_text(**gold)})"
+                )
         seen = " ".join(c.result for c in t.calls if not c.failed).lower()
         missed = [f for f in facts if f in (t.info.get("failed_communicate") or ()) and f.lower() in seen]
         if missed:
@@ -156,8 +166,9 @@ class ProgrammaticAnalyst:
         if not failed and not t.format_errors:
             return Label(NA, "no error to recover from")
         if t.end_reason == END_MAX_ERRORS:
-            return Label(LACKING, f"ended after too many errors ({len(failed)} failed calls, "
-                                  f"{len(t.format_errors)} malformed)")
+            return Label(
+                LACKING, f"ended after too many errors ({len(failed)} failed calls, {len(t.format_errors)} malformed)"
+            )
         repeated = next((b for a, b in zip(t.calls, t.calls[1:]) if a.failed and _is_repeat(a, b)), None)
         if repeated is not None:
             return Label(LACKING, f"repeated a failing call: {repeated}")
@@ -169,22 +180,40 @@ def _is_repeat(a: AgentCall, b: AgentCall) -> bool:
 
 
 CARDS = (
-    CapabilityCard("tool_calling", "Makes well-formed calls to the right tool with exactly the right arguments.",
-                   "Malformed call blocks, a needed tool called with wrong arguments, or a failing call to a "
-                   "tool the task does not need."),
-    CapabilityCard("structured_data", "Reads the values a step needs (user ids, item ids, payment methods, "
-                   "addresses, statuses, amounts) out of earlier tool results and uses or reports them exactly.",
-                   "A call carries a wrong or invented value where a tool result held the right one, or a "
-                   "fact shown in a tool result is not reported."),
-    CapabilityCard("multi_step", "Carries a task through every step it needs (identify, look up, act, report) "
-                   "without stopping early or looping.",
-                   "Stops before making a call the task needs, or runs out of turns."),
-    CapabilityCard("precondition", "Checks what the policy requires before a write: identifies the customer, "
-                   "reads the order and its status, and does not act when a precondition fails.",
-                   "A write before identification or before reading the order, a write the order's state "
-                   "or the policy forbids, or a write the system rejects."),
-    CapabilityCard("communication", "States in the final reply the facts the customer asked for, or why a "
-                   "request cannot be done.", "The final reply leaves out a required fact."),
-    CapabilityCard("error_recovery", "After a tool error, corrects the call or changes approach.",
-                   "Repeats a failing call or ends the episode with too many errors."),
+    CapabilityCard(
+        "tool_calling",
+        "Makes well-formed calls to the right tool with exactly the right arguments.",
+        "Malformed call blocks, a needed tool called with wrong arguments, or a failing call to a "
+        "tool the task does not need.",
+    ),
+    CapabilityCard(
+        "structured_data",
+        "Reads the values a step needs (user ids, item ids, payment methods, "
+        "addresses, statuses, amounts) out of earlier tool results and uses or reports them exactly.",
+        "A call carries a wrong or invented value where a tool result held the right one, or a "
+        "fact shown in a tool result is not reported.",
+    ),
+    CapabilityCard(
+        "multi_step",
+        "Carries a task through every step it needs (identify, look up, act, report) "
+        "without stopping early or looping.",
+        "Stops before making a call the task needs, or runs out of turns.",
+    ),
+    CapabilityCard(
+        "precondition",
+        "Checks what the policy requires before a write: identifies the customer, "
+        "reads the order and its status, and does not act when a precondition fails.",
+        "A write before identification or before reading the order, a write the order's state "
+        "or the policy forbids, or a write the system rejects.",
+    ),
+    CapabilityCard(
+        "communication",
+        "States in the final reply the facts the customer asked for, or why a request cannot be done.",
+        "The final reply leaves out a required fact.",
+    ),
+    CapabilityCard(
+        "error_recovery",
+        "After a tool error, corrects the call or changes approach.",
+        "Repeats a failing call or ends the episode with too many errors.",
+    ),
 )

@@ -34,9 +34,11 @@ NO_ADAPTER = -1  # the adapter index of general service: the base model alone
 CALIBRATIONS = ("none", "batch")
 GENERAL = ("general_service", "No specialised training: for requests that no other skill fits.")
 
-INSTRUCTION = ("You are the routing classifier of a customer-service agent system. Each skill below is a version "
-               "of the agent trained for one capability. Read the conversation and pick the skill that should "
-               "handle it.")
+INSTRUCTION = (
+    "You are the routing classifier of a customer-service agent system. Each skill below is a version "
+    "of the agent trained for one capability. Read the conversation and pick the skill that should "
+    "handle it."
+)
 QUESTION = "Which skill should handle the next response? Answer with the skill's letter only."
 
 
@@ -55,24 +57,29 @@ def label_token_ids(tokenizer: ChatTokenizer, labels: Sequence[str]) -> list[int
     for label in labels:
         tokens = tokenizer.encode(label)
         if len(tokens) != 1:
-            raise ValueError(f"router label {label!r} is {len(tokens)} tokens in this tokenizer ({tokens}); "
-                             "every label must be exactly one token")
+            raise ValueError(
+                f"router label {label!r} is {len(tokens)} tokens in this tokenizer ({tokens}); "
+                "every label must be exactly one token"
+            )
         ids.append(tokens[0])
     if len(set(ids)) != len(ids):
         raise ValueError(f"router labels {list(labels)} share a token")
     return ids
 
 
-def router_messages(options: Sequence[RouteOption], conversation: Sequence[Message], labels: Sequence[str],
-                    max_messages: int = 10) -> list[Message]:
+def router_messages(
+    options: Sequence[RouteOption], conversation: Sequence[Message], labels: Sequence[str], max_messages: int = 10
+) -> list[Message]:
     """The router's chat: the skills under their labels (general service first), then the conversation."""
     skills = [f"{labels[0]}: {GENERAL[0]} - {GENERAL[1]}"]
     for label, option in zip(labels[1:], options):
         skills.append(f"{label}: {option.name} - {option.description}\n   Example of its work: {option.example}")
     shown = [m for m in conversation if m["role"] != "system"][-max_messages:]
     lines = [f"{m['role']}: {m.get('content') or ''}" for m in shown]
-    return [{"role": "system", "content": INSTRUCTION + "\n\nSkills:\n" + "\n".join(skills)},
-            {"role": "user", "content": "Conversation:\n" + "\n".join(lines) + "\n\n" + QUESTION}]
+    return [
+        {"role": "system", "content": INSTRUCTION + "\n\nSkills:\n" + "\n".join(skills)},
+        {"role": "user", "content": "Conversation:\n" + "\n".join(lines) + "\n\n" + QUESTION},
+    ]
 
 
 def calibration_offsets(logits: np.ndarray, method: str) -> np.ndarray:
@@ -102,8 +109,15 @@ class Router:
     """Routes conversations among `options` with `model` (no adapter), one decision per conversation;
     `log_every_s` logs progress through the conversations routed in one call (None: silent, as a server is)."""
 
-    def __init__(self, model: Model, options: Sequence[RouteOption], max_messages: int = 10, batch_size: int = 8,
-                 calibration: str = "none", log_every_s: float | None = None):
+    def __init__(
+        self,
+        model: Model,
+        options: Sequence[RouteOption],
+        max_messages: int = 10,
+        batch_size: int = 8,
+        calibration: str = "none",
+        log_every_s: float | None = None,
+    ):
         if len(options) + 1 > len(string.ascii_uppercase):
             raise ValueError(f"{len(options)} capabilities: the router has labels for at most 25")
         calibrate(np.zeros((0, 1)), calibration)  # fails now on an unknown method
@@ -122,23 +136,28 @@ class Router:
         """[N, options + 1] next-token logits of the labels (column 0: general service)."""
         prompts = [self.prompt_ids(c) for c in conversations]
         out = []
-        progress = None if self.log_every_s is None else Progress(len(prompts), every_s=self.log_every_s,
-                                                                    name="conversation")
+        progress = (
+            None if self.log_every_s is None else Progress(len(prompts), every_s=self.log_every_s, name="conversation")
+        )
         for start in range(0, len(prompts), self.batch_size):
-            batch = prompts[start:start + self.batch_size]
+            batch = prompts[start : start + self.batch_size]
             width = 1 << max(len(p) for p in batch).bit_length()  # few shapes, few compiles
             tokens = np.zeros((self.batch_size, width), np.int32)
             lengths = np.ones(self.batch_size, np.int32)
             for row, ids in enumerate(batch):
-                tokens[row, :len(ids)], lengths[row] = ids, len(ids)
-            out.append(np.asarray(_last_logits(self.model.params, tokens, lengths, jnp.asarray(self.label_ids),
-                                               self.model.cfg))[:len(batch)])
+                tokens[row, : len(ids)], lengths[row] = ids, len(ids)
+            out.append(
+                np.asarray(
+                    _last_logits(self.model.params, tokens, lengths, jnp.asarray(self.label_ids), self.model.cfg)
+                )[: len(batch)]
+            )
             if progress:
                 progress.update(start + len(batch))
         return np.concatenate(out) if out else np.zeros((0, len(self.labels)), np.float32)
 
-    def route(self, conversations: Sequence[Sequence[Message]],
-              offsets: np.ndarray | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
+    def route(
+        self, conversations: Sequence[Sequence[Message]], offsets: np.ndarray | None = None
+    ) -> tuple[list[int], np.ndarray, np.ndarray]:
         """Per conversation, the adapter index that serves it (NO_ADAPTER or a capability's position in
         `options`) and the softmax weights over the labels; and the offsets subtracted from the label logits:
         `offsets` where given (a server routes one conversation at a time with those its run stored), else the

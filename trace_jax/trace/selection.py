@@ -42,7 +42,7 @@ class LabellingRun:
     labels: Mapping[str, Mapping[str, tuple[str, ...]]]
 
     @classmethod
-    def from_json(cls, data: Mapping, source: str = "run") -> "LabellingRun":
+    def from_json(cls, data: Mapping, source: str = "run") -> LabellingRun:
         """Parses and validates one run: each capability's lists must partition the same failed
         and passed ids, as many as `totals` says."""
         try:
@@ -58,17 +58,22 @@ class LabellingRun:
             for outcome, total in (("failed", total_failed), ("passed", total_passed)):
                 ids = [i for label in ("lacking", "present", "na") for i in lists[f"{label}_{outcome}"]]
                 if len(ids) != len(set(ids)) or len(ids) != total:
-                    raise InvalidRun(f"{source}: capability {name!r}: its {outcome} lists hold {len(ids)} ids "
-                                     f"({len(set(ids))} distinct), totals say {total}")
+                    raise InvalidRun(
+                        f"{source}: capability {name!r}: its {outcome} lists hold {len(ids)} ids "
+                        f"({len(set(ids))} distinct), totals say {total}"
+                    )
                 if groups.setdefault(outcome, set(ids)) != set(ids):
-                    raise InvalidRun(f"{source}: capability {name!r}: its {outcome} ids differ from another "
-                                     "capability's")
+                    raise InvalidRun(
+                        f"{source}: capability {name!r}: its {outcome} ids differ from another capability's"
+                    )
         return cls(int(data.get("attempt", 0)), total_failed, total_passed, cells)
 
     def to_json(self) -> dict:
-        return {"attempt": self.attempt, "totals": {"total_failed": self.total_failed,
-                                                    "total_passed": self.total_passed},
-                "labels": {name: {key: list(ids) for key, ids in lists.items()} for name, lists in self.labels.items()}}
+        return {
+            "attempt": self.attempt,
+            "totals": {"total_failed": self.total_failed, "total_passed": self.total_passed},
+            "labels": {name: {key: list(ids) for key, ids in lists.items()} for name, lists in self.labels.items()},
+        }
 
 
 def _rate(numerator: int, denominator: int) -> float:
@@ -83,12 +88,15 @@ def scores(run: LabellingRun, capability: str) -> dict[str, float]:
     n = {key: len(ids) for key, ids in cells.items()}
     er_minus = _rate(n["lacking_failed"], n["lacking_failed"] + n["present_failed"])
     er_plus = _rate(n["lacking_passed"], n["lacking_passed"] + n["present_passed"])
-    return {"er_plus": er_plus, "er_minus": er_minus, "delta": er_minus - er_plus,
-            "cov": _rate(n["lacking_failed"], run.total_failed)}
+    return {
+        "er_plus": er_plus,
+        "er_minus": er_minus,
+        "delta": er_minus - er_plus,
+        "cov": _rate(n["lacking_failed"], run.total_failed),
+    }
 
 
-def select(runs: Sequence[LabellingRun], *, delta: float = 0.2, coverage: float = 0.1,
-           min_runs: int = 8) -> list[dict]:
+def select(runs: Sequence[LabellingRun], *, delta: float = 0.2, coverage: float = 0.1, min_runs: int = 8) -> list[dict]:
     """Every capability any run labels, with mean and std (over runs) of Cov and Delta, the runs it
     passes in and whether it is selected; selected ones first, each group by mean coverage."""
     if not runs:
@@ -99,9 +107,18 @@ def select(runs: Sequence[LabellingRun], *, delta: float = 0.2, coverage: float 
         per_run = [scores(run, name) for run in runs]
         cov, gap = np.array([s["cov"] for s in per_run]), np.array([s["delta"] for s in per_run])
         passed = int(np.sum((gap >= delta) & (cov >= coverage)))
-        rows.append({"name": name, "mean_cov": float(cov.mean()), "std_cov": float(cov.std()),
-                     "mean_delta": float(gap.mean()), "std_delta": float(gap.std()), "runs_passed": passed,
-                     "runs_total": len(runs), "selected": passed >= min_runs})
+        rows.append(
+            {
+                "name": name,
+                "mean_cov": float(cov.mean()),
+                "std_cov": float(cov.std()),
+                "mean_delta": float(gap.mean()),
+                "std_delta": float(gap.std()),
+                "runs_passed": passed,
+                "runs_total": len(runs),
+                "selected": passed >= min_runs,
+            }
+        )
     return sorted(rows, key=lambda row: (not row["selected"], -row["mean_cov"], row["name"]))
 
 
@@ -132,26 +149,33 @@ def resample(run: LabellingRun, rng: np.random.Generator, attempt: int) -> Label
     for name, cells in run.labels.items():
         key = {i: k for k, ids in cells.items() for i in ids}
         lists: dict[str, list[str]] = {k: [] for k in LISTS}
-        for outcome, ids in draws.items():
+        for ids in draws.values():
             for k, i in enumerate(ids):
                 lists[key[i]].append(f"{i}#{k}")
         labels[name] = lists
-    return LabellingRun.from_json({"attempt": attempt, "totals": {"total_failed": run.total_failed,
-                                                                  "total_passed": run.total_passed},
-                                   "labels": labels})
+    return LabellingRun.from_json(
+        {
+            "attempt": attempt,
+            "totals": {"total_failed": run.total_failed, "total_passed": run.total_passed},
+            "labels": labels,
+        }
+    )
 
 
 def _gap_and_coverage(failed: np.ndarray, passed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Delta and Cov of label codes with trajectories on the last axis (rates with a zero denominator are 0)."""
+
     def rate(numerator, denominator):
         return np.where(denominator > 0, numerator / np.maximum(denominator, 1), 0.0)
+
     lf, pf = (failed == 2).sum(-1), (failed == 1).sum(-1)
     lp, pp = (passed == 2).sum(-1), (passed == 1).sum(-1)
     return rate(lf, lf + pf) - rate(lp, lp + pp), rate(lf, np.full_like(lf, failed.shape[-1]))
 
 
-def intervals(runs: Sequence[LabellingRun], num: int = 1000, seed: int = 0,
-              level: float = 0.95) -> dict[str, dict[str, list[float]]]:
+def intervals(
+    runs: Sequence[LabellingRun], num: int = 1000, seed: int = 0, level: float = 0.95
+) -> dict[str, dict[str, list[float]]]:
     """Bootstrap intervals of Delta and Cov per capability (beyond the paper): `num` resamples of the
     trajectories, failed and passed apart, taken from the runs in turn; the central `level` share."""
     rng = np.random.default_rng(seed)
@@ -162,14 +186,19 @@ def intervals(runs: Sequence[LabellingRun], num: int = 1000, seed: int = 0,
         sizes = {o: len(_ids(run, o)) for o in ("failed", "passed")}
         draws = {o: rng.integers(0, max(n, 1), (count, n)) for o, n in sizes.items()}
         for name in names:
-            gap, cov = _gap_and_coverage(_codes(run, name, "failed")[draws["failed"]],
-                                         _codes(run, name, "passed")[draws["passed"]])
+            gap, cov = _gap_and_coverage(
+                _codes(run, name, "failed")[draws["failed"]], _codes(run, name, "passed")[draws["passed"]]
+            )
             samples[name][0].append(gap)
             samples[name][1].append(cov)
     tails = [100 * (1 - level) / 2, 100 * (1 + level) / 2]
-    return {name: {"delta": np.percentile(np.concatenate(gaps), tails).tolist(),
-                   "cov": np.percentile(np.concatenate(covs), tails).tolist()}
-            for name, (gaps, covs) in samples.items()}
+    return {
+        name: {
+            "delta": np.percentile(np.concatenate(gaps), tails).tolist(),
+            "cov": np.percentile(np.concatenate(covs), tails).tolist(),
+        }
+        for name, (gaps, covs) in samples.items()
+    }
 
 
 def load_runs(folder: str | pathlib.Path) -> tuple[list[LabellingRun], list[str]]:

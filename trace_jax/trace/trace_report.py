@@ -36,8 +36,9 @@ def best_by_family(systems: dict[int, list[dict]]) -> dict[str, int]:
     the most successes; a tie goes to the base agent, then to the first adapter."""
     best = {}
     for family in sorted({r["family"] for r in systems[NO_ADAPTER]}):
-        wins = {index: sum(r["success"] for r in records if r["family"] == family)
-                for index, records in systems.items()}
+        wins = {
+            index: sum(r["success"] for r in records if r["family"] == family) for index, records in systems.items()
+        }
         best[family] = max(wins, key=lambda index: (wins[index], index == NO_ADAPTER, -index))
     return best
 
@@ -52,9 +53,12 @@ def oracle_routes(workdir: pathlib.Path, base_dir: str, names: list[str], routed
     tasks = [r for r in systems[NO_ADAPTER] if r["task_id"] in routed]
     choice = {r["task_id"]: best[r["family"]] for r in tasks}
     label = lambda index: "general_service" if index == NO_ADAPTER else names[index]
-    return {"by_family": {f: label(i) for f, i in best.items()},
-            "success": float(np.mean([by_task[choice[r["task_id"]]][r["task_id"]]["success"] for r in tasks])),
-            "accuracy": float(np.mean([routed[t] == i for t, i in choice.items()])), "episodes": len(tasks)}
+    return {
+        "by_family": {f: label(i) for f, i in best.items()},
+        "success": float(np.mean([by_task[choice[r["task_id"]]][r["task_id"]]["success"] for r in tasks])),
+        "accuracy": float(np.mean([routed[t] == i for t, i in choice.items()])),
+        "episodes": len(tasks),
+    }
 
 
 def _plot_selection(candidates: list[dict], settings: dict, path: pathlib.Path) -> None:
@@ -122,9 +126,19 @@ def _plot_heldout(rows: dict[str, list[dict]], path: pathlib.Path) -> None:
     for k, (system, system_rows) in enumerate(rows.items()):
         by_family = {r["family"]: r for r in system_rows}
         values = np.array([100 * by_family[f]["success"] for f in families])
-        errors = np.clip(np.array([[100 * (by_family[f]["success"] - by_family[f]["ci_low"]),
-                                    100 * (by_family[f]["ci_high"] - by_family[f]["success"])] for f in families]).T,
-                         0, None)  # rounding may put an end a hair inside the estimate
+        errors = np.clip(
+            np.array(
+                [
+                    [
+                        100 * (by_family[f]["success"] - by_family[f]["ci_low"]),
+                        100 * (by_family[f]["ci_high"] - by_family[f]["success"]),
+                    ]
+                    for f in families
+                ]
+            ).T,
+            0,
+            None,
+        )  # rounding may put an end a hair inside the estimate
         ax.bar(np.arange(len(families)) + k * width, values, width, yerr=errors, capsize=3, label=system)
     ax.set_xticks(np.arange(len(families)) + width * (len(rows) - 1) / 2, families, rotation=30, ha="right")
     ax.set_ylabel("held-out success % (95% CI)")
@@ -139,8 +153,10 @@ def _side_by_side(rows: dict[str, list[dict]]) -> str:
     systems = list(rows)
     lines = ["| family | " + " | ".join(systems) + " |", "|---" * (len(systems) + 1) + "|"]
     for i, family in enumerate(r["family"] for r in rows[systems[0]]):
-        cells = [f"{100 * rows[s][i]['success']:.1f}% [{100 * rows[s][i]['ci_low']:.1f}, "
-                 f"{100 * rows[s][i]['ci_high']:.1f}]" for s in systems]
+        cells = [
+            f"{100 * rows[s][i]['success']:.1f}% [{100 * rows[s][i]['ci_low']:.1f}, {100 * rows[s][i]['ci_high']:.1f}]"
+            for s in systems
+        ]
         lines.append(f"| {family} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -163,38 +179,61 @@ def write_report(workdir: pathlib.Path, stages: dict, config: ml_collections.Con
     counts = collections.Counter(routing["by_task"].values())
     labels = routing["labels"]
     distribution = {labels[index + 1]: counts.get(index, 0) for index in range(-1, len(labels) - 1)}
-    lines = ["# TRACE report\n",
-             f"Held-out success: base {100 * rows['base'][-1]['success']:.1f}% "
-             f"[{100 * rows['base'][-1]['ci_low']:.1f}, {100 * rows['base'][-1]['ci_high']:.1f}], TRACE "
-             f"{100 * rows['TRACE'][-1]['success']:.1f}% [{100 * rows['TRACE'][-1]['ci_low']:.1f}, "
-             f"{100 * rows['TRACE'][-1]['ci_high']:.1f}] over {len(trace_records)} episodes.\n",
-             "## Stages\n", "| stage | seconds |", "|---|---:|",
-             *(f"| {name} | {stage['seconds']:.0f} |" for name, stage in stages.items()),
-             "\n## 1. Capability analysis\n",
-             f"{analysis['failed']} failed and {analysis['passed']} successful base trajectories; selected "
-             f"{analysis['selected'] or 'none'} (details: analysis/analysis.md).\n",
-             "![selection](plots/selection.png)\n",
-             "## 2. Environments and calibration\n", calibration_table(calibrations) if calibrations else "(none)",
-             *(f"\n- {c['capability']}: dropped ({c['reason']})" for c in calibrations if not c["calibrated"]),
-             "\n![calibration](plots/calibration.png)\n", "## 3. Adapters\n",
-             *(f"- {name}: `{folder}`" for name, folder in adapters.items()), "\n![training](plots/training.png)\n",
-             "## 4. Routing\n", "| label | held-out tasks |", "|---|---:|",
-             *(f"| {label} | {n} |" for label, n in distribution.items())]
+    lines = [
+        "# TRACE report\n",
+        f"Held-out success: base {100 * rows['base'][-1]['success']:.1f}% "
+        f"[{100 * rows['base'][-1]['ci_low']:.1f}, {100 * rows['base'][-1]['ci_high']:.1f}], TRACE "
+        f"{100 * rows['TRACE'][-1]['success']:.1f}% [{100 * rows['TRACE'][-1]['ci_low']:.1f}, "
+        f"{100 * rows['TRACE'][-1]['ci_high']:.1f}] over {len(trace_records)} episodes.\n",
+        "## Stages\n",
+        "| stage | seconds |",
+        "|---|---:|",
+        *(f"| {name} | {stage['seconds']:.0f} |" for name, stage in stages.items()),
+        "\n## 1. Capability analysis\n",
+        f"{analysis['failed']} failed and {analysis['passed']} successful base trajectories; selected "
+        f"{analysis['selected'] or 'none'} (details: analysis/analysis.md).\n",
+        "![selection](plots/selection.png)\n",
+        "## 2. Environments and calibration\n",
+        calibration_table(calibrations) if calibrations else "(none)",
+        *(f"\n- {c['capability']}: dropped ({c['reason']})" for c in calibrations if not c["calibrated"]),
+        "\n![calibration](plots/calibration.png)\n",
+        "## 3. Adapters\n",
+        *(f"- {name}: `{folder}`" for name, folder in adapters.items()),
+        "\n![training](plots/training.png)\n",
+        "## 4. Routing\n",
+        "| label | held-out tasks |",
+        "|---|---:|",
+        *(f"| {label} | {n} |" for label, n in distribution.items()),
+    ]
     diagnostics = stages.get("diagnostics", {}).get("result", {})
     if final["oracle"]:
         oracle = final["oracle"]
-        lines += [f"\nOracle (the best system per family on these held-out tasks, an upper bound for routing: "
-                  f"{oracle['by_family']}): success "
-                  f"{100 * oracle['success']:.1f}%; the router agrees with it on {100 * oracle['accuracy']:.1f}% "
-                  "of tasks."]
-    lines += ["\n## Held-out success per family\n", _side_by_side(rows), "\n![held-out](plots/heldout.png)\n",
-              "### TRACE\n", format_table(rows["TRACE"]),
-              "\n## 5. Partial learning: sampled pass@k on the families each capability targets\n",
-              diagnostics_table(diagnostics)]
+        lines += [
+            f"\nOracle (the best system per family on these held-out tasks, an upper bound for routing: "
+            f"{oracle['by_family']}): success "
+            f"{100 * oracle['success']:.1f}%; the router agrees with it on {100 * oracle['accuracy']:.1f}% "
+            "of tasks."
+        ]
+    lines += [
+        "\n## Held-out success per family\n",
+        _side_by_side(rows),
+        "\n![held-out](plots/heldout.png)\n",
+        "### TRACE\n",
+        format_table(rows["TRACE"]),
+        "\n## 5. Partial learning: sampled pass@k on the families each capability targets\n",
+        diagnostics_table(diagnostics),
+    ]
     (workdir / "report.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return {"base_success": rows["base"][-1]["success"], "trace_success": rows["TRACE"][-1]["success"],
-            "capabilities": analysis["selected"], "trained": list(adapters),
-            "episodes": {"base": len(base_records), "trace": len(trace_records)},
-            "routing": distribution, "oracle": final["oracle"], "per_adapter_success": final["success"],
-            "diagnostics": {n: {k: r[k]["pass@1"] for k in ("base", "adapter")} for n, r in diagnostics.items()
-                            if r.get("families")}}
+    return {
+        "base_success": rows["base"][-1]["success"],
+        "trace_success": rows["TRACE"][-1]["success"],
+        "capabilities": analysis["selected"],
+        "trained": list(adapters),
+        "episodes": {"base": len(base_records), "trace": len(trace_records)},
+        "routing": distribution,
+        "oracle": final["oracle"],
+        "per_adapter_success": final["success"],
+        "diagnostics": {
+            n: {k: r[k]["pass@1"] for k in ("base", "adapter")} for n, r in diagnostics.items() if r.get("families")
+        },
+    }

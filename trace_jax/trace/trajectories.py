@@ -83,11 +83,20 @@ def from_record(record: dict, gold: Gold, tools: list[dict]) -> ScoredTrajectory
     calls, errors, replies = _agent_turns(messages, tools)
     trial = record.get("trial", 0)
     return ScoredTrajectory(
-        id=record["task_id"] + (f"@{trial}" if trial else ""), family=record["family"],
-        success=bool(record["success"]), reward=float(record["reward"]), components=dict(record["components"]),
-        end_reason=record["end_reason"], info=dict(record.get("info") or {}), messages=messages,
-        ticket=next((m["content"] for m in messages if m["role"] == "user"), ""), calls=calls,
-        format_errors=errors, replies=replies, gold=gold)
+        id=record["task_id"] + (f"@{trial}" if trial else ""),
+        family=record["family"],
+        success=bool(record["success"]),
+        reward=float(record["reward"]),
+        components=dict(record["components"]),
+        end_reason=record["end_reason"],
+        info=dict(record.get("info") or {}),
+        messages=messages,
+        ticket=next((m["content"] for m in messages if m["role"] == "user"), ""),
+        calls=calls,
+        format_errors=errors,
+        replies=replies,
+        gold=gold,
+    )
 
 
 def load_trajectories(records: Iterable[dict], env: Environment) -> list[ScoredTrajectory]:
@@ -107,8 +116,10 @@ def load_trajectories(records: Iterable[dict], env: Environment) -> list[ScoredT
     for record in records:
         spec = specs.get(record["task_id"])
         if spec is None:
-            raise ValueError(f"task {record['task_id']!r} is not among the {record['split']!r} tasks of environment "
-                             f"{env.name!r}: were the episodes played in another environment configuration?")
+            raise ValueError(
+                f"task {record['task_id']!r} is not among the {record['split']!r} tasks of environment "
+                f"{env.name!r}: were the episodes played in another environment configuration?"
+            )
         episode = env.episode(spec)
         trajectories.append(from_record(record, episode.gold(), episode.tools))
     return trajectories
@@ -146,11 +157,19 @@ def compact(trajectory: ScoredTrajectory, message_chars: int = 300) -> dict:
         if message["role"] == "assistant":
             parsed = parse_assistant_output(message["content"])
             if parsed.tool_calls or parsed.errors:
-                text = "; ".join([call_text(c.name, c.arguments) for c in parsed.tool_calls]
-                                 + ["<malformed tool call>"] * len(parsed.errors))
+                text = "; ".join(
+                    [call_text(c.name, c.arguments) for c in parsed.tool_calls]
+                    + ["<malformed tool call>"] * len(parsed.errors)
+                )
                 shown.append({"role": "assistant", "tool_calls": _cut(text, message_chars)})
                 continue
         shown.append({"role": message["role"], "content": _cut(str(message["content"]), message_chars)})
-    return {"id": trajectory.id, "family": trajectory.family, "reward": trajectory.reward,
-            "components": trajectory.components, "end_reason": trajectory.end_reason,
-            "failure_reasons": failure_reasons(trajectory), "messages": shown}
+    return {
+        "id": trajectory.id,
+        "family": trajectory.family,
+        "reward": trajectory.reward,
+        "components": trajectory.components,
+        "end_reason": trajectory.end_reason,
+        "failure_reasons": failure_reasons(trajectory),
+        "messages": shown,
+    }

@@ -9,7 +9,8 @@ from trace_jax.envs.capability.precondition import PRECONDITION
 from trace_jax.envs.capability.structured_data import STRUCTURED_DATA
 from trace_jax.envs.capability.tool_calling import TOOL_CALLING
 
-CAPABILITIES: dict[str, Capability] = {c.name: c for c in (TOOL_CALLING, STRUCTURED_DATA, MULTI_STEP, PRECONDITION,
-                                                           COMMUNICATION, ERROR_RECOVERY)}
+CAPABILITIES: dict[str, Capability] = {
+    c.name: c for c in (TOOL_CALLING, STRUCTURED_DATA, MULTI_STEP, PRECONDITION, COMMUNICATION, ERROR_RECOVERY)
+}
 
 __all__ = ["CAPABILITIES", "Capability", "CapabilityEnvironment"]

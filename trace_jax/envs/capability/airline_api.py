@@ -54,6 +54,23 @@ from trace_jax.envs.capability.airline_world import CABINS, MEMBERSHIPS, TODAY, 
 from trace_jax.envs.capability.environment import Scenario
 from trace_jax.envs.capability.tool_calling import CONFIRM
 
-__all__ = ["CABINS", "CONFIRM", "MEMBERSHIPS", "TODAY", "Call", "Certificate", "CreditCard", "Flight", "FlightDB",
-           "GiftCard", "Passenger", "Payment", "Reservation", "ReservationFlight", "Scenario", "User",
-           "build_world", "call"]
+__all__ = [
+    "CABINS",
+    "CONFIRM",
+    "MEMBERSHIPS",
+    "TODAY",
+    "Call",
+    "Certificate",
+    "CreditCard",
+    "Flight",
+    "FlightDB",
+    "GiftCard",
+    "Passenger",
+    "Payment",
+    "Reservation",
+    "ReservationFlight",
+    "Scenario",
+    "User",
+    "build_world",
+    "call",
+]

@@ -52,18 +52,24 @@ def _customer(rng: random.Random, taken: set[str]) -> User:
     for source in ["credit_card"] + rng.sample(("gift_card", "certificate"), rng.randint(0, 2)):
         method_id = f"{source}_{digits(rng, 7)}"
         if source == "credit_card":
-            methods[method_id] = CreditCard(source=source, id=method_id, brand=rng.choice(CARD_BRANDS),
-                                            last_four=digits(rng, 4))
+            methods[method_id] = CreditCard(
+                source=source, id=method_id, brand=rng.choice(CARD_BRANDS), last_four=digits(rng, 4)
+            )
         elif source == "gift_card":
             methods[method_id] = GiftCard(source=source, id=method_id, amount=float(rng.randint(0, 300)))
         else:
             methods[method_id] = Certificate(source=source, id=method_id, amount=float(rng.choice((100, 150, 250))))
-    return User(user_id=user_id, name=Name(first_name=first, last_name=last),
-                address=Address(**address(rng).model_dump()),
-                email=f"{first.lower()}.{last.lower()}{digits(rng, 4)}@example.com",
-                dob=_dob(rng, 2004), payment_methods=methods,
-                saved_passengers=[_passenger(rng) for _ in range(rng.randint(0, 2))],
-                membership=rng.choice(MEMBERSHIPS), reservations=[])
+    return User(
+        user_id=user_id,
+        name=Name(first_name=first, last_name=last),
+        address=Address(**address(rng).model_dump()),
+        email=f"{first.lower()}.{last.lower()}{digits(rng, 4)}@example.com",
+        dob=_dob(rng, 2004),
+        payment_methods=methods,
+        saved_passengers=[_passenger(rng) for _ in range(rng.randint(0, 2))],
+        membership=rng.choice(MEMBERSHIPS),
+        reservations=[],
+    )
 
 
 def _dates(flight: Flight, future: bool) -> list[str]:
@@ -78,8 +84,14 @@ def _fare(rng: random.Random, flight: Flight, date: str, cabin: str) -> int:
     return status.prices[cabin] if status.status == "available" else rng.randint(*PRICES[cabin])
 
 
-def _reservation(rng: random.Random, user: User, schedule: list[Flight], by_route: dict[tuple[str, str], list[Flight]],
-                 reservation_id: str, future: bool) -> Reservation:
+def _reservation(
+    rng: random.Random,
+    user: User,
+    schedule: list[Flight],
+    by_route: dict[tuple[str, str], list[Flight]],
+    reservation_id: str,
+    future: bool,
+) -> Reservation:
     while True:
         out = rng.choice(schedule)
         dates = _dates(out, future)
@@ -92,24 +104,46 @@ def _reservation(rng: random.Random, user: User, schedule: list[Flight], by_rout
         legs.append(rng.choice(backs))
     cabin = rng.choice(CABINS)
     me = Passenger(first_name=user.name.first_name, last_name=user.name.last_name, dob=user.dob)
-    passengers = [me] + user.saved_passengers[:rng.randint(0, len(user.saved_passengers))]
-    flights = [ReservationFlight(flight_number=f.flight_number, origin=f.origin, destination=f.destination, date=d,
-                                 price=_fare(rng, f, d, cabin)) for f, d in legs]
+    passengers = [me] + user.saved_passengers[: rng.randint(0, len(user.saved_passengers))]
+    flights = [
+        ReservationFlight(
+            flight_number=f.flight_number,
+            origin=f.origin,
+            destination=f.destination,
+            date=d,
+            price=_fare(rng, f, d, cabin),
+        )
+        for f, d in legs
+    ]
     insurance = rng.choice(("yes", "no"))
     total = (sum(f.price for f in flights) + (INSURANCE_PER_PASSENGER if insurance == "yes" else 0)) * len(passengers)
     method = rng.choice(sorted(user.payment_methods))
     last = min(int(date[8:]), int(TODAY[8:]))  # booked before the first flight and before today (all in May 2024)
     booked = f"2024-05-{rng.randint(1, last - 1):02d}" if last > 1 else f"2024-04-{rng.randint(1, 30):02d}"
-    return Reservation(reservation_id=reservation_id, user_id=user.user_id, origin=out.origin,
-                       destination=out.destination, flight_type="round_trip" if len(legs) == 2 else "one_way",
-                       cabin=cabin, flights=flights, passengers=passengers,
-                       payment_history=[Payment(payment_id=method, amount=total)],
-                       created_at=f"{booked}T{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:00",
-                       total_baggages=0, nonfree_baggages=0, insurance=insurance)
+    return Reservation(
+        reservation_id=reservation_id,
+        user_id=user.user_id,
+        origin=out.origin,
+        destination=out.destination,
+        flight_type="round_trip" if len(legs) == 2 else "one_way",
+        cabin=cabin,
+        flights=flights,
+        passengers=passengers,
+        payment_history=[Payment(payment_id=method, amount=total)],
+        created_at=f"{booked}T{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:00",
+        total_baggages=0,
+        nonfree_baggages=0,
+        insurance=insurance,
+    )
 
 
-def build_world(rng: random.Random, catalogue: dict[str, Flight], num_customers: int = 3,
-                reservations_per_customer: tuple[int, int] = (1, 3), first_future: int = 1) -> FlightDB:
+def build_world(
+    rng: random.Random,
+    catalogue: dict[str, Flight],
+    num_customers: int = 3,
+    reservations_per_customer: tuple[int, int] = (1, 3),
+    first_future: int = 1,
+) -> FlightDB:
     """`num_customers` invented customers, each with reservations on flights of `catalogue` (τ²'s schedule);
     a customer's first `first_future` reservations fly after TODAY, the later ones before or after it."""
     schedule = [catalogue[k] for k in sorted(catalogue)]
@@ -130,5 +164,6 @@ def build_world(rng: random.Random, catalogue: dict[str, Flight], num_customers:
         users[user.user_id] = user
     routes = {(r.origin, r.destination) for r in reservations.values()}
     numbers = {f.flight_number for route in routes | {(b, a) for a, b in routes} for f in by_route.get(route, ())}
-    return FlightDB(flights={n: catalogue[n].model_copy(deep=True) for n in sorted(numbers)}, users=users,
-                    reservations=reservations)
+    return FlightDB(
+        flights={n: catalogue[n].model_copy(deep=True) for n in sorted(numbers)}, users=users, reservations=reservations
+    )

@@ -59,6 +59,7 @@ turn, then a message stating the facts) scores 1.0 on at least 95% of the seeds,
 nothing scores at most 0.1 on average, and no seed raises. Make the tasks need the capability: an agent
 lacking it should fail them, and difficulty should add what makes the capability harder.
 """
+
 from __future__ import annotations
 
 import functools
@@ -126,22 +127,25 @@ def tool_listing(domain: str) -> str:
 def _tools(value: object, domain: str) -> tuple[tuple[str, ...], ...]:
     known = domain_tools(domain)
     if not isinstance(value, (tuple, list)) or not 1 <= len(value) <= MAX_DIFFICULTIES:
-        raise AuthoringError(f"TOOLS must be a tuple of 1 to {MAX_DIFFICULTIES} tuples of tool names (one per "
-                             f"difficulty); got {value!r:.200}")
+        raise AuthoringError(
+            f"TOOLS must be a tuple of 1 to {MAX_DIFFICULTIES} tuples of tool names (one per "
+            f"difficulty); got {value!r:.200}"
+        )
     for difficulty, names in enumerate(value):
         if not isinstance(names, (tuple, list)) or not names or not all(isinstance(n, str) for n in names):
             raise AuthoringError(f"TOOLS[{difficulty}] must be a non-empty tuple of tool names; got {names!r:.200}")
         unknown = [n for n in names if n not in known]
         if unknown:
-            raise AuthoringError(f"TOOLS[{difficulty}] names tools τ²'s {domain} domain does not have: {unknown}; "
-                                 f"valid names: {', '.join(sorted(known))}")
+            raise AuthoringError(
+                f"TOOLS[{difficulty}] names tools τ²'s {domain} domain does not have: {unknown}; "
+                f"valid names: {', '.join(sorted(known))}"
+            )
         if len(set(names)) != len(names):
             raise AuthoringError(f"TOOLS[{difficulty}] repeats a tool: {list(names)}")
     return tuple(tuple(names) for names in value)
 
 
-def capability_from_module(module: types.ModuleType, name: str | None = None,
-                           domain: str | None = None) -> Capability:
+def capability_from_module(module: types.ModuleType, name: str | None = None, domain: str | None = None) -> Capability:
     """The module's `Capability`, after checking that it defines NAME, DOMAIN, DESCRIPTION, TOOLS and generate
     with the right types (and, given `name` or `domain`, that NAME or DOMAIN is it); AuthoringError says what is
     missing or wrong."""
@@ -161,8 +165,13 @@ def capability_from_module(module: types.ModuleType, name: str | None = None,
     generate = module.generate
     if not callable(generate) or not _takes_three(generate):
         raise AuthoringError("generate must be a function generate(rng, difficulty, catalogue) -> Scenario")
-    return Capability(name=module.NAME, description=module.DESCRIPTION.strip(), generate=generate,
-                      tools=_tools(module.TOOLS, module.DOMAIN), domain=module.DOMAIN)
+    return Capability(
+        name=module.NAME,
+        description=module.DESCRIPTION.strip(),
+        generate=generate,
+        tools=_tools(module.TOOLS, module.DOMAIN),
+        domain=module.DOMAIN,
+    )
 
 
 def _takes_three(function: Callable) -> bool:
@@ -177,8 +186,12 @@ def _check_calls(calls: object, field: str, domain: str) -> None:
     if not isinstance(calls, (tuple, list)):
         raise AuthoringError(f"Scenario.{field} must be a tuple of calls; got {type(calls).__name__}")
     for c in calls:
-        if not (isinstance(c, dict) and set(c) == {"name", "arguments"} and isinstance(c["name"], str)
-                and isinstance(c["arguments"], dict)):
+        if not (
+            isinstance(c, dict)
+            and set(c) == {"name", "arguments"}
+            and isinstance(c["name"], str)
+            and isinstance(c["arguments"], dict)
+        ):
             raise AuthoringError(f"Scenario.{field} holds {c!r:.200}, not a call(name, **arguments)")
         if c["name"] not in domain_tools(domain):
             raise AuthoringError(f"Scenario.{field} calls {c['name']!r}, which is not a τ² {domain} tool")
@@ -194,8 +207,9 @@ def check_scenario(scenario: object, difficulty: int, tools: tuple[str, ...], do
             raise AuthoringError(f"Scenario.{field} must be a non-empty string; got {getattr(scenario, field)!r:.100}")
     db_type = world_domain(domain).db_type
     if not isinstance(scenario.db, db_type):
-        raise AuthoringError(f"Scenario.db must be a {db_type.__name__} (build_world's); got "
-                             f"{type(scenario.db).__name__}")
+        raise AuthoringError(
+            f"Scenario.db must be a {db_type.__name__} (build_world's); got {type(scenario.db).__name__}"
+        )
     _check_calls(scenario.prefilled, "prefilled", domain)
     _check_calls(scenario.gold_calls, "gold_calls", domain)
     not_offered = sorted({c["name"] for c in scenario.gold_calls} - set(tools))
@@ -205,5 +219,7 @@ def check_scenario(scenario: object, difficulty: int, tools: tuple[str, ...], do
         raise AuthoringError(f"Scenario.facts must be a tuple of non-empty strings; got {scenario.facts!r:.200}")
     with_commas = [f for f in scenario.facts if "," in f]
     if with_commas:
-        raise AuthoringError(f"facts {with_commas} hold commas: the check removes commas from the message, so "
-                             "they can never match; state facts without commas")
+        raise AuthoringError(
+            f"facts {with_commas} hold commas: the check removes commas from the message, so "
+            "they can never match; state facts without commas"
+        )

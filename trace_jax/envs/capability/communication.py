@@ -30,10 +30,14 @@ def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product])
     asked = QUESTIONS[: difficulty + 1]
     ask = " And ".join(q.format(order.order_id) for q in asked)
     count = {0: 1, 1: 2, 2: len(facts)}[difficulty]
-    return Scenario(variant=("status", "status_amount", "status_amount_items")[difficulty], db=db,
-                    ticket=f"My email is {user.email}. Could you tell me {ask}",
-                    prefilled=(call("find_user_id_by_email", email=user.email),),
-                    gold_calls=(call("get_order_details", order_id=order.order_id),), facts=tuple(facts[:count]))
+    return Scenario(
+        variant=("status", "status_amount", "status_amount_items")[difficulty],
+        db=db,
+        ticket=f"My email is {user.email}. Could you tell me {ask}",
+        prefilled=(call("find_user_id_by_email", email=user.email),),
+        gold_calls=(call("get_order_details", order_id=order.order_id),),
+        facts=tuple(facts[:count]),
+    )
 
 
 _TOOLS = ("find_user_id_by_email", "get_order_details", "get_user_details")
@@ -44,4 +48,5 @@ COMMUNICATION = Capability(
     tools=(_TOOLS, _TOOLS, _TOOLS),
     scaffolds=("exact_hint", "opened_call", "written_call"),  # its one call is the read the facts come from
     hint="Read the order the customer asks about, then state in the final message every fact they asked for, "
-         "written exactly as the tool returned it (status, amount paid, item names).")
+    "written exactly as the tool returned it (status, amount paid, item names).",
+)

@@ -62,10 +62,12 @@ class WorldDomain:
 
 
 DOMAINS: dict[str, WorldDomain] = {
-    "retail": WorldDomain("retail", "an online retail store (τ²-bench retail)", RetailDB, RetailTools, "products",
-                          SOLO_INSTRUCTION),
-    "airline": WorldDomain("airline", "an airline (τ²-bench airline)", FlightDB, AirlineTools, "flights",
-                           AIRLINE_INSTRUCTION),
+    "retail": WorldDomain(
+        "retail", "an online retail store (τ²-bench retail)", RetailDB, RetailTools, "products", SOLO_INSTRUCTION
+    ),
+    "airline": WorldDomain(
+        "airline", "an airline (τ²-bench airline)", FlightDB, AirlineTools, "flights", AIRLINE_INSTRUCTION
+    ),
 }
 
 

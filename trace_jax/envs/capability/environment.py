@@ -107,8 +107,9 @@ class Capability:
     def __post_init__(self):
         unknown = [s for s in self.scaffolds if s not in SCAFFOLDS]
         if unknown or len(set(self.scaffolds)) != len(self.scaffolds):
-            raise ValueError(f"capability {self.name!r}: scaffolds {self.scaffolds} must be distinct names of "
-                             f"{', '.join(SCAFFOLDS)}")
+            raise ValueError(
+                f"capability {self.name!r}: scaffolds {self.scaffolds} must be distinct names of {', '.join(SCAFFOLDS)}"
+            )
 
     @property
     def max_difficulty(self) -> int:
@@ -174,8 +175,16 @@ class CapabilityEpisode(SoloTicketEpisode):
     turn is opened with (the hinted episodes of an "opened_call" or "written_call" level; "" otherwise), which the
     rollout engine writes in for the agent before it samples the rest of the turn."""
 
-    def __init__(self, spec: TaskSpec, scenario: Scenario, prompt: str, tools: list[dict], cut_share: float,
-                 domain: WorldDomain, opening: str = ""):
+    def __init__(
+        self,
+        spec: TaskSpec,
+        scenario: Scenario,
+        prompt: str,
+        tools: list[dict],
+        cut_share: float,
+        domain: WorldDomain,
+        opening: str = "",
+    ):
         self.task = spec
         self.domain = domain
         self.cut_share = cut_share
@@ -215,31 +224,51 @@ class CapabilityEpisode(SoloTicketEpisode):
         if self.end_reason is None:
             raise RuntimeError(f"episode {self.task.task_id} has not ended")
         gold = self.scenario.gold_calls
-        made = [{"name": c["name"], "arguments": c["arguments"]}
-                for m in self.messages[self._opening:] for c in m.get("tool_calls") or ()]
+        made = [
+            {"name": c["name"], "arguments": c["arguments"]}
+            for m in self.messages[self._opening :]
+            for c in m.get("tool_calls") or ()
+        ]
         write_tools = self.domain.state.write_tools
         done, wrong = call_credit(gold, made, write_tools)
         replay = self.domain.environment(self.scenario.db)
         for i, call in enumerate(self.scenario.prefilled + gold):
             execute(replay, {"id": f"gold_{i}", **call})
         db = self._environment.get_db_hash() == replay.get_db_hash()
-        texts = [AssistantMessage(role="assistant", content=m["content"]) for m in self.messages[self._opening:]
-                 if m["role"] == "assistant" and m.get("content") and not m.get("tool_calls")]
-        missing = [c.info for c in CommunicateEvaluator.evaluate_communicate_info(texts, list(self.scenario.facts))
-                   if not c.met]
+        texts = [
+            AssistantMessage(role="assistant", content=m["content"])
+            for m in self.messages[self._opening :]
+            if m["role"] == "assistant" and m.get("content") and not m.get("tool_calls")
+        ]
+        missing = [
+            c.info
+            for c in CommunicateEvaluator.evaluate_communicate_info(texts, list(self.scenario.facts))
+            if not c.met
+        ]
         normal = self.end_reason in NORMAL_ENDS
         success = done == len(gold) and not wrong and db and normal and not missing
         reward = 1.0 if success else partial_reward(done, len(gold), wrong)
         if not normal:
             reward *= self.cut_share
         gold_keys = {_canonical(c) for c in gold}
-        info = {"end_reason": self.end_reason, "failed_communicate": missing,
-                "missing_calls": [f"{c['name']}({c['arguments']})" for c in gold
-                                  if _canonical(c) not in {_canonical(m) for m in made}],
-                "wrong_writes": [f"{c['name']}({c['arguments']})" for c in made
-                                 if _is_write(c, write_tools) and _canonical(c) not in gold_keys]}
-        components = {"calls": done / len(gold) if gold else 1.0, "wrong_writes": float(wrong), "DB": float(db),
-                      "COMMUNICATE": float(normal and not missing)}
+        info = {
+            "end_reason": self.end_reason,
+            "failed_communicate": missing,
+            "missing_calls": [
+                f"{c['name']}({c['arguments']})" for c in gold if _canonical(c) not in {_canonical(m) for m in made}
+            ],
+            "wrong_writes": [
+                f"{c['name']}({c['arguments']})"
+                for c in made
+                if _is_write(c, write_tools) and _canonical(c) not in gold_keys
+            ],
+        }
+        components = {
+            "calls": done / len(gold) if gold else 1.0,
+            "wrong_writes": float(wrong),
+            "DB": float(db),
+            "COMMUNICATE": float(normal and not missing),
+        }
         return Outcome(reward=reward, success=success, components=components, info=info)
 
 
@@ -248,8 +277,16 @@ class CapabilityEnvironment:
 
     name = "capability"
 
-    def __init__(self, capability: Capability, seed: int = 0, difficulty: float = 0, policy: bool = True,
-                 num_tasks: int = 200, cut_share: float = CUT_SHARE, variant: str | None = None):
+    def __init__(
+        self,
+        capability: Capability,
+        seed: int = 0,
+        difficulty: float = 0,
+        policy: bool = True,
+        num_tasks: int = 200,
+        cut_share: float = CUT_SHARE,
+        variant: str | None = None,
+    ):
         """`difficulty` in [capability.min_difficulty, capability.max_difficulty]: a level (below 0 a scaffolded
         one: module docstring), or between two levels a mix of them (each task of the upper one with probability
         difficulty - lower, drawn from the task's key; the tools of both offered: calibration's finer knob);
@@ -262,8 +299,10 @@ class CapabilityEnvironment:
         if not (isinstance(cut_share, (int, float)) and 0 <= cut_share <= 1):
             raise ValueError(f"cut_share = {cut_share!r} is invalid; it must be a number in [0, 1]")
         if variant is not None and capability.families and variant not in capability.families:
-            raise ValueError(f"variant = {variant!r} is invalid for {capability.name}; its families are "
-                             f"{', '.join(capability.families)}")
+            raise ValueError(
+                f"variant = {variant!r} is invalid for {capability.name}; its families are "
+                f"{', '.join(capability.families)}"
+            )
         difficulty = int(difficulty) if float(difficulty).is_integer() else float(difficulty)  # 1.0 is level 1
         self.capability, self.seed, self.difficulty, self.num_tasks = capability, seed, difficulty, num_tasks
         self.variant = variant
@@ -295,11 +334,18 @@ class CapabilityEnvironment:
         """The hint of task `spec` (module docstring): its remaining gold calls with where their arguments come
         from, or at an "exact_hint" level the calls themselves, after the capability's general guidance."""
         _, scenario, level = self._entry(spec)
-        per_call = replay_sources(self.domain.environment(scenario.db), scenario.ticket, scenario.prefilled,
-                                  scenario.gold_calls)
+        per_call = replay_sources(
+            self.domain.environment(scenario.db), scenario.ticket, scenario.prefilled, scenario.gold_calls
+        )
         exact = "exact_hint" in self._scaffolds(level)
-        return task_hint(scenario.gold_calls, per_call, scenario.facts, self.domain.state.write_tools, exact=exact,
-                         guidance=self.capability.hint)
+        return task_hint(
+            scenario.gold_calls,
+            per_call,
+            scenario.facts,
+            self.domain.state.write_tools,
+            exact=exact,
+            guidance=self.capability.hint,
+        )
 
     def episode(self, task: TaskSpec, hint: bool = False) -> CapabilityEpisode:
         """A fresh episode of `task`; `hint` appends the task's hint to its system prompt and, at an "opened_call"
@@ -308,8 +354,13 @@ class CapabilityEnvironment:
         _, scenario, level = self._entry(task)
         scaffolds = self._scaffolds(level) if hint and scenario.gold_calls else ()
         first = scenario.gold_calls[0] if scaffolds else None
-        opening = (format_tool_call(first["name"], first["arguments"]) if "written_call" in scaffolds
-                   else call_opening(first) if "opened_call" in scaffolds else "")
+        opening = (
+            format_tool_call(first["name"], first["arguments"])
+            if "written_call" in scaffolds
+            else call_opening(first)
+            if "opened_call" in scaffolds
+            else ""
+        )
         return CapabilityEpisode(task, scenario, prompt, self.tools, self.cut_share, self.domain, opening)
 
     def _generator_difficulty(self, level: int) -> int:
@@ -340,9 +391,12 @@ class CapabilityEnvironment:
         """Task `index` of `split`: the generator's scenario for the task's key at difficulty `level`, drawn again
         from the key until it is of this environment's variant."""
         for attempt in range(MAX_VARIANT_DRAWS):
-            scenario = self.capability.generate(random.Random(key if attempt == 0 else f"{key}/{attempt}"), level,
-                                                self._catalogue)
+            scenario = self.capability.generate(
+                random.Random(key if attempt == 0 else f"{key}/{attempt}"), level, self._catalogue
+            )
             if self.variant is None or scenario.variant == self.variant:
                 return scenario
-        raise ValueError(f"{self.capability.name} drew no task of variant {self.variant!r} at difficulty {level} in "
-                         f"{MAX_VARIANT_DRAWS} draws: the generator does not make it at that difficulty")
+        raise ValueError(
+            f"{self.capability.name} drew no task of variant {self.variant!r} at difficulty {level} in "
+            f"{MAX_VARIANT_DRAWS} draws: the generator does not make it at that difficulty"
+        )

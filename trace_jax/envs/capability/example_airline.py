@@ -10,8 +10,10 @@ from trace_jax.envs.capability.airline_api import Flight, Scenario, build_world,
 NAME = "reservation_facts"
 DOMAIN = "airline"
 DESCRIPTION = "Reads the reservation a customer asks about and states the facts they asked for in the final message."
-TOOLS = (("get_user_details", "get_reservation_details"),
-         ("get_user_details", "get_reservation_details", "get_flight_status"))
+TOOLS = (
+    ("get_user_details", "get_reservation_details"),
+    ("get_user_details", "get_reservation_details", "get_flight_status"),
+)
 
 
 def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Flight]) -> Scenario:
@@ -32,6 +34,11 @@ def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Flight]) 
         question, fact, variant = f"Which cabin did I book in {which}?", reservation.cabin.replace("_", " "), "cabin"
     else:
         question, fact, variant = f"How much did I pay for {which}?", str(reservation.payment_history[0].amount), "paid"
-    return Scenario(variant=variant, db=db, ticket=f"My user id is {user.user_id}. {question} Please tell me.",
-                    prefilled=(call("get_user_details", user_id=user.user_id),), gold_calls=tuple(gold),
-                    facts=(fact,))
+    return Scenario(
+        variant=variant,
+        db=db,
+        ticket=f"My user id is {user.user_id}. {question} Please tell me.",
+        prefilled=(call("get_user_details", user_id=user.user_id),),
+        gold_calls=tuple(gold),
+        facts=(fact,),
+    )

@@ -10,8 +10,10 @@ from trace_jax.envs.capability.retail_api import Product, Scenario, amount_text,
 NAME = "order_facts"
 DOMAIN = "retail"
 DESCRIPTION = "Reads the order a customer asks about and states the facts they asked for in the final message."
-TOOLS = (("find_user_id_by_email", "get_order_details"),
-         ("find_user_id_by_email", "get_user_details", "get_order_details"))
+TOOLS = (
+    ("find_user_id_by_email", "get_order_details"),
+    ("find_user_id_by_email", "get_user_details", "get_order_details"),
+)
 
 
 def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product]) -> Scenario:
@@ -34,6 +36,11 @@ def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product])
         question, fact = f"What is the status of {which}?", order.status
     else:
         question, fact = f"How much did I pay for {which}?", amount_text(order.payment_history[0].amount)
-    return Scenario(variant=variant, db=db, ticket=f"My email is {user.email}. {question} Please tell me.",
-                    prefilled=(call("find_user_id_by_email", email=user.email),), gold_calls=tuple(gold),
-                    facts=(fact,))
+    return Scenario(
+        variant=variant,
+        db=db,
+        ticket=f"My email is {user.email}. {question} Please tell me.",
+        prefilled=(call("find_user_id_by_email", email=user.email),),
+        gold_calls=tuple(gold),
+        facts=(fact,),
+    )

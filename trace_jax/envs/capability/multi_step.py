@@ -30,13 +30,21 @@ def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product])
             break
     reason = rng.choice(sorted(REASONS))
     item = rng.choice(delivered.items)
-    asks = [f"Please cancel my order {pending.order_id}, {rng.choice(REASONS[reason])}.",
-            f"Also, I want to return the {item.name} from order {delivered.order_id} to the original payment method."]
-    calls = [call("get_order_details", order_id=pending.order_id),
-             call("cancel_pending_order", order_id=pending.order_id, reason=reason),
-             call("get_order_details", order_id=delivered.order_id),
-             call("return_delivered_order_items", order_id=delivered.order_id, item_ids=[item.item_id],
-                  payment_method_id=delivered.payment_history[0].payment_method_id)]
+    asks = [
+        f"Please cancel my order {pending.order_id}, {rng.choice(REASONS[reason])}.",
+        f"Also, I want to return the {item.name} from order {delivered.order_id} to the original payment method.",
+    ]
+    calls = [
+        call("get_order_details", order_id=pending.order_id),
+        call("cancel_pending_order", order_id=pending.order_id, reason=reason),
+        call("get_order_details", order_id=delivered.order_id),
+        call(
+            "return_delivered_order_items",
+            order_id=delivered.order_id,
+            item_ids=[item.item_id],
+            payment_method_id=delivered.payment_history[0].payment_method_id,
+        ),
+    ]
     facts: tuple[str, ...] = ()
     if difficulty >= 1:
         asks.append(f"And what is the status of my order {other.order_id}?")
@@ -47,17 +55,29 @@ def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product])
         asks.append(f"Finally, please make {address_text(new)} the default address on my profile.")
         calls.append(call("modify_user_address", user_id=user.user_id, **new.model_dump()))
     ticket = f"My email is {user.email}. {' '.join(asks)} {rng.choice(CONFIRM)}"
-    return Scenario(variant=f"{len(calls)}_calls", db=db, ticket=ticket,
-                    prefilled=(call("find_user_id_by_email", email=user.email),), gold_calls=tuple(calls), facts=facts)
+    return Scenario(
+        variant=f"{len(calls)}_calls",
+        db=db,
+        ticket=ticket,
+        prefilled=(call("find_user_id_by_email", email=user.email),),
+        gold_calls=tuple(calls),
+        facts=facts,
+    )
 
 
-_TOOLS = ("find_user_id_by_email", "get_order_details", "cancel_pending_order", "return_delivered_order_items",
-          "modify_user_address")
+_TOOLS = (
+    "find_user_id_by_email",
+    "get_order_details",
+    "cancel_pending_order",
+    "return_delivered_order_items",
+    "modify_user_address",
+)
 MULTI_STEP = Capability(
     name="multi_step",
     description="Carries a task with several requests through every step (look up, act, report) without "
-                "stopping early or looping.",
+    "stopping early or looping.",
     generate=generate,
     tools=(_TOOLS[:4], _TOOLS[:4], _TOOLS),
     hint="List every request of the ticket and handle them one by one (read the order, then act) until all are "
-         "done; only then write the final message, covering each request.")
+    "done; only then write the final message, covering each request.",
+)

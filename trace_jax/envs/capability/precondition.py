@@ -40,8 +40,9 @@ def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product])
         order = rng.choice([o for o in own if o.status in ("processed", "delivered")])
         ask = cancel.format(order.order_id)
     elif variant == "other_user":
-        order = rng.choice([db.orders[o] for u in users if u is not user for o in u.orders
-                            if db.orders[o].status == "pending"])
+        order = rng.choice(
+            [db.orders[o] for u in users if u is not user for o in u.orders if db.orders[o].status == "pending"]
+        )
         ask = cancel.format(order.order_id)
     else:
         order = rng.choice([o for o in own if o.status in ("pending", "processed")])
@@ -51,16 +52,23 @@ def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product])
         gold.append(call("cancel_pending_order", order_id=order.order_id, reason=reason))
     facts = (order.status,) if variant in ("not_pending", "return_not_delivered") else ()
     ticket = f"My email is {user.email}. {ask} {rng.choice(CONFIRM)} If you cannot do it, tell me why."
-    return Scenario(variant=variant, db=db, ticket=ticket, prefilled=(call("find_user_id_by_email", email=user.email),),
-                    gold_calls=tuple(gold), facts=facts)
+    return Scenario(
+        variant=variant,
+        db=db,
+        ticket=ticket,
+        prefilled=(call("find_user_id_by_email", email=user.email),),
+        gold_calls=tuple(gold),
+        facts=facts,
+    )
 
 
 _TOOLS = ("find_user_id_by_email", "get_order_details", "cancel_pending_order", "return_delivered_order_items")
 PRECONDITION = Capability(
     name="precondition",
     description="Checks what the policy requires before a write (the order's owner and status) and does not act "
-                "when a precondition fails, saying why.",
+    "when a precondition fails, saying why.",
     generate=generate,
     tools=(_TOOLS[:3], _TOOLS[:3], _TOOLS),
     hint="Read the order before any write and check its status and owner against the policy; when the policy "
-         "forbids the request, make no write and tell the customer why (for example the order's status).")
+    "forbids the request, make no write and tell the customer why (for example the order's status).",
+)

@@ -48,6 +48,25 @@ from trace_jax.envs.capability.tool_calling import CONFIRM, REASONS
 from trace_jax.envs.capability.world import STATUSES, address, build_world
 from trace_jax.envs.embedded_retail_families import address_text, amount_text
 
-__all__ = ["CONFIRM", "REASONS", "STATUSES", "Call", "CreditCard", "GiftCard", "Order", "OrderItem", "Paypal",
-           "Product", "RetailDB", "Scenario", "User", "UserAddress", "Variant", "address", "address_text",
-           "amount_text", "build_world", "call"]
+__all__ = [
+    "CONFIRM",
+    "REASONS",
+    "STATUSES",
+    "Call",
+    "CreditCard",
+    "GiftCard",
+    "Order",
+    "OrderItem",
+    "Paypal",
+    "Product",
+    "RetailDB",
+    "Scenario",
+    "User",
+    "UserAddress",
+    "Variant",
+    "address",
+    "address_text",
+    "amount_text",
+    "build_world",
+    "call",
+]

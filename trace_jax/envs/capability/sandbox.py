@@ -117,34 +117,52 @@ class ValidationReport:
         checks, levels = self.checks, ", ".join(str(d) for d in range(len(self.gold_success)))
         lines = [f"The module was played on {checks.seeds} seeds at each of its difficulties ({levels})."]
         if self.exceptions:
-            lines.append(f"{self.exceptions} plays raised an exception or broke the authoring API (none may); the "
-                         "first problems:")
+            lines.append(
+                f"{self.exceptions} plays raised an exception or broke the authoring API (none may); the "
+                "first problems:"
+            )
             lines += self.first_exceptions
         if min(self.gold_success) < checks.min_gold_success:
             shares = ", ".join(f"{s:.0%}" for s in self.gold_success)
-            lines.append(f"The gold solution scored 1.0 on {shares} of the seeds at difficulties {levels} (it must on "
-                         f">= {checks.min_gold_success:.0%} at each; a seed that raised counts as a failure)"
-                         + ("; the first failures:" if self.gold_failures else "."))
+            lines.append(
+                f"The gold solution scored 1.0 on {shares} of the seeds at difficulties {levels} (it must on "
+                f">= {checks.min_gold_success:.0%} at each; a seed that raised counts as a failure)"
+                + ("; the first failures:" if self.gold_failures else ".")
+            )
             lines += self.gold_failures
         if max(self.empty_reward) > checks.max_empty_reward:
             means = ", ".join(f"{r:.2f}" for r in self.empty_reward)
-            lines.append(f"An agent that does nothing scored {means} on average at difficulties {levels} (it must "
-                         f"score <= {checks.max_empty_reward} at each).")
+            lines.append(
+                f"An agent that does nothing scored {means} on average at difficulties {levels} (it must "
+                f"score <= {checks.max_empty_reward} at each)."
+            )
         return "\n".join(lines)
 
 
 def _passed(report: ValidationReport) -> bool:
     checks = report.checks
-    return (not report.error and not report.exceptions and bool(report.gold_success)
-            and min(report.gold_success) >= checks.min_gold_success
-            and max(report.empty_reward) <= checks.max_empty_reward)
+    return (
+        not report.error
+        and not report.exceptions
+        and bool(report.gold_success)
+        and min(report.gold_success) >= checks.min_gold_success
+        and max(report.empty_reward) <= checks.max_empty_reward
+    )
 
 
 # --- the caller's side ---
 
-def validate_module(source: str, *, name: str | None = None, domain: str = "retail", checks: Checks = Checks(),
-                    limits: Limits = Limits(), export: pathlib.Path | None = None,
-                    export_tasks: int = 200) -> ValidationReport:
+
+def validate_module(
+    source: str,
+    *,
+    name: str | None = None,
+    domain: str = "retail",
+    checks: Checks = Checks(),
+    limits: Limits = Limits(),
+    export: pathlib.Path | None = None,
+    export_tasks: int = 200,
+) -> ValidationReport:
     """Validates `source` in a child process (see the module docstring); given `export`, a module that passes
     also writes `export_tasks` train and held-out tasks per difficulty there. The module's DOMAIN must be
     `domain` and, with `name`, its NAME must be it. Whatever the module does (loops, allocates, crashes),
@@ -153,23 +171,38 @@ def validate_module(source: str, *, name: str | None = None, domain: str = "reta
     with tempfile.TemporaryDirectory(prefix="trace_jax_sandbox_") as tmp:
         folder = pathlib.Path(tmp)
         (folder / MODULE_FILE).write_text(source, encoding="utf-8")
-        spec = {"name": name, "domain": domain, "checks": dataclasses.asdict(checks), "cpu_s": limits.cpu_s,
-                "memory_mb": limits.memory_mb, "export_tasks": export_tasks, "out": "report.json",
-                "export": None if export is None else str(pathlib.Path(export).resolve())}
+        spec = {
+            "name": name,
+            "domain": domain,
+            "checks": dataclasses.asdict(checks),
+            "cpu_s": limits.cpu_s,
+            "memory_mb": limits.memory_mb,
+            "export_tasks": export_tasks,
+            "out": "report.json",
+            "export": None if export is None else str(pathlib.Path(export).resolve()),
+        }
         (folder / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
         with open(folder / "stderr.txt", "w+b") as stderr:
-            process = subprocess.Popen([sys.executable, "-m", __name__, "spec.json"], cwd=folder, env=_child_env(),
-                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                [sys.executable, "-m", __name__, "spec.json"],
+                cwd=folder,
+                env=_child_env(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+            )
             try:
                 process.wait(timeout=limits.timeout_s)
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):  # the group may have just ended
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-                return ValidationReport.failed(f"The module ran past the wall-clock limit of {limits.timeout_s:g} s "
-                                               "and was stopped: make generate quick and free of endless loops.",
-                                               checks)
+                return ValidationReport.failed(
+                    f"The module ran past the wall-clock limit of {limits.timeout_s:g} s "
+                    "and was stopped: make generate quick and free of endless loops.",
+                    checks,
+                )
             stderr.seek(max(0, stderr.seek(0, os.SEEK_END) - TRACE_CHARS))
             tail = stderr.read().decode(errors="replace")
         if (folder / "report.json").exists():
@@ -190,14 +223,17 @@ def _child_env() -> dict[str, str]:
 def _death(returncode: int, stderr: str, limits: Limits) -> str:
     """Why a child that wrote no report died, in words for the module's author."""
     if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
-        return (f"The module ran past the CPU-time limit of {limits.cpu_s:g} s and was stopped (signal "
-                f"{signal.Signals(-returncode).name}): make generate quick and free of endless loops.")
+        return (
+            f"The module ran past the CPU-time limit of {limits.cpu_s:g} s and was stopped (signal "
+            f"{signal.Signals(-returncode).name}): make generate quick and free of endless loops."
+        )
     if "MemoryError" in stderr:
         return f"The module ran past the memory limit of {limits.memory_mb} MB (MemoryError) and was stopped."
     return f"The sandbox process died (exit code {returncode}) without a report; its last output:\n{stderr.strip()}"
 
 
 # --- scenarios as JSON (catalogue entries stored once per file) ---
+
 
 def _pack(scenario: Scenario, domain: WorldDomain, entries: dict[str, dict]) -> dict:
     """The scenario as JSON; its DB's catalogue entries (products, flights) go to `entries` under a hash of
@@ -208,17 +244,27 @@ def _pack(scenario: Scenario, domain: WorldDomain, entries: dict[str, dict]) -> 
         ref = hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:16]
         entries.setdefault(ref, entry)
         refs[key] = ref
-    return {"variant": scenario.variant, "ticket": scenario.ticket, "prefilled": list(scenario.prefilled),
-            "gold_calls": list(scenario.gold_calls), "facts": list(scenario.facts),
-            "db": {**db, domain.catalogue_field: refs}}
+    return {
+        "variant": scenario.variant,
+        "ticket": scenario.ticket,
+        "prefilled": list(scenario.prefilled),
+        "gold_calls": list(scenario.gold_calls),
+        "facts": list(scenario.facts),
+        "db": {**db, domain.catalogue_field: refs},
+    }
 
 
 def _unpack(data: dict, domain: WorldDomain, entries: dict[str, dict]) -> Scenario:
     field = domain.catalogue_field
     db = {**data["db"], field: {key: entries[ref] for key, ref in data["db"][field].items()}}
-    return Scenario(variant=data["variant"], db=domain.db_type.model_validate(db), ticket=data["ticket"],
-                    prefilled=tuple(data["prefilled"]), gold_calls=tuple(data["gold_calls"]),
-                    facts=tuple(data["facts"]))
+    return Scenario(
+        variant=data["variant"],
+        db=domain.db_type.model_validate(db),
+        ticket=data["ticket"],
+        prefilled=tuple(data["prefilled"]),
+        gold_calls=tuple(data["gold_calls"]),
+        facts=tuple(data["facts"]),
+    )
 
 
 def _exported_only(rng: random.Random, difficulty: int, catalogue: dict) -> Scenario:
@@ -230,27 +276,47 @@ class ExportedEnvironment(CapabilityEnvironment):
     reward as `CapabilityEnvironment(its capability, seed=0)`, without importing the module's code (in a mix of
     two levels, task i is the exported task i of its level)."""
 
-    def __init__(self, path: str | pathlib.Path, difficulty: float = 0, policy: bool = True,
-                 num_tasks: int | None = None, cut_share: float = CUT_SHARE):
+    def __init__(
+        self,
+        path: str | pathlib.Path,
+        difficulty: float = 0,
+        policy: bool = True,
+        num_tasks: int | None = None,
+        cut_share: float = CUT_SHARE,
+    ):
         """`num_tasks`: how many tasks `tasks(split)` gives by default (None: every exported one)."""
         self.path = pathlib.Path(path)
         data = read_json(self.path)
-        capability = Capability(name=data["name"], description=data["description"], generate=_exported_only,
-                                tools=tuple(tuple(t) for t in data["tools"]), domain=data["domain"])
-        super().__init__(capability, seed=0, difficulty=difficulty, policy=policy,
-                         num_tasks=data["tasks"] if num_tasks is None else num_tasks, cut_share=cut_share)
+        capability = Capability(
+            name=data["name"],
+            description=data["description"],
+            generate=_exported_only,
+            tools=tuple(tuple(t) for t in data["tools"]),
+            domain=data["domain"],
+        )
+        super().__init__(
+            capability,
+            seed=0,
+            difficulty=difficulty,
+            policy=policy,
+            num_tasks=data["tasks"] if num_tasks is None else num_tasks,
+            cut_share=cut_share,
+        )
         self._entries = data["catalogue"]
         self._pools = {split: data["scenarios"][split] for split in SPLITS}  # by level
 
     def _draw(self, split: str, index: int, key: str, level: int) -> Scenario:
         pool = self._pools[split][level]
         if index >= len(pool):
-            raise ValueError(f"{self.path} holds {len(pool)} {split} tasks of difficulty {level}; "
-                             f"task {index} was asked for: export more (config.env_writer.export_tasks)")
+            raise ValueError(
+                f"{self.path} holds {len(pool)} {split} tasks of difficulty {level}; "
+                f"task {index} was asked for: export more (config.env_writer.export_tasks)"
+            )
         return _unpack(pool[index], self.domain, self._entries)
 
 
 # --- the child's side ---
+
 
 def _short(error: BaseException) -> str:
     """An exception as the author should read it: the API's own errors by message, others by the traceback's
@@ -259,8 +325,13 @@ def _short(error: BaseException) -> str:
         return f"AuthoringError: {error}"
     trace = traceback.TracebackException.from_exception(error)
     frames = [f for f in trace.stack if f.filename == MODULE_FILE] or list(trace.stack)[-2:]
-    text = "".join(["Traceback (most recent call last):\n", *traceback.StackSummary.from_list(frames).format(),
-                    *trace.format_exception_only()]).strip()
+    text = "".join(
+        [
+            "Traceback (most recent call last):\n",
+            *traceback.StackSummary.from_list(frames).format(),
+            *trace.format_exception_only(),
+        ]
+    ).strip()
     return text if len(text) <= TRACE_CHARS else "..." + text[-TRACE_CHARS:]
 
 
@@ -274,8 +345,10 @@ def _scenario(capability: Capability, catalogue: dict, difficulty: int, split: s
     entries: dict[str, dict] = {}
     data = _pack(first, domain, entries)
     if _pack(again, domain, {}) != data:
-        raise AuthoringError("generate gave two different scenarios for equal rngs: draw every random value from "
-                             "rng and choose from sorted lists")
+        raise AuthoringError(
+            "generate gave two different scenarios for equal rngs: draw every random value from "
+            "rng and choose from sorted lists"
+        )
     return _unpack(data, domain, entries)
 
 
@@ -293,8 +366,10 @@ def _play(env: CapabilityEnvironment, spec: TaskSpec, scenario: Scenario, agent:
         result = episode.step(message)
         failed = [o["content"] for o in result.observations if str(o["content"]).startswith("Error")]
         if failed:
-            raise AuthoringError(f"the gold call {calls[0]['name']}({json.dumps(calls[0]['arguments'])}) fails in "
-                                 f"τ²: {failed[0]}; every gold call must succeed on the scenario's db")
+            raise AuthoringError(
+                f"the gold call {calls[0]['name']}({json.dumps(calls[0]['arguments'])}) fails in "
+                f"τ²: {failed[0]}; every gold call must succeed on the scenario's db"
+            )
         if episode.end_reason is not None:
             break
     else:
@@ -305,18 +380,22 @@ def _play(env: CapabilityEnvironment, spec: TaskSpec, scenario: Scenario, agent:
 def _gold_failure(seed: int, difficulty: int, scenario: Scenario, outcome: Outcome) -> str:
     info = outcome.info
     problems = [f"{k}: {info[k]}" for k in ("missing_calls", "stray_writes", "failed_communicate") if info.get(k)]
-    return (f"seed {seed}, difficulty {difficulty} (variant {scenario.variant!r}): reward {outcome.reward}; "
-            + ("; ".join(problems) or f"components {outcome.components}"))
+    return f"seed {seed}, difficulty {difficulty} (variant {scenario.variant!r}): reward {outcome.reward}; " + (
+        "; ".join(problems) or f"components {outcome.components}"
+    )
 
 
 def _grouped(problems: dict[str, list[str]]) -> list[str]:
     """The first SHOWN distinct problems, each after the plays that raised it."""
-    return [f"{len(plays)} plays ({', '.join(plays[:SHOWN])}{', ...' if len(plays) > SHOWN else ''}): {text}"
-            for text, plays in list(problems.items())[:SHOWN]]
+    return [
+        f"{len(plays)} plays ({', '.join(plays[:SHOWN])}{', ...' if len(plays) > SHOWN else ''}): {text}"
+        for text, plays in list(problems.items())[:SHOWN]
+    ]
 
 
-def _validate(module: types.ModuleType, name: str | None, domain: str, checks: Checks,
-              catalogue: dict) -> tuple[ValidationReport, Capability | None]:
+def _validate(
+    module: types.ModuleType, name: str | None, domain: str, checks: Checks, catalogue: dict
+) -> tuple[ValidationReport, Capability | None]:
     """The module's report on the seeds (see the module docstring) and its capability (None when it broke the API)."""
     try:
         capability = capability_from_module(module, name, domain)
@@ -343,9 +422,16 @@ def _validate(module: types.ModuleType, name: str | None, domain: str, checks: C
                 gold_failures.append(_gold_failure(seed, difficulty, scenario, outcome))
         gold_success.append(sum(gold) / checks.seeds)
         empty_reward.append(sum(empty) / max(1, len(empty)))
-    report = ValidationReport(passed=False, checks=checks, name=capability.name, gold_success=tuple(gold_success),
-                              empty_reward=tuple(empty_reward), exceptions=sum(map(len, problems.values())),
-                              first_exceptions=tuple(_grouped(problems)), gold_failures=tuple(gold_failures[:SHOWN]))
+    report = ValidationReport(
+        passed=False,
+        checks=checks,
+        name=capability.name,
+        gold_success=tuple(gold_success),
+        empty_reward=tuple(empty_reward),
+        exceptions=sum(map(len, problems.values())),
+        first_exceptions=tuple(_grouped(problems)),
+        gold_failures=tuple(gold_failures[:SHOWN]),
+    )
     return dataclasses.replace(report, passed=_passed(report)), capability
 
 
@@ -353,12 +439,28 @@ def _export(capability: Capability, catalogue: dict, tasks: int, path: pathlib.P
     """Writes `tasks` train and held-out scenarios per difficulty to `path`; returns how many."""
     domain = world_domain(capability.domain)
     entries: dict[str, dict] = {}
-    scenarios = {split: [[_pack(_scenario(capability, catalogue, difficulty, split, index), domain, entries)
-                          for index in range(tasks)] for difficulty in range(capability.max_difficulty + 1)]
-                 for split in SPLITS}
-    write_json_atomic(path, {"name": capability.name, "description": capability.description,
-                             "domain": capability.domain, "tools": [list(t) for t in capability.tools],
-                             "tasks": tasks, "catalogue": entries, "scenarios": scenarios})
+    scenarios = {
+        split: [
+            [
+                _pack(_scenario(capability, catalogue, difficulty, split, index), domain, entries)
+                for index in range(tasks)
+            ]
+            for difficulty in range(capability.max_difficulty + 1)
+        ]
+        for split in SPLITS
+    }
+    write_json_atomic(
+        path,
+        {
+            "name": capability.name,
+            "description": capability.description,
+            "domain": capability.domain,
+            "tools": [list(t) for t in capability.tools],
+            "tasks": tasks,
+            "catalogue": entries,
+            "scenarios": scenarios,
+        },
+    )
     return tasks * len(SPLITS) * (capability.max_difficulty + 1)
 
 
@@ -395,8 +497,9 @@ def _child(spec: dict) -> ValidationReport:
     except MemoryError:
         return ValidationReport.failed(memory_error, checks)
     except BaseException as error:  # noqa: BLE001 - the module's code may raise anything, SystemExit too
-        return ValidationReport.failed(f"The module failed to load or to build its capability:\n{_short(error)}",
-                                       checks)
+        return ValidationReport.failed(
+            f"The module failed to load or to build its capability:\n{_short(error)}", checks
+        )
     if not report.passed or not spec["export"]:
         return report
     try:
@@ -404,8 +507,7 @@ def _child(spec: dict) -> ValidationReport:
     except MemoryError:
         return ValidationReport.failed(memory_error, checks, report.name)
     except BaseException as error:  # noqa: BLE001 - as above
-        return ValidationReport.failed(f"Generating the tasks to export failed:\n{_short(error)}", checks,
-                                       report.name)
+        return ValidationReport.failed(f"Generating the tasks to export failed:\n{_short(error)}", checks, report.name)
     return dataclasses.replace(report, exported=exported)
 
 

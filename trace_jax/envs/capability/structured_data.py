@@ -27,13 +27,20 @@ def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product])
     """One ticket naming a product of one of the customer's `difficulty + 2` pending orders."""
     shown = difficulty + 2
     while True:  # until an order holds a product no other shown order has
-        db = build_world(rng, catalogue, num_customers=2, orders_per_customer=(shown, shown), max_items=3,
-                         first_statuses=("pending",) * shown)
+        db = build_world(
+            rng,
+            catalogue,
+            num_customers=2,
+            orders_per_customer=(shown, shown),
+            max_items=3,
+            first_statuses=("pending",) * shown,
+        )
         user = rng.choice(sorted(db.users.values(), key=lambda u: u.user_id))
         orders = [db.orders[o] for o in user.orders]
         names = [{i.name for i in o.items} for o in orders]
-        unique = [(o, n) for k, o in enumerate(orders)
-                  for n in sorted(names[k] - set().union(*names[:k], *names[k + 1:]))]
+        unique = [
+            (o, n) for k, o in enumerate(orders) for n in sorted(names[k] - set().union(*names[:k], *names[k + 1 :]))
+        ]
         if unique:
             break
     order, product = rng.choice(unique)
@@ -43,21 +50,30 @@ def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product])
     if difficulty >= 2:
         ask += " Also tell me how much I paid for that order."
         facts = (amount_text(order.payment_history[0].amount),)
-    prefilled = (call("find_user_id_by_email", email=user.email), call("get_user_details", user_id=user.user_id),
-                 *(call("get_order_details", order_id=o.order_id) for o in orders))
-    return Scenario(variant=f"{shown}_orders", db=db, ticket=f"My email is {user.email}. {ask} {rng.choice(CONFIRM)}",
-                    prefilled=prefilled, gold_calls=(call("cancel_pending_order", order_id=order.order_id,
-                                                          reason=reason),), facts=facts)
+    prefilled = (
+        call("find_user_id_by_email", email=user.email),
+        call("get_user_details", user_id=user.user_id),
+        *(call("get_order_details", order_id=o.order_id) for o in orders),
+    )
+    return Scenario(
+        variant=f"{shown}_orders",
+        db=db,
+        ticket=f"My email is {user.email}. {ask} {rng.choice(CONFIRM)}",
+        prefilled=prefilled,
+        gold_calls=(call("cancel_pending_order", order_id=order.order_id, reason=reason),),
+        facts=facts,
+    )
 
 
 _TOOLS = ("find_user_id_by_email", "get_user_details", "get_order_details", "cancel_pending_order")
 STRUCTURED_DATA = Capability(
     name="structured_data",
     description="Reads the values a step needs (ids, items, amounts, statuses) out of earlier tool results and "
-                "uses or reports them exactly.",
+    "uses or reports them exactly.",
     generate=generate,
     tools=(_TOOLS, _TOOLS, _TOOLS),
     # the look-ups are pre-filled at every level: only the write is left, and only the hinted scaffolds add to that
     scaffolds=("exact_hint", "opened_call", "written_call"),
     hint="The ticket does not give the order id: find the order holding the product the customer names among the "
-         "order details already in the conversation and use its exact id; state amounts as the tools print them.")
+    "order details already in the conversation and use its exact id; state amounts as the tools print them.",
+)

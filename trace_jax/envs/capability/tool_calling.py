@@ -25,8 +25,10 @@ from trace_jax.envs.capability.world import address, build_world
 from trace_jax.envs.embedded_retail_families import address_text
 
 VARIANTS = ("cancel", "return", "address", "default_address")  # in the order difficulty adds them
-REASONS = {"no longer needed": ("I don't need it anymore", "it's no longer needed", "I changed my mind about it"),
-           "ordered by mistake": ("I ordered it by mistake", "I placed it by accident", "it was a mistaken order")}
+REASONS = {
+    "no longer needed": ("I don't need it anymore", "it's no longer needed", "I changed my mind about it"),
+    "ordered by mistake": ("I ordered it by mistake", "I placed it by accident", "it was a mistaken order"),
+}
 CONFIRM = ("I confirm, please go ahead.", "Yes, please do it.", "You have my confirmation.")
 
 
@@ -53,8 +55,12 @@ def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product])
         else:
             payment, to = order.payment_history[0].payment_method_id, "the original payment method"
         ask = f"I want to return {names} from order {order.order_id}, refunded to {to}."
-        gold = call("return_delivered_order_items", order_id=order.order_id, item_ids=[i.item_id for i in items],
-                     payment_method_id=payment)
+        gold = call(
+            "return_delivered_order_items",
+            order_id=order.order_id,
+            item_ids=[i.item_id for i in items],
+            payment_method_id=payment,
+        )
     elif variant == "address":
         new = address(rng)
         ask = f"Please ship my order {order.order_id} to {address_text(new)} instead."
@@ -65,20 +71,32 @@ def generate(rng: random.Random, difficulty: int, catalogue: dict[str, Product])
         lookups.append(call("get_user_details", user_id=user.user_id))
         gold = call("modify_pending_order_address", order_id=order.order_id, **user.address.model_dump())
     lookups.append(call("get_order_details", order_id=order.order_id))
-    return Scenario(variant=variant, db=db, ticket=f"{intro} {ask} {rng.choice(CONFIRM)}", prefilled=tuple(lookups),
-                    gold_calls=(gold,))
+    return Scenario(
+        variant=variant,
+        db=db,
+        ticket=f"{intro} {ask} {rng.choice(CONFIRM)}",
+        prefilled=tuple(lookups),
+        gold_calls=(gold,),
+    )
 
 
-_TOOLS = ("find_user_id_by_email", "get_order_details", "cancel_pending_order", "get_user_details",
-          "return_delivered_order_items", "modify_pending_order_address")
+_TOOLS = (
+    "find_user_id_by_email",
+    "get_order_details",
+    "cancel_pending_order",
+    "get_user_details",
+    "return_delivered_order_items",
+    "modify_pending_order_address",
+)
 TOOL_CALLING = Capability(
     name="tool_calling",
     description="Makes the tool call a request needs with exactly the right arguments, taken from the "
-                "conversation and earlier tool results.",
+    "conversation and earlier tool results.",
     generate=generate,
     tools=(_TOOLS[:3], _TOOLS[:5], _TOOLS, _TOOLS),
     # the look-ups are pre-filled at every level: only the write is left, and only the hinted scaffolds add to that
     scaffolds=("exact_hint", "opened_call", "written_call"),
     families=VARIANTS,
     hint="Take every argument of the write call exactly from the ticket and the tool results in the conversation: "
-         "ids as the tools print them, item ids from the order's details, the reason as one of its allowed values.")
+    "ids as the tools print them, item ids from the order's details, the reason as one of its allowed values.",
+)

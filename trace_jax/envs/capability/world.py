@@ -31,17 +31,89 @@ from tau2.domains.retail.data_model import (
 
 from trace_jax.envs.tau2_bridge import domain_state
 
-FIRST_NAMES = ("Amara", "Bruno", "Celine", "Dario", "Elif", "Farid", "Greta", "Hugo", "Ines", "Jonas", "Keiko",
-               "Lars", "Mira", "Nadia", "Oscar", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wendell",
-               "Ximena", "Yusuf", "Zoe")
-LAST_NAMES = ("Abbott", "Brennan", "Castillo", "Delacroix", "Eriksen", "Fontaine", "Galloway", "Hartmann", "Iverson",
-              "Jablonski", "Kowalczyk", "Lindqvist", "Moreau", "Nakamura", "Okafor", "Petrov", "Quintero", "Rasmussen",
-              "Sorensen", "Takahashi", "Underwood", "Valdez", "Whitaker", "Yamamoto", "Zielinski")
-STREETS = ("Maple Avenue", "Harbor Lane", "Juniper Street", "Quarry Road", "Willow Court", "Summit Drive",
-           "Orchard Way", "Lantern Street", "Birch Boulevard", "Meadow Lane", "Foundry Road", "Clover Street")
-CITIES = (("Portland", "OR", "972"), ("Madison", "WI", "537"), ("Tucson", "AZ", "857"), ("Raleigh", "NC", "276"),
-          ("Boise", "ID", "837"), ("Albany", "NY", "122"), ("Savannah", "GA", "314"), ("Spokane", "WA", "992"),
-          ("Omaha", "NE", "681"), ("Tulsa", "OK", "741"), ("Reno", "NV", "895"), ("Burlington", "VT", "054"))
+FIRST_NAMES = (
+    "Amara",
+    "Bruno",
+    "Celine",
+    "Dario",
+    "Elif",
+    "Farid",
+    "Greta",
+    "Hugo",
+    "Ines",
+    "Jonas",
+    "Keiko",
+    "Lars",
+    "Mira",
+    "Nadia",
+    "Oscar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sven",
+    "Tara",
+    "Umar",
+    "Vera",
+    "Wendell",
+    "Ximena",
+    "Yusuf",
+    "Zoe",
+)
+LAST_NAMES = (
+    "Abbott",
+    "Brennan",
+    "Castillo",
+    "Delacroix",
+    "Eriksen",
+    "Fontaine",
+    "Galloway",
+    "Hartmann",
+    "Iverson",
+    "Jablonski",
+    "Kowalczyk",
+    "Lindqvist",
+    "Moreau",
+    "Nakamura",
+    "Okafor",
+    "Petrov",
+    "Quintero",
+    "Rasmussen",
+    "Sorensen",
+    "Takahashi",
+    "Underwood",
+    "Valdez",
+    "Whitaker",
+    "Yamamoto",
+    "Zielinski",
+)
+STREETS = (
+    "Maple Avenue",
+    "Harbor Lane",
+    "Juniper Street",
+    "Quarry Road",
+    "Willow Court",
+    "Summit Drive",
+    "Orchard Way",
+    "Lantern Street",
+    "Birch Boulevard",
+    "Meadow Lane",
+    "Foundry Road",
+    "Clover Street",
+)
+CITIES = (
+    ("Portland", "OR", "972"),
+    ("Madison", "WI", "537"),
+    ("Tucson", "AZ", "857"),
+    ("Raleigh", "NC", "276"),
+    ("Boise", "ID", "837"),
+    ("Albany", "NY", "122"),
+    ("Savannah", "GA", "314"),
+    ("Spokane", "WA", "992"),
+    ("Omaha", "NE", "681"),
+    ("Tulsa", "OK", "741"),
+    ("Reno", "NV", "895"),
+    ("Burlington", "VT", "054"),
+)
 CARD_BRANDS = ("visa", "mastercard", "amex", "discover")
 STATUSES = ("pending", "processed", "delivered", "cancelled")
 
@@ -60,8 +132,14 @@ def address(rng: random.Random) -> UserAddress:
     """A new street address in one of the pool's cities."""
     city, state, zip_prefix = rng.choice(CITIES)
     suite = rng.choice(("", f"Suite {rng.randint(100, 999)}", f"Apt {rng.randint(1, 40)}"))
-    return UserAddress(address1=f"{rng.randint(10, 9999)} {rng.choice(STREETS)}", address2=suite, city=city,
-                       country="USA", state=state, zip=zip_prefix + digits(rng, 2))
+    return UserAddress(
+        address1=f"{rng.randint(10, 9999)} {rng.choice(STREETS)}",
+        address2=suite,
+        city=city,
+        country="USA",
+        state=state,
+        zip=zip_prefix + digits(rng, 2),
+    )
 
 
 def person(rng: random.Random, taken: set[str]) -> tuple[str, str, str]:
@@ -79,24 +157,38 @@ def _customer(rng: random.Random, taken: set[str]) -> User:
     for source in rng.sample(("credit_card", "paypal", "gift_card"), rng.randint(1, 3)):
         method_id = f"{source}_{digits(rng, 7)}"
         if source == "credit_card":
-            methods[method_id] = CreditCard(source=source, id=method_id, brand=rng.choice(CARD_BRANDS),
-                                            last_four=digits(rng, 4))
+            methods[method_id] = CreditCard(
+                source=source, id=method_id, brand=rng.choice(CARD_BRANDS), last_four=digits(rng, 4)
+            )
         elif source == "paypal":
             methods[method_id] = Paypal(source=source, id=method_id)
         else:
             methods[method_id] = GiftCard(source=source, id=method_id, balance=float(rng.randint(0, 300)))
-    return User(user_id=user_id, name=UserName(first_name=first, last_name=last), address=address(rng),
-                email=f"{first.lower()}.{last.lower()}{digits(rng, 4)}@example.com", payment_methods=methods,
-                orders=[])
+    return User(
+        user_id=user_id,
+        name=UserName(first_name=first, last_name=last),
+        address=address(rng),
+        email=f"{first.lower()}.{last.lower()}{digits(rng, 4)}@example.com",
+        payment_methods=methods,
+        orders=[],
+    )
 
 
-def _order(rng: random.Random, user: User, catalogue: list[Product], status: str, order_id: str,
-           max_items: int) -> Order:
+def _order(
+    rng: random.Random, user: User, catalogue: list[Product], status: str, order_id: str, max_items: int
+) -> Order:
     items = []
     for product in rng.sample(catalogue, rng.randint(1, max_items)):
         variant = rng.choice(sorted(product.variants.values(), key=lambda v: v.item_id))
-        items.append(OrderItem(name=product.name, product_id=product.product_id, item_id=variant.item_id,
-                               price=variant.price, options=dict(variant.options)))
+        items.append(
+            OrderItem(
+                name=product.name,
+                product_id=product.product_id,
+                item_id=variant.item_id,
+                price=variant.price,
+                options=dict(variant.options),
+            )
+        )
     method = rng.choice(sorted(user.payment_methods))
     total = round(sum(i.price for i in items), 2)
     payments = [OrderPayment(transaction_type="payment", amount=total, payment_method_id=method)]
@@ -107,13 +199,26 @@ def _order(rng: random.Random, user: User, catalogue: list[Product], status: str
     if status == "cancelled":
         payments.append(OrderPayment(transaction_type="refund", amount=total, payment_method_id=method))
         reason = rng.choice(("no longer needed", "ordered by mistake"))
-    return Order(order_id=order_id, user_id=user.user_id, address=user.address.model_copy(), items=items,
-                 status=status, fulfillments=fulfillments, payment_history=payments, cancel_reason=reason)
+    return Order(
+        order_id=order_id,
+        user_id=user.user_id,
+        address=user.address.model_copy(),
+        items=items,
+        status=status,
+        fulfillments=fulfillments,
+        payment_history=payments,
+        cancel_reason=reason,
+    )
 
 
-def build_world(rng: random.Random, catalogue: dict[str, Product], num_customers: int = 4,
-                orders_per_customer: tuple[int, int] = (2, 4), max_items: int = 4,
-                first_statuses: tuple[str, ...] = ("pending", "delivered")) -> RetailDB:
+def build_world(
+    rng: random.Random,
+    catalogue: dict[str, Product],
+    num_customers: int = 4,
+    orders_per_customer: tuple[int, int] = (2, 4),
+    max_items: int = 4,
+    first_statuses: tuple[str, ...] = ("pending", "delivered"),
+) -> RetailDB:
     """`num_customers` invented customers, each with orders of 1 to `max_items` products sampled from
     `catalogue`, whose statuses are `first_statuses` in turn, then drawn."""
     products = [catalogue[k] for k in sorted(catalogue)]
@@ -130,5 +235,4 @@ def build_world(rng: random.Random, catalogue: dict[str, Product], num_customers
             user.orders.append(order_id)
         users[user.user_id] = user
     used = {item.product_id for order in orders.values() for item in order.items}
-    return RetailDB(products={p: catalogue[p].model_copy(deep=True) for p in sorted(used)}, users=users,
-                    orders=orders)
+    return RetailDB(products={p: catalogue[p].model_copy(deep=True) for p in sorted(used)}, users=users, orders=orders)
