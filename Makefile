@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: run test setup setup-test
+.PHONY: run test setup setup-test agent
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ setup-test: $(VENV)/.test
 WORKDIR ?= runs/trace_quick
 run: setup
 	$(PY) -m launch.trace --config=configs/trace_quick.py --workdir=$(WORKDIR)
+
+# The embedded base agent alone (every job that names it builds it first; this builds it ahead).
+agent: setup
+	$(PY) -m launch.agents --agent=smollm2-135m-retail-agent
 
 # The linter and the formatter's check first (pyproject.toml, [tool.ruff]), then the tests on two workers
 # (tests/conftest.py: the job tests on one, the rest on the other). pytest exits 5 when it collects no test:

@@ -8,8 +8,8 @@ import ml_collections
 
 def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
-    # The embedded base agent: SmolLM2-135M-Instruct with its warm start merged (built on first use from
-    # configs/warmstart_embedded.py); "smollm2-135m-instruct" is the bare model.
+    # The embedded base agent: SmolLM2-135M-Instruct with its warm start merged (built by the first job that names
+    # it, from configs/warmstart_embedded.py); "smollm2-135m-instruct" is the bare model.
     config.model = "smollm2-135m-retail-agent"
     config.dtype = "float32"
     config.adapter = ""  # "" = the base model; or a PEFT adapter folder

@@ -2,7 +2,7 @@
 
   python -m launch.grpo --config=configs/grpo_env_tiny.py --workdir=/tmp/grpo_env_tiny
 
-The agent is `smollm2-135m-tiny-agent` (configs/warmstart_tiny.py, built on first use in about
+The agent is `smollm2-135m-tiny-agent` (configs/warmstart_tiny.py, built by the first job that names it in about
 two minutes). Each step plays one train ticket sixteen times at temperature 0.7 for one agent turn
 (the write call the ticket asks for, after its pre-filled look-ups) at the environment's scaffolded
 level -1: half of each group is played with the hint that spells the call out, and learned from

@@ -7,7 +7,7 @@ all of it: gold trajectories of the four read-and-simple-write families only (18
 each), 18 steps of 8 (each trajectory seen twice), which leaves it imperfect on them too. The
 families left out (change_address, return_delivered, refuse) are the gaps TRACE is meant to
 find. The first use of the model name `smollm2-135m-retail-agent` builds this merged agent
-into the model cache (`trace_jax.warmstart`); the adapter sits on layers 20-29, so each step
+into the model cache (`launch/agents.py`); the adapter sits on layers 20-29, so each step
 trains through those ten layers only (see `lora.first_layer`).
 """
 

@@ -4,7 +4,7 @@ head without τ²'s policy), adapters on the top six layers.
 
   python -m launch.sft --config=configs/warmstart_tiny.py --workdir=/tmp/warmstart_tiny
 
-Its merged output is the embedded agent `smollm2-135m-tiny-agent` (built on first use), the
+Its merged output is the embedded agent `smollm2-135m-tiny-agent` (built by the first job that names it), the
 starting point of `configs/grpo_env_tiny.py`: enough cloning that it sometimes makes the call
 right, not so much that GRPO has nothing left to learn.
 """

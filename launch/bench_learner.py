@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
+from launch import agents
 from trace_jax import runtime
 from trace_jax.lora import ALL_TARGETS, LoraSpec, init_adapters
 from trace_jax.models.model import load_model
@@ -149,6 +150,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     import torch
 
+    agents.ensure_built(_MODEL.value)
     model = load_model(_MODEL.value)
     batch, seq_len, steps = _BATCH.value, _SEQ_LEN.value, _STEPS.value
     data = _make_batch(model.cfg.vocab_size, batch, seq_len)

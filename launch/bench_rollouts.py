@@ -22,6 +22,7 @@ import time
 import jax
 from absl import app, flags, logging
 
+from launch import agents
 from trace_jax import runtime
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine, rollout_profile
 from trace_jax.envs.embedded_retail import EmbeddedRetail
@@ -55,6 +56,7 @@ def _programs(sampler: Sampler) -> dict[str, int]:
 
 def main(argv: list[str]) -> None:
     del argv
+    agents.ensure_built(_MODEL.value)
     model = load_model(_MODEL.value, _DTYPE.value)
     sampler = Sampler(model.cfg, model.params, detokenize=model.tokenizer.decode)
     env = EmbeddedRetail(seed=0)

@@ -16,6 +16,7 @@ import time
 import jax
 from absl import app, flags, logging
 
+from launch import agents
 from trace_jax.models.model import load_model
 from trace_jax.sampling import Sampler
 
@@ -85,6 +86,7 @@ def _time_transformers(model, prompts, new_tokens, repeats) -> float:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    agents.ensure_built(_MODEL.value)
     model = load_model(_MODEL.value)
     import torch
 

@@ -24,6 +24,7 @@ import numpy as np
 import openai
 from absl import app, flags
 
+from launch import agents
 from trace_jax import lora, runtime
 from trace_jax.models.model import load_model
 
@@ -129,6 +130,7 @@ async def load(base_url: str, clients: int, requests: int, lengths: list[int], d
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    agents.ensure_built(_MODEL.value)
     scratch = tempfile.TemporaryDirectory()
     adapters = _ADAPTERS.value + random_adapters(_MODEL.value, _RANDOM_ADAPTERS.value, pathlib.Path(scratch.name))
     flags = [f"--model={_MODEL.value}", f"--batch={_BATCH.value}"] + (

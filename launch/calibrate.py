@@ -21,7 +21,7 @@ import pathlib
 from absl import app, flags
 from ml_collections import config_flags
 
-from launch import multihost
+from launch import agents, multihost
 from trace_jax import distributed
 from trace_jax.envs.capability import CAPABILITIES
 from trace_jax.trace.calibration import calibrate_builtin, calibration_table
@@ -35,6 +35,7 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv: list[str]) -> None:
     multihost.start(argv)
+    agents.ensure_config_agents(_CONFIG.value)
     unknown = [name for name in _CAPABILITIES.value if name not in CAPABILITIES]
     if unknown:
         raise app.UsageError(f"--capabilities: no built-in environment for {unknown}; there are {list(CAPABILITIES)}")

@@ -17,7 +17,7 @@ import pathlib
 from absl import app, flags
 from ml_collections import config_flags
 
-from launch import multihost
+from launch import agents, multihost
 from trace_jax import distributed
 from trace_jax.baselines.experiment import Experiment
 
@@ -30,6 +30,7 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv: list[str]) -> None:
     multihost.start(argv)
+    agents.ensure_config_agents(_CONFIG.value)
     summary = Experiment(_CONFIG.value, _WORKDIR.value).run()
     if not distributed.is_main():
         return

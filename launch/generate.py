@@ -15,6 +15,7 @@ import time
 import jax
 from absl import app, flags
 
+from launch import agents
 from trace_jax import lora
 from trace_jax.models.model import DTYPES, load_model
 from trace_jax.sampling import Sampler
@@ -35,6 +36,7 @@ _JSON = flags.DEFINE_bool("json", False, "Print one JSON line instead of the tex
 
 def main(argv):
     del argv
+    agents.ensure_built(_MODEL.value)
     model = load_model(_MODEL.value, _DTYPE.value)
     tok = model.tokenizer
     if _CHAT.value:

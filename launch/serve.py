@@ -18,6 +18,7 @@ import socket
 import uvicorn
 from absl import app, flags
 
+from launch import agents
 from trace_jax import lora
 from trace_jax.models.model import DTYPES, load_model
 from trace_jax.sampling import Sampler
@@ -114,6 +115,7 @@ def main(argv: list[str]) -> None:
         run_model, run_dtype = trace_run_model(_TRACE_RUN.value)
         model_name, dtype = model_name or run_model, dtype or run_dtype
     model_name, dtype = model_name or "smollm2-135m-instruct", dtype or "float32"
+    agents.ensure_built(model_name)
     served_name = _SERVED_NAME.value or pathlib.Path(model_name).name
     server = build_server(
         model_name,

@@ -15,7 +15,7 @@ import json
 from absl import app, flags
 from ml_collections import config_flags
 
-from launch import multihost
+from launch import agents, multihost
 from trace_jax import distributed
 from trace_jax.rl.sft import train
 
@@ -28,6 +28,7 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv: list[str]) -> None:
     multihost.start(argv)
+    agents.ensure_config_agents(_CONFIG.value)
     summary = train(_CONFIG.value, _WORKDIR.value)
     if distributed.is_main():
         print(json.dumps(summary), flush=True)

@@ -16,7 +16,7 @@ import pathlib
 from absl import app, flags
 from ml_collections import config_flags
 
-from launch import multihost
+from launch import agents, multihost
 from trace_jax import distributed
 from trace_jax.trace.pipeline import Pipeline
 
@@ -27,6 +27,7 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv: list[str]) -> None:
     multihost.start(argv)
+    agents.ensure_config_agents(_CONFIG.value)
     summary = Pipeline(_CONFIG.value, _WORKDIR.value).run()
     if not distributed.is_main():
         return

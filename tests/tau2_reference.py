@@ -8,7 +8,7 @@ from tau2.data_model.message import AssistantMessage, UserMessage
 from tau2.data_model.simulation import SimulationRun, TerminationReason
 from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
 
-from trace_jax.agent.scripted import USER_STOP
+from trace_jax.envs.scripted import USER_STOP
 from trace_jax.envs.tau2_bridge import cached_domain_name
 from trace_jax.envs.tau2_domains import GREETING
 

@@ -12,11 +12,11 @@ import pytest
 from scripted_llm_server import ScriptedLLMServer
 
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
-from trace_jax.agent.scripted import PlannedAgent, ScriptedUser
-from trace_jax.agent.tool_calls import format_tool_call
 from trace_jax.envs.embedded_retail import EmbeddedRetail
+from trace_jax.envs.scripted import PlannedAgent, ScriptedUser
 from trace_jax.envs.tau2_bridge import domain_state
 from trace_jax.llm import llm_defaults
+from trace_jax.tool_calls import format_tool_call
 from trace_jax.trace.analysis import analysis_defaults, analyze, make_analyst
 from trace_jax.trace.analyst import LACKING, NA, PRESENT
 from trace_jax.trace.programmatic_analyst import CARDS, ProgrammaticAnalyst

@@ -12,11 +12,11 @@ import ml_collections
 import pytest
 
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
-from trace_jax.agent.scripted import GoldAgent, NoopAgent, PlannedAgent, ScriptedUser
-from trace_jax.agent.tool_calls import format_tool_call
 from trace_jax.envs import make_environment
 from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment
+from trace_jax.envs.scripted import GoldAgent, NoopAgent, PlannedAgent, ScriptedUser
 from trace_jax.envs.tau2_bridge import domain_state
+from trace_jax.tool_calls import format_tool_call
 
 TASKS = 40
 SEEDS = 200

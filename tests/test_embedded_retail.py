@@ -232,7 +232,7 @@ def test_prompt_fits_a_small_model_context(env, tasks):
 def test_scripted_agents_through_the_rollout_engine(env):
     jax = pytest.importorskip("jax")
     from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
-    from trace_jax.agent.scripted import GoldAgent, NoopAgent, StoppingUser
+    from trace_jax.envs.scripted import GoldAgent, NoopAgent, StoppingUser
 
     specs = [spec for split in SPLITS for spec in env.tasks(split, len(FAMILIES))]
     for agent, reward in ((GoldAgent(), 1.0), (NoopAgent(), 0.0)):
@@ -248,7 +248,7 @@ def test_gold_turns_are_recorded_as_the_models_tokens(env, smollm2):
     rendering of the episode, so the clone learns exactly what it will sample."""
     jax = pytest.importorskip("jax")
     from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
-    from trace_jax.agent.scripted import GoldAgent, StoppingUser
+    from trace_jax.envs.scripted import GoldAgent, StoppingUser
 
     tokenizer = smollm2.tokenizer
     specs = env.tasks("train", len(FAMILIES))

@@ -9,11 +9,11 @@ import pytest
 pytest.importorskip("tau2")
 
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine  # noqa: E402
-from trace_jax.agent.scripted import GoldAgent, ScriptedUser  # noqa: E402
 from trace_jax.envs import make_environment  # noqa: E402
 from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment  # noqa: E402
 from trace_jax.envs.guided import GuidedEnvironment  # noqa: E402
 from trace_jax.envs.mixed import MixedEnvironment  # noqa: E402
+from trace_jax.envs.scripted import GoldAgent, ScriptedUser  # noqa: E402
 
 
 def _env(capability: str = "tool_calling") -> CapabilityEnvironment:

@@ -17,11 +17,11 @@ import pytest
 from scripted_llm_server import ScriptedLLMServer
 
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
-from trace_jax.agent.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.envs import make_environment
 from trace_jax.envs.capability import CapabilityEnvironment, authoring, example_airline, example_retail
 from trace_jax.envs.capability.authoring import AuthoringError, capability_from_module, check_scenario
 from trace_jax.envs.capability.sandbox import Checks, Limits, ValidationReport, validate_module
+from trace_jax.envs.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.envs.tau2_bridge import domain_state
 from trace_jax.llm import ChatClient, llm_defaults
 from trace_jax.trace.analyst import CapabilityCard

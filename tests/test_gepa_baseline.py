@@ -17,9 +17,9 @@ pytest.importorskip("tau2")
 from scripted_llm_server import ScriptedLLMServer  # noqa: E402
 
 from trace_jax.agent.rollout import RolloutConfig, RolloutEngine  # noqa: E402
-from trace_jax.agent.scripted import GoldAgent, ScriptedUser  # noqa: E402
 from trace_jax.baselines import gepa as gepa_baseline  # noqa: E402
 from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment  # noqa: E402
+from trace_jax.envs.scripted import GoldAgent, ScriptedUser  # noqa: E402
 from trace_jax.llm import ChatClient, llm_defaults  # noqa: E402
 from trace_jax.models.model import load_model  # noqa: E402
 from trace_jax.sampling import Completion, Sampler  # noqa: E402

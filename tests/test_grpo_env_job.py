@@ -1,14 +1,13 @@
 """The tiny embedded agent and the GRPO job on an environment, run as a user runs them (subprocesses). The agent
-`smollm2-135m-tiny-agent` (SmolLM2 cloning gold trajectories, configs/warmstart_tiny.py) is built by the SFT job
-on first use, once per config, then taken from the cache. The GRPO job on `configs/grpo_env_tiny.py` (the tiny
-agent, one tool_calling ticket played sixteen times a step for one agent turn, no held-out evaluation), one
-process on two CPU devices: the training reward rises, steps and rollouts are as configured, every step moves the
-adapter, every training episode is logged per step, the adapter snapshots are the checkpoints' adapters. The same
-run's last steps as two processes of one device each (one JAX run over both, as on two hosts): one process is
-SIGKILLed after a checkpoint, both restart and resume, and the episodes, adapters, metrics and summary equal the
-single-process run's.
-(The GRPO job's held-out evaluation on an environment is tested in the TRACE pipeline's training stage,
-tests/test_trace_pipeline.py, on the tiny random model.)
+`smollm2-135m-tiny-agent` (SmolLM2 cloning gold trajectories, configs/warmstart_tiny.py) is built by the SFT job for
+the first job that names it (`launch.agents`), once per config, then taken from the cache. The GRPO job on
+`configs/grpo_env_tiny.py` (the tiny agent, one tool_calling ticket played sixteen times a step for one agent turn,
+no held-out evaluation), one process on two CPU devices: the training reward rises, steps and rollouts are as
+configured, every step moves the adapter, every training episode is logged per step, the adapter snapshots are the
+checkpoints' adapters. The same run's last steps as two processes of one device each (one JAX run over both, as on
+two hosts): one process is SIGKILLed after a checkpoint, both restart and resume, and the episodes, adapters,
+metrics and summary equal the single-process run's. (The GRPO job's held-out evaluation on an environment is tested
+in the TRACE pipeline's training stage, tests/test_trace_pipeline.py, on the tiny random model.)
 """
 
 import json
@@ -25,7 +24,8 @@ from multiprocess import TWO_DEVICES, failure_report, kill_one_after_checkpoint,
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs import grpo_env_tiny, warmstart_tiny
-from trace_jax import lora, warmstart
+from launch import agents
+from trace_jax import lora
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.embedded import resolve_model_dir
 from trace_jax.rl.trainer import snapshot_step
@@ -44,9 +44,9 @@ MIN_RISE = 0.1
 
 @pytest.fixture(scope="module")
 def tiny_agent(tmp_path_factory, job_env) -> tuple[pathlib.Path, pathlib.Path]:
-    """(model cache, folder) of the tiny agent, built in a subprocess as its first use builds it."""
+    """(model cache, folder) of the tiny agent, built in a subprocess as a job builds it."""
     cache = tmp_path_factory.mktemp("model_cache")
-    build = f"import sys; from trace_jax import warmstart; print(warmstart.agent_dir({AGENT!r}, sys.argv[1]))"
+    build = f"import sys; from launch import agents; print(agents.agent_dir({AGENT!r}, sys.argv[1]))"
     out = subprocess.run(
         [sys.executable, "-c", build, str(cache)], cwd=REPO, env=job_env, capture_output=True, text=True, timeout=3600
     )
@@ -65,15 +65,15 @@ def test_the_tiny_agent_is_built_once_per_config(tiny_agent, monkeypatch):
     def no_training(*_):
         raise AssertionError("a cached agent was built again")
 
-    monkeypatch.setattr(warmstart, "run_build", no_training)
-    assert warmstart.agent_dir(AGENT, cache) == folder  # from the cache
+    monkeypatch.setattr(agents, "run_build", no_training)
+    assert agents.agent_dir(AGENT, cache) == folder  # from the cache
     monkeypatch.setenv("TRACE_JAX_CACHE", str(cache))
     assert resolve_model_dir(AGENT) == folder  # the name is a model name like any embedded one
-    config = warmstart.build_config(AGENT)
+    config = agents.build_config(AGENT)
     config.seed = 1
-    monkeypatch.setattr(warmstart, "build_config", lambda name: config)
+    monkeypatch.setattr(agents, "build_config", lambda name: config)
     with pytest.raises(AssertionError, match="built again"):  # another config: another agent
-        warmstart.agent_dir(AGENT, cache)
+        agents.agent_dir(AGENT, cache)
 
 
 def _command(workdir):

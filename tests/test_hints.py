@@ -26,8 +26,8 @@ pytest.importorskip("tau2")
 from configs import grpo_env_tiny, grpo_target_embedded  # noqa: E402
 from trace_jax import lora  # noqa: E402
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine  # noqa: E402
-from trace_jax.agent.scripted import GoldAgent, ScriptedUser  # noqa: E402
 from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment  # noqa: E402
+from trace_jax.envs.scripted import GoldAgent, ScriptedUser  # noqa: E402
 from trace_jax.models.embedded import embedded_model_dir  # noqa: E402
 from trace_jax.models.model import load_model  # noqa: E402
 from trace_jax.models.tokenizer import ChatTokenizer  # noqa: E402

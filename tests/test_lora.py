@@ -20,6 +20,7 @@ from safetensors.numpy import load_file, save_file
 from trace_jax import lora
 from trace_jax.lora import ALL_TARGETS, NO_ADAPTER, Adapters, LoraSpec
 from trace_jax.models import decoder
+from trace_jax.models.adapters import row_delta
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.loading import load_params
 from trace_jax.sampling import Sampler
@@ -140,7 +141,7 @@ def test_row_delta_gradients_match_numpy():
     mix = np.zeros((batch, n), np.float32)
     mix[[0, 1, 2], [0, 2, 1]] = [0.5, 2.0, 1.5]  # row 3 has no adapter
     dy = rng.standard_normal((batch, t, d_out)).astype(np.float32)
-    y, vjp = jax.vjp(lora.row_delta, *map(jnp.asarray, (x, a, b, mix)))
+    y, vjp = jax.vjp(row_delta, *map(jnp.asarray, (x, a, b, mix)))
     grads = vjp(jnp.asarray(dy))
     # NumPy: y[b,t] = sum_n mix[b,n] * x[b,t] @ a[n] @ b[n]
     xa = np.einsum("bti,nir->btnr", x, a)

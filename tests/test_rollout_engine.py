@@ -23,10 +23,10 @@ from trace_jax.agent.rollout import (  # noqa: E402
     rollout_profile,
     session_rows,
 )
-from trace_jax.agent.scripted import GoldAgent, NoopAgent, StoppingUser  # noqa: E402
 from trace_jax.envs import base  # noqa: E402
 from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment  # noqa: E402
 from trace_jax.envs.embedded_retail import EmbeddedRetail  # noqa: E402
+from trace_jax.envs.scripted import GoldAgent, NoopAgent, StoppingUser  # noqa: E402
 from trace_jax.models.model import load_model  # noqa: E402
 from trace_jax.sampling import Sampler  # noqa: E402
 

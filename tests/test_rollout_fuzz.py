@@ -17,10 +17,10 @@ import pytest
 pytest.importorskip("tau2")
 
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine  # noqa: E402
-from trace_jax.agent.scripted import StoppingUser  # noqa: E402
-from trace_jax.agent.tool_calls import format_tool_call  # noqa: E402
 from trace_jax.envs import base  # noqa: E402
 from trace_jax.envs.embedded_retail import EmbeddedRetail  # noqa: E402
+from trace_jax.envs.scripted import StoppingUser  # noqa: E402
+from trace_jax.tool_calls import format_tool_call  # noqa: E402
 
 TURNS = 600
 # Turns that end a solo episode (plain text) are drawn rarely, so episodes run long: τ²'s evaluator

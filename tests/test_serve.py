@@ -20,10 +20,10 @@ from multiprocess import failure_report
 
 from launch.bench_serve import load, start_server
 from trace_jax import lora
-from trace_jax.agent.tool_calls import format_tool_call
 from trace_jax.models.model import load_model
 from trace_jax.sampling import Sampler
 from trace_jax.serve.protocol import TextDeltas, assistant_reply
+from trace_jax.tool_calls import format_tool_call
 
 BATCH = 4
 TOOLS = [

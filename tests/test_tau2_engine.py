@@ -15,8 +15,8 @@ from tau2_reference import empty_trajectory_reward, tau2_environment
 
 from configs import tau2_airline, tau2_retail
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
-from trace_jax.agent.scripted import GoldAgent, ScriptedUser
 from trace_jax.envs import base
+from trace_jax.envs.scripted import GoldAgent, ScriptedUser
 from trace_jax.envs.tau2_bridge import domain_state
 from trace_jax.envs.tau2_domains import Tau2Environment
 from trace_jax.evaluation import evaluate

@@ -17,7 +17,6 @@ from tau2.evaluator.evaluator_nl_assertions import NLAssertionsEvaluator  # noqa
 from tau2.user.user_simulator import UserSimulator, get_global_user_sim_guidelines  # noqa: E402
 from tau2_reference import empty_messages, reference, tau2_environment, tau2_run  # noqa: E402
 
-from trace_jax.agent.tool_calls import format_tool_call  # noqa: E402
 from trace_jax.envs import base  # noqa: E402
 from trace_jax.envs.tau2_bridge import (  # noqa: E402
     DomainState,
@@ -28,6 +27,7 @@ from trace_jax.envs.tau2_bridge import (  # noqa: E402
     to_tau2_messages,
 )
 from trace_jax.envs.tau2_domains import GREETING, Tau2Environment, Tau2Episode  # noqa: E402
+from trace_jax.tool_calls import format_tool_call  # noqa: E402
 
 STOP = "###STOP###"
 FIRST_REQUEST = "Hi, I need help with my request."

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from trace_jax.agent.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, format_tool_call, tool_names
 from trace_jax.tasks.tool_call_task import TOOLS, make_tasks, reward
+from trace_jax.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, format_tool_call, tool_names
 
 # Arguments whose values come from per-split pools (the rest are shared enums, sizes, times).
 DISJOINT_ARGUMENTS = ("order_id", "city", "restaurant", "to", "email", "subject", "amount")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from trace_jax.agent.tool_calls import (
+from trace_jax.tool_calls import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
     ParsedAssistant,

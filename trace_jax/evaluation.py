@@ -28,10 +28,10 @@ from absl import logging
 
 from trace_jax import distributed, lora
 from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Trajectory, rollout_profile
-from trace_jax.agent.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS, make_environment
 from trace_jax.envs.hints import hinted_trials, offers_hint
+from trace_jax.envs.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.files import read_json, write_json_atomic, write_jsonl_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_lines
 from trace_jax.models.embedded import resolve_model_dir

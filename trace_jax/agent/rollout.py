@@ -2,7 +2,7 @@
 
 Each live episode has an agent and, for tasks with a user, a user simulator. A speaker is
 either the model (a row of the sampler's KV cache: the agent with its adapter, the user
-with no adapter) or a scripted actor (`trace_jax.agent.scripted`). Model rows sample
+with no adapter) or a scripted actor (`trace_jax.envs.scripted`). Model rows sample
 together in one `sampling.Session`, each at its own pace: a row whose turn ends is given
 the episode's next turn (tool results, the user's reply) while the others go on, and an
 episode that ends frees its rows for the next queued one.
@@ -37,16 +37,16 @@ import jax
 
 from trace_jax import lora, runtime
 from trace_jax.agent.chat_codec import ChatCodec
-from trace_jax.agent.tool_calls import parse_assistant_output
 from trace_jax.envs import base
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.sampling import FINISH_CONTEXT, FINISH_LENGTH, Completion, Sampler, Session
+from trace_jax.tool_calls import parse_assistant_output
 
 MODEL = "model"  # the speaker value meaning "sample this speaker with the model"
 
 
 class Scripted(Protocol):
-    """A speaker that writes its turns without the model (see `trace_jax.agent.scripted`)."""
+    """A speaker that writes its turns without the model (see `trace_jax.envs.scripted`)."""
 
     def reply(self, episode: base.Episode) -> str: ...
 

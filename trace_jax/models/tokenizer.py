@@ -2,7 +2,7 @@
 
 Renders conversations with the model's own chat template. Templates without tool support
 (e.g. SmolLM2's) still get tools, tool calls and tool results, spelled in the project's
-Hermes/Qwen format from `trace_jax.agent.tool_calls`.
+Hermes/Qwen format from `trace_jax.tool_calls`.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def _with_dict_arguments(message: dict) -> dict:
 
 def _without_tool_roles(messages: list[dict], tools: list[dict] | None) -> list[dict]:
     """Messages using only system/user/assistant with string content (see `render_chat`)."""
-    from trace_jax.agent.tool_calls import (
+    from trace_jax.tool_calls import (
         TOOL_RESPONSE_CLOSE,
         TOOL_RESPONSE_OPEN,
         format_tool_call,

@@ -27,9 +27,9 @@ from absl import logging
 
 from trace_jax import distributed, lora
 from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine, Trajectory
-from trace_jax.agent.scripted import GoldAgent, ScriptedUser
 from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import ENVIRONMENTS, make_environment
+from trace_jax.envs.scripted import GoldAgent, ScriptedUser
 from trace_jax.files import write_json_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
 from trace_jax.models.loading import save_hf_checkpoint

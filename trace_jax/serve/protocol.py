@@ -2,7 +2,7 @@
 
 Requests are checked field by field; anything the server cannot honour is an `ApiError` naming the field
 (OpenAI's error body and a 4xx status), never an exception inside the server. Replies follow OpenAI's
-shapes: a chat turn's `<tool_call>` blocks (the project's format, `trace_jax.agent.tool_calls`) become
+shapes: a chat turn's `<tool_call>` blocks (the project's format, `trace_jax.tool_calls`) become
 `tool_calls`; a turn holding a malformed block is returned whole as content, as the model wrote it.
 """
 
@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from trace_jax.agent.tool_calls import TOOL_CALL_OPEN, parse_assistant_output
+from trace_jax.tool_calls import TOOL_CALL_OPEN, parse_assistant_output
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -3,7 +3,7 @@
 Each task is a system prompt, two fixed worked exchanges and one customer-service request
 ("Please cancel order W12345, I ordered it by mistake."), rendered with a fixed toolset of
 seven tools; the agent should reply with exactly one call in the project's `<tool_call>`
-format (`trace_jax.agent.tool_calls`). The reward is graded so that GRPO groups see
+format (`trace_jax.tool_calls`). The reward is graded so that GRPO groups see
 variance even while the model is weak (see `reward`).
 
 Requests come from phrasing templates with sampled slot values. Three splits share the
@@ -25,7 +25,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from trace_jax.agent.tool_calls import format_tool_call, parse_assistant_output, validate_arguments
+from trace_jax.tool_calls import format_tool_call, parse_assistant_output, validate_arguments
 
 # split -> (value pools, phrasing templates) it draws from
 SPLITS = {"train": ("train", "train"), "heldout": ("heldout", "train"), "heldout_phrasings": ("heldout", "heldout")}

@@ -13,8 +13,8 @@ import dataclasses
 import json
 from collections.abc import Iterable, Sequence
 
-from trace_jax.agent.tool_calls import parse_assistant_output
 from trace_jax.envs.base import NORMAL_ENDS, Environment, Gold, Message
+from trace_jax.tool_calls import parse_assistant_output
 
 
 @dataclasses.dataclass(frozen=True)

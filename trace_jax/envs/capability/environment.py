@@ -57,12 +57,12 @@ from tau2.environment.db import DB
 from tau2.environment.environment import Environment
 from tau2.evaluator.evaluator_communicate import CommunicateEvaluator
 
-from trace_jax.agent.tool_calls import format_tool_call
 from trace_jax.envs.base import NORMAL_ENDS, Call, Gold, Message, Outcome, TaskSpec
 from trace_jax.envs.capability.domains import WorldDomain, world_domain
 from trace_jax.envs.embedded_retail import SoloTicketEpisode
 from trace_jax.envs.hints import replay_sources, task_hint
 from trace_jax.envs.tau2_bridge import execute
+from trace_jax.tool_calls import format_tool_call
 
 SPLITS = ("train", "heldout")
 # The scaffolds (module docstring) in the order levels below 0 add them, and those that change hinted episodes alone

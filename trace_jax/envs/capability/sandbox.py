@@ -37,8 +37,6 @@ import tempfile
 import traceback
 import types
 
-from trace_jax.agent.scripted import GoldAgent, NoopAgent
-from trace_jax.agent.tool_calls import parse_assistant_output
 from trace_jax.envs.base import END_MAX_TURNS, Outcome, TaskSpec
 from trace_jax.envs.capability.authoring import (
     AuthoringError,
@@ -54,7 +52,9 @@ from trace_jax.envs.capability.environment import (
     CapabilityEpisode,
     Scenario,
 )
+from trace_jax.envs.scripted import GoldAgent, NoopAgent
 from trace_jax.files import read_json, write_json_atomic
+from trace_jax.tool_calls import parse_assistant_output
 
 MODULE_FILE = "module.py"  # the module's name in the child's folder (and in its tracebacks)
 SHOWN = 3  # distinct exceptions and gold failures quoted in a report

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import re
 
-from trace_jax.agent.tool_calls import format_tool_call
 from trace_jax.envs.base import Episode
+from trace_jax.tool_calls import format_tool_call
 
 USER_STOP = "###STOP###"
 REQUEST = "Hi, I need help with my request."
