@@ -35,12 +35,12 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv: list[str]) -> None:
     multihost.start(argv)
-    agents.ensure_config_agents(_CONFIG.value)
     unknown = [name for name in _CAPABILITIES.value if name not in CAPABILITIES]
     if unknown:
         raise app.UsageError(f"--capabilities: no built-in environment for {unknown}; there are {list(CAPABILITIES)}")
     config, workdir = _CONFIG.value, pathlib.Path(_WORKDIR.value)
     validate_config(config)
+    agents.ensure_config_agents(config)
     base = calibration_evaluation(config)
     results = [calibrate_builtin(name, base, config.calibration, workdir / name) for name in _CAPABILITIES.value]
     if not distributed.is_main():

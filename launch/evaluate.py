@@ -17,7 +17,7 @@ from ml_collections import config_flags
 
 from launch import agents, multihost
 from trace_jax import distributed
-from trace_jax.evaluation import AGENTS, evaluate
+from trace_jax.evaluation import AGENTS, evaluate, validate_config
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Evaluation config (configs/tau2_*.py, configs/embedded_retail.py).", lock_config=True
@@ -34,7 +34,9 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv: list[str]) -> None:
     multihost.start(argv)
-    agents.ensure_config_agents(_CONFIG.value)
+    validate_config(_CONFIG.value)  # a bad config fails before an agent is built
+    if _AGENT.value == "model":  # scripted agents need no model
+        agents.ensure_config_agents(_CONFIG.value)
     summary = evaluate(_CONFIG.value, _WORKDIR.value, agent=_AGENT.value)
     if not distributed.is_main():
         return

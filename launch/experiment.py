@@ -19,7 +19,7 @@ from ml_collections import config_flags
 
 from launch import agents, multihost
 from trace_jax import distributed
-from trace_jax.baselines.experiment import Experiment
+from trace_jax.baselines.experiment import Experiment, validate_config
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config (configs/experiment_*.py).", lock_config=True
@@ -30,6 +30,7 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv: list[str]) -> None:
     multihost.start(argv)
+    validate_config(_CONFIG.value)  # a bad config fails before an agent is built
     agents.ensure_config_agents(_CONFIG.value)
     summary = Experiment(_CONFIG.value, _WORKDIR.value).run()
     if not distributed.is_main():

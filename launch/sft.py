@@ -17,7 +17,7 @@ from ml_collections import config_flags
 
 from launch import agents, multihost
 from trace_jax import distributed
-from trace_jax.rl.sft import train
+from trace_jax.rl.sft import train, validate_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Job config file (configs/warmstart_*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
@@ -28,6 +28,7 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv: list[str]) -> None:
     multihost.start(argv)
+    validate_config(_CONFIG.value)  # a bad config fails before an agent is built
     agents.ensure_config_agents(_CONFIG.value)
     summary = train(_CONFIG.value, _WORKDIR.value)
     if distributed.is_main():

@@ -18,7 +18,7 @@ from ml_collections import config_flags
 
 from launch import agents, multihost
 from trace_jax import distributed
-from trace_jax.trace.pipeline import Pipeline
+from trace_jax.trace.pipeline import Pipeline, validate_config
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Pipeline config (configs/trace_*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for every stage's outputs and the report.", required=True)
@@ -27,6 +27,7 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv: list[str]) -> None:
     multihost.start(argv)
+    validate_config(_CONFIG.value)  # a bad config fails before an agent is built
     agents.ensure_config_agents(_CONFIG.value)
     summary = Pipeline(_CONFIG.value, _WORKDIR.value).run()
     if not distributed.is_main():

@@ -37,10 +37,19 @@ CARD = CapabilityCard(
 EVIDENCE = ["traj 3: replied 'your order is on its way' without calling get_order_details"]
 SEEDS = 20
 TASKS = 10  # exported per split and difficulty
+
+
+def _edited(source: str, old: str, new: str) -> str:
+    """`source` with `old` replaced, which must be there (an edit that misses leaves a module that passes)."""
+    assert source.count(old) == 1, f"{old!r} is not in the example once"
+    return source.replace(old, new)
+
+
 # a module that raises IndexError for customers without a processed order
-RAISES = EXAMPLE.replace("order = rng.choice(orders)", 'order = [o for o in orders if o.status == "processed"][0]')
-NOT_OFFERED = EXAMPLE.replace('(("find_user_id_by_email", "get_order_details"),', '(("find_user_id_by_email",),')
-NO_TOOLS = EXAMPLE.replace("TOOLS = (", "_TOOLS = (")
+RAISES = _edited(EXAMPLE, "order = rng.choice(orders)", 'order = [o for o in orders if o.status == "processed"][0]')
+# a task set whose first tool set lacks the tool its gold calls use
+NOT_OFFERED = _edited(EXAMPLE, '("find_user_id_by_email", "get_order_details"),\n', '("find_user_id_by_email",),\n')
+NO_TOOLS = _edited(EXAMPLE, "TOOLS = (", "_TOOLS = (")
 LOOPS = "NAME = 'order_facts'\nwhile True:\n    pass\n"
 
 
@@ -127,7 +136,7 @@ def test_an_airline_environment_is_written_against_the_airline_api_and_played_wi
     accepted one's tasks are synthetic customers and reservations on τ²'s flight schedule, played through τ²'s
     airline tools under its policy."""
     airline = pathlib.Path(example_airline.__file__).read_text()
-    wrong_domain = airline.replace('DOMAIN = "airline"', 'DOMAIN = "retail"')
+    wrong_domain = _edited(airline, 'DOMAIN = "airline"', 'DOMAIN = "retail"')
     card = CapabilityCard(
         "reservation_facts",
         "Reads the reservation asked about and states the facts asked for.",
