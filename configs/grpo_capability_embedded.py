@@ -3,12 +3,15 @@ configs/trace_embedded.py (half of each group hinted, groups of 8, constant grou
 TRACE adapter is, run on its own, for measuring how the agent learns a capability.
 
   python -m launch.grpo --config=configs/grpo_capability_embedded.py --workdir=runs/grpo_return \\
-      [--config.env.difficulty=-1] [--config.loss.tis_cap=2.0]
+      [--config.env.difficulty=-3] [--config.loss.tis_cap=2.0] \\
+      [--config.train.updates_per_step=4 --config.optimizer.lr=5e-4]
 
 By default tool_calling's return family at level 0 (the write of the target's return_delivered tickets, which
 the base agent never makes); `loss.tis_cap` None learns the hinted rows as on-policy ones, a number with the
 truncated importance weight (docs/trace_pipeline.md, "Hinted rows in the learner"). Held out: 16 of the
-environment's held-out tasks, greedy and unhinted, before and after.
+environment's held-out tasks, greedy and unhinted, before and after. `train.updates_per_step` and the
+learning rate set how far a step moves the policy (docs/results.md, "GRPO on the return family from the written
+call").
 """
 
 import ml_collections
