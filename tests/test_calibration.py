@@ -187,6 +187,14 @@ def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_cal
         for line in (tmp_path / "families" / "return" / "difficulty_0" / "episodes.jsonl").open()
     }
     assert tasks == {"return"}
+    config.families = ("tool_calling/return", "multi_step/none")
+    with pytest.raises(ValueError, match="config.calibration.families = .* is invalid; it must be a tuple of built"):
+        calibrate_builtin("tool_calling", base, config, tmp_path / "families", agent="gold")
+    config.families = ("tool_calling/address", "tool_calling/return")
+    narrowed = calibrate_builtin("tool_calling", base, config, tmp_path / "families", agent="noop")
+    assert narrowed["families"] == {"return": None, "address": None}  # the capability's order, not the config's
+    assert narrowed["tries"] == [t for t in families["tries"] if t["variant"] in ("return", "address")]  # replayed
+    config.families = ()
     table = calibration_table([gold, noop, families])
     assert table.count("\n") == 1 + 10 and "| multi_step | 2 | 6 | 1.000 |" in table
     assert "| tool_calling[return] | 0 | 6 | 1.000 |" in table

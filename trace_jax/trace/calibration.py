@@ -18,7 +18,8 @@ one level is too easy and the next too hard, it tries the mix of the two halfway
 while the halves are at least `min_step` apart. An environment is dropped only when it cannot pass anywhere, with the
 reason: too hard even at its most scaffolded level, too easy at its top level, or too uniform. A
 capability whose variants are separate kinds of work (`Capability.families`) is calibrated per
-family, and trained on the families that pass, mixed.
+family, and trained on the families that pass, mixed; `families` ("capability/family") narrows the walk to the
+families named, for a run that targets one kind of work.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ def calibration_defaults() -> ml_collections.ConfigDict:
             "min_step": 0.5,  # the finest difficulty step between levels (0.5: one mix of two levels; 1: none)
             "policy": True,  # τ²'s retail policy in the system prompt, as the target has it
             "cut_share": CUT_SHARE,  # what an episode cut at a limit keeps of its reward (the environment's docstring)
+            # "capability/family" entries: the only families walked of the capabilities they name (others: all)
+            "families": (),
         }
     )
 
@@ -109,7 +112,26 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
         ("calibration.min_step", lambda v: number(v) and 0 < v <= 1, "a number in (0, 1]"),
         ("calibration.policy", lambda v: isinstance(v, bool), "True or False"),
         ("calibration.cut_share", *share),
+        (
+            "calibration.families",
+            lambda v: isinstance(v, (tuple, list)) and all(e in _family_names() for e in v),
+            f"a tuple of built-in capability families, from {list(_family_names())}",
+        ),
     ]
+
+
+def _family_names() -> tuple[str, ...]:
+    """Every built-in capability family as "capability/family"."""
+    from trace_jax.envs.capability import CAPABILITIES
+
+    return tuple(f"{c.name}/{f}" for c in CAPABILITIES.values() for f in c.families)
+
+
+def selected_families(capability: str, families: tuple[str, ...], config: ml_collections.ConfigDict) -> tuple:
+    """The families of `capability` (its `families`) to walk: those `config.families` names for it, in the
+    capability's order, or all of them where it names none."""
+    named = {e.split("/", 1)[1] for e in config.families if e.split("/", 1)[0] == capability}
+    return tuple(f for f in families if f in named) if named else tuple(families)
 
 
 def validate_calibration_config(config: ml_collections.ConfigDict) -> None:
@@ -344,12 +366,13 @@ def calibrate_builtin(
     agent: str = "model",
 ) -> dict:
     """`calibrate_capability` of the built-in capability `name`: every level it has, per family where it has
-    them."""
+    them (those `config.families` selects)."""
     from trace_jax.envs.capability import CAPABILITIES
 
     capability = CAPABILITIES[name]
     bounds = walk_bounds(capability.scaffolds, capability.max_difficulty, config.hint_share)
-    return calibrate_capability(name, bounds, base_eval, config, folder, agent, families=capability.families)
+    families = selected_families(name, capability.families, config)
+    return calibrate_capability(name, bounds, base_eval, config, folder, agent, families=families)
 
 
 def _calibrate_walk(
@@ -409,7 +432,8 @@ def _calibrate_families(
     """Each family of `capability` calibrated on its own (its levels end at 0: `CapabilityEnvironment`); the
     environment to train on mixes the families that passed, each at its own level (`folder/calibration.json`)."""
     result_path = folder / "calibration.json"
-    if (stored := _stored_result(result_path, bounds)) is not None:
+    stored = _stored_result(result_path, bounds)
+    if stored is not None and list(stored["families"]) == list(families):  # else walked again from the tries' groups
         return stored
     parts = {}
     for variant in families:
