@@ -48,12 +48,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.optimizer.lr = 2e-3
     config.train.rollout_budget = None
     config.train.steps = 5
-    # 2048-token micro-batches: a step's one-turn episodes fit in one (two-turn ones took four, and the run
-    # peaked at 11.0 GB with them, 16.8 GB with 4096-token ones; docs/trace_pipeline.md, "Suite time").
+    # 2048-token micro-batches: a step's one-turn episodes fit in one, and the suite's memory stays low
+    # (docs/trace_pipeline.md, "Suite time").
     config.train.update(micro_batch_tokens=2048, remat=False)
     config.train.keep_checkpoints = 8
-    # No held-out evaluation: with 2 tasks before and after it took a fifth of the run, mostly compiling its own
-    # programs (CI tests that path in the TRACE pipeline's training stage, tests/test_trace_pipeline.py).
+    # No held-out evaluation: it would mostly compile its own programs, and CI tests that path in the TRACE
+    # pipeline's training stage (tests/test_trace_pipeline.py).
     config.eval.num_tasks = 0
     config.log_every_s = 0.0
     return config

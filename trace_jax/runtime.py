@@ -2,16 +2,13 @@
 a persistent compilation cache, a bound on the memory maps compiled programs hold, the project's cache
 folder, and the CPU's name for benchmark output.
 
-XLA:CPU allocates one temporary arena per executable run (about 5.5 GB for a GRPO step of
-8 x 256 tokens on SmolLM2-135M) and frees it afterwards. glibc hands such blocks straight
-back to the OS, so every run page-faults gigabytes afresh: measured here, 1.5 million
-faults and 10-14 s of kernel time in a 20 s learner step. Keeping freed memory in the
-process instead (one arena, no mmap for large blocks, never trimmed) takes that step to
-14 s with no faults once the heap has grown. The cost: the process keeps its peak memory.
-Where JAX computes on a GPU or TPU the setting is left off: there XLA compiles on many
-threads, and one arena serialises their allocations (measured on an H100 host: the tiny
-warm start took 105 s without it, and had not finished its first step after 240 s with it,
-1,368 s of system time).
+XLA:CPU allocates one temporary arena per executable run (gigabytes for a learner step) and
+frees it afterwards. glibc hands such blocks straight back to the OS, so every run page-faults
+them afresh, and a learner step spends much of its time in the kernel. Keeping freed memory in
+the process instead (one arena, no mmap for large blocks, never trimmed) removes those faults once
+the heap has grown; the cost is that the process keeps its peak memory. Where JAX computes on a
+GPU or TPU the setting is left off: there XLA compiles on many threads, and one arena serialises
+their allocations. The measurements: docs/design.md, "Runtime settings".
 """
 
 from __future__ import annotations
@@ -58,9 +55,8 @@ def release_freed_memory() -> float | None:
 
     With `retain_freed_memory` the heap only grows: a long job whose programs need arenas of many
     sizes (the embedded agent's GRPO steps: rollout programs of each bucket, then the learner's)
-    fragments it, and the first TRACE run's training reached 24 GB on a 24 GB machine. Called after a
-    training step's rollouts and after its update, it costs a round of page faults per phase, not one
-    per executable run (measured: 14.6 GB resident before the call, 4.4 GB after)."""
+    fragments it until the machine's memory runs out. Called after a training step's rollouts and after its
+    update, it costs a round of page faults per phase, not one per executable run."""
     malloc_trim = _glibc_function("malloc_trim")
     if malloc_trim is not None:
         malloc_trim(0)
@@ -113,11 +109,10 @@ def bound_memory_maps(share: float = 0.5, every_s: float = 30.0) -> bool:
     programs' cannot make it drop over and over; each program loads again from the compilation cache when next
     run. Returns whether it dropped them. Looks at most every `every_s` seconds.
 
-    XLA:CPU maps every compiled kernel's code and data apart, about a thousand maps for a sampler's programs
-    of SmolLM2-135M, and a process keeps every program it ran: the embedded agent's GRPO steps added some
-    2,000 maps a minute (new row-prefill, decode and learner shapes) and killed the process at the default
-    limit (65,530) after about 30 minutes ("LLVM ERROR: Unable to allocate section memory"). Dropping the
-    programs frees their maps; reloading one sampler's programs took 4.4 s against 12.2 s to compile them."""
+    XLA:CPU maps every compiled kernel's code and data apart, and a process keeps every program it ran, so a
+    long job meeting new shapes reaches the kernel's limit on maps (vm.max_map_count) and dies with "LLVM
+    ERROR: Unable to allocate section memory". Dropping the programs frees their maps, and reloading them from
+    the compilation cache is cheaper than compiling them (docs/design.md, "Runtime settings")."""
     now = time.monotonic()
     if now - _maps_seen["checked_at"] < every_s:
         return False
@@ -200,8 +195,7 @@ def compilation_cache_dir(environ: Mapping[str, str] | None = None) -> pathlib.P
 
 def enable_compilation_cache() -> pathlib.Path:
     """Keeps every program that took 0.5 s or more to compile in `compilation_cache_dir()`, so a resumed
-    job, a second evaluation or a rerun benchmark loads its programs instead of compiling them again
-    (a row prefill of the embedded agent compiles in 2-6 s here and loads in a tenth of that)."""
+    job, a second evaluation or a rerun benchmark loads its programs instead of compiling them again."""
     import jax  # noqa: PLC0415 (jobs call `retain_freed_memory` before JAX is imported)
 
     folder = compilation_cache_dir()

@@ -68,9 +68,8 @@ def prefix_capacity(n: int) -> int:
     """The padded length of a shared prefix of n tokens: the next multiple of `PREFIX_MULTIPLE`.
 
     A shared prefix (a system prompt) keeps its length for a whole job, so a fine step adds
-    few compiled shapes, while every row attends over all of its padding: padded to a
-    `bucket_size` (1062 -> 1536 tokens for the tool-call task's prompt) the GRPO learner step
-    took 1.6x as long and the sampler's decode read 1.4x the prefix slots it needed.
+    few compiled shapes, while every row attends over all of its padding, which a `bucket_size`
+    would make up to half the prefix (1062 -> 1536 tokens for the tool-call task's prompt).
     """
     return -(-max(int(n), 1) // PREFIX_MULTIPLE) * PREFIX_MULTIPLE
 
@@ -354,13 +353,10 @@ class Sampler:
         """The cache length for `needed` positions: a power of two, at most the context limit.
 
         Every cache length compiles its own decode and row moves (row prefills: every window, the
-        same powers of two up to the cache length), each program with
-        hundreds of kernels, and XLA:CPU maps each kernel's code into memory apart: with the
-        1.5x steps of `bucket_size` and a prefill window of its own, 16 episodes of the embedded
-        agent compiled 97 programs, and GRPO processes died after 40 minutes when their memory
-        maps reached the kernel's limit (vm.max_map_count, 65,530). Powers of two bound the
-        programs for any run (31 for those episodes), for attention over at most twice the
-        positions in use (docs/agentic_rl.md, third round)."""
+        same powers of two up to the cache length), each program with hundreds of kernels, and
+        XLA:CPU maps each kernel's code into memory apart, so a long job's programs can reach the
+        kernel's limit on memory maps (docs/design.md, "Runtime settings"). Powers of two bound the
+        programs of any run, for attention over at most twice the positions in use."""
         return min(max(power_of_two(needed), self.min_cache), self.max_context)
 
     def _rows_width(self, rows: int, batch: int) -> int:

@@ -411,7 +411,7 @@ class RolloutEngine:
 
 def session_rows(used: int, batch_size: int, more_to_start: bool) -> int:
     """The sampler rows of a run whose first episodes use `used` rows: a run whose episodes all start at once
-    takes only what they use (a decode step of 8 rows costs 0.72 of one of 16 for SmolLM2 on this CPU),
+    takes only what they use (a decode step's cost grows with its rows on a CPU),
     rounded up to a power of two so runs of similar size share compiled programs."""
     return batch_size if more_to_start else min(batch_size, 1 << max(used - 1, 0).bit_length())
 

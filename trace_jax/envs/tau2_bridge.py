@@ -2,8 +2,8 @@
 
 Episodes run τ²'s own `Environment`, and τ²'s own `evaluate_simulation` scores them. Each
 domain's DB is parsed once per process; a fresh environment gets a copy-on-read view of it
-(`_CopyOnRead`): building one costs microseconds instead of the 0.2-0.5 s a parse (or a deep
-copy) of the airline DB takes; τ²'s read-only tools read the pristine rows without copying them,
+(`_CopyOnRead`): building one costs microseconds instead of a parse (or a deep copy) of the DB;
+τ²'s read-only tools read the pristine rows without copying them,
 and DB hashes are memoised on what a copy changed (`_fast_toolkit`). The evaluator builds two fresh
 environments per episode (to replay the trajectory and the gold actions) through τ²'s registry,
 where each domain is registered a second time under `cached_domain_name(domain)` with
@@ -143,7 +143,7 @@ class _CopyOnRead(dict):
 class _Snapshot:
     """A pristine DB, parsed once. `copy()` gives a private DB as if freshly loaded: its dict tables
     copy rows on first read (`_CopyOnRead`), other fields are deep-copied (a full copy of the
-    airline DB, 165k objects, costs as much as parsing the file: 0.2-0.5 s here). `hash(db)` is τ²'s
+    airline DB's 165k objects costs as much as parsing the file). `hash(db)` is τ²'s
     DB hash of such a copy, memoised on what the copy changed."""
 
     def __init__(self, db: DB):

@@ -83,8 +83,7 @@ def row_delta(x: jax.Array, a: jax.Array, b: jax.Array, mix: jax.Array) -> jax.A
 
     The backward pass is written out so that each gradient matmul reads x and the output
     gradient in their stored [tokens, features] layout; from autodiff's matmuls XLA:CPU
-    transposed those activations (a [1536, 2040] copy per layer here), about 2 s of a
-    15 s learner step.
+    transposed those activations, a copy per layer (docs/design.md).
     """
     return _row_delta_fwd(x, a, b, mix)[0]
 

@@ -345,8 +345,7 @@ def forward_hidden(
     else:
         new_k, new_v = [], []
         # Each layer is a call of one jitted function: JAX traces and lowers a layer once per program instead
-        # of once per layer (trace and lowering 3.2 -> 0.4 s for SmolLM2's gradient program), and XLA inlines
-        # the calls, so the compiled program is the same (docs/trace_pipeline.md, "Suite time").
+        # of once per layer, and XLA inlines the calls, so the compiled program is the same and builds faster.
         call = jax.jit(layer_fn)
         for i, layer in enumerate(layers):
             lora = (
@@ -368,9 +367,8 @@ def forward_hidden(
 
 def _scan_layers(layer_fn: Callable, x: jax.Array, layers: list, row_lora: Params | None, caches: list[tuple] | None):
     """The layers under `lax.scan`, each rematerialised: the backward pass then holds one layer's
-    temporaries at a time. (Unrolled, XLA:CPU kept attention-sized buffers of every layer alive
-    through the backward pass: 7 GB for a 2k-token sequence on SmolLM2, more than the machine
-    has for a 3.3k-token agent head.) Costs a stacked copy of the layer weights per call."""
+    temporaries at a time (unrolled, XLA:CPU keeps attention-sized buffers of every layer alive through the
+    backward pass, too many for a long agent head). Costs a stacked copy of the layer weights per call."""
     stacked = jax.tree.map(lambda *w: jnp.stack(w), *layers)
     lora_weights = None if row_lora is None else row_lora["weights"]
     stacked_caches = (None,) * 4 if caches is None else tuple(jnp.stack(c) for c in caches)

@@ -62,7 +62,7 @@ def _logprobs_and_entropy(logits: jax.Array, targets: jax.Array) -> tuple[jax.Ar
 
     One softmax serves the value, the entropy (lse - sum(p * logits)) and the gradient
     (onehot - p); written plainly, XLA:CPU computed the entropy in a separate pass over the
-    [B, T, vocab] logits that cost 1.7 s of a 15 s learner step.
+    [B, T, vocab] logits.
     """
     return _logprobs_and_entropy_fwd(logits, targets)[0]
 
