@@ -9,11 +9,11 @@ batch, each cut at 4 agent turns (every one of these 14 tickets' gold solutions 
 capability is trained: the selected ones are calibrated in coverage order, until one passes, on 2 seeds x 4
 samples, half of each group hinted, with the authors' looser gates. Of tool_calling (the capability the embedded
 agent's analysis selects first) only the return family is walked, from its written-call level (-3): the write
-the agent never makes on the held-out return_delivered tickets. The capability is trained for 2 GRPO steps of 2
-tickets x 4 (episodes cut at 3 agent turns, which keep their calls' share of the reward: `calibration.cut_share =
-1`, as most are cut; no held-out evaluation of the adapter alone) and routed. The report shows the calibration,
-the training reward on its environment and the targeted families' sampled pass@4 on 2 held-out tickets each,
-before and after.
+the agent never makes on the held-out return_delivered tickets. The capability is trained for 2 GRPO steps of
+one ticket x 4 episodes (adapters on the top 10 layers; episodes cut at 3 agent turns, which keep their calls'
+share of the reward: `calibration.cut_share = 1`, as most are cut; no held-out evaluation of the adapter alone)
+and routed. The report shows the calibration, the training reward on its environment and the targeted
+families' sampled pass@4 on 2 held-out tickets each, before and after.
 """
 
 import ml_collections
@@ -30,7 +30,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.calibration.update(seeds=2, samples=4, gates="released_code", cut_share=1.0)
     # one try: returns scored 0 at -1 and -2 and passed at -3 on this config's earlier, full walk (docs/results.md)
     config.calibration.update(families=("tool_calling/return",), start_difficulty=-3)
-    config.training.rollout.update(tasks_per_step=2, group_size=4, max_turns=3, resamples=0)
+    config.training.rollout.update(tasks_per_step=1, group_size=4, max_turns=3, resamples=0)
+    config.training.lora.first_layer = 20  # the learner back-propagates through the top 10 layers only
     config.training.train.steps = 2
     config.training.eval.num_tasks = 0  # no held-out evaluation of the adapter alone: the final one routes to it
     config.final.per_adapter = False
