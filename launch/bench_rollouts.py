@@ -24,7 +24,7 @@ from absl import app, flags, logging
 
 from launch import agents
 from trace_jax import runtime
-from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine, rollout_profile
+from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine, rollout_profile
 from trace_jax.envs.embedded_retail import EmbeddedRetail
 from trace_jax.models.model import load_model
 from trace_jax.sampling import Sampler
@@ -65,11 +65,11 @@ def main(argv: list[str]) -> None:
     )
     engine = RolloutEngine(env, sampler=sampler, tokenizer=model.tokenizer, config=config)
     tasks = env.tasks("heldout", _BATCH.value + _EPISODES.value)
-    engine.run([Job(task) for task in tasks[: _BATCH.value]], key=jax.random.key(0))  # warm-up: compiles
+    engine.run([EpisodeSpec(task) for task in tasks[: _BATCH.value]], key=jax.random.key(0))  # warm-up: compiles
     events = collections.Counter()
     jax.monitoring.register_event_listener(lambda name, **_: events.update([name]))
     programs, start = _programs(sampler), time.perf_counter()
-    trajectories = engine.run([Job(task) for task in tasks[_BATCH.value :]], key=jax.random.key(1))
+    trajectories = engine.run([EpisodeSpec(task) for task in tasks[_BATCH.value :]], key=jax.random.key(1))
     seconds = time.perf_counter() - start
     new_programs = {name: count - programs[name] for name, count in _programs(sampler).items()}
     loaded = events["/jax/compilation_cache/cache_hits"]

@@ -11,7 +11,7 @@ import ml_collections
 import pytest
 from scripted_llm_server import ScriptedLLMServer
 
-from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
+from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine
 from trace_jax.envs.embedded_retail import EmbeddedRetail
 from trace_jax.envs.scripted import PlannedAgent, ScriptedUser
 from trace_jax.envs.tau2_bridge import domain_state
@@ -106,7 +106,7 @@ def played():
     for name, (family, plan) in PLANS.items():  # each behaviour on its own task
         task = pools[family].pop(0)
         engine = RolloutEngine(env, agent=PlannedAgent(plan), user=ScriptedUser(), config=RolloutConfig(batch_size=1))
-        records[name] = engine.run([Job(task, 0, -1)], key=jax.random.key(0))[0].record()
+        records[name] = engine.run([EpisodeSpec(task, 0, -1)], key=jax.random.key(0))[0].record()
     trajectories = dict(zip(records, load_trajectories(records.values(), env)))
     return env, records, trajectories
 

@@ -11,7 +11,7 @@ import jax
 import ml_collections
 import pytest
 
-from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
+from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine
 from trace_jax.envs import make_environment
 from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment
 from trace_jax.envs.scripted import GoldAgent, NoopAgent, PlannedAgent, ScriptedUser
@@ -29,7 +29,7 @@ def _env(capability="tool_calling", **kwargs):
 
 def _play(env, agent, tasks):
     engine = RolloutEngine(env, agent=agent, user=ScriptedUser(), config=RolloutConfig(batch_size=8, max_turns=8))
-    return engine.run([Job(task, 0, -1) for task in tasks], key=jax.random.key(0))
+    return engine.run([EpisodeSpec(task, 0, -1) for task in tasks], key=jax.random.key(0))
 
 
 def _gold_and_empty(env, seeds):

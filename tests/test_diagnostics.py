@@ -6,7 +6,8 @@ import math
 import ml_collections
 import pytest
 
-from trace_jax.evaluation import evaluate, recorded_episodes
+from trace_jax.agent.episodes import recorded_episodes
+from trace_jax.evaluation import evaluate
 from trace_jax.trace.diagnostics import (
     diagnostics_defaults,
     diagnostics_table,

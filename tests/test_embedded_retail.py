@@ -231,13 +231,13 @@ def test_prompt_fits_a_small_model_context(env, tasks):
 
 def test_scripted_agents_through_the_rollout_engine(env):
     jax = pytest.importorskip("jax")
-    from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
+    from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine
     from trace_jax.envs.scripted import GoldAgent, NoopAgent, StoppingUser
 
     specs = [spec for split in SPLITS for spec in env.tasks(split, len(FAMILIES))]
     for agent, reward in ((GoldAgent(), 1.0), (NoopAgent(), 0.0)):
         engine = RolloutEngine(env, agent=agent, user=StoppingUser(), config=RolloutConfig(max_turns=8))
-        trajectories = engine.run([Job(spec) for spec in specs], key=jax.random.key(0))
+        trajectories = engine.run([EpisodeSpec(spec) for spec in specs], key=jax.random.key(0))
         assert [t.end_reason for t in trajectories] == [base.END_AGENT_STOP] * len(specs)
         assert [t.outcome.reward for t in trajectories] == [reward] * len(specs)
 
@@ -247,7 +247,7 @@ def test_gold_turns_are_recorded_as_the_models_tokens(env, smollm2):
     mask is one turn's text followed by the end-of-turn token, and the ids decode to the chat
     rendering of the episode, so the clone learns exactly what it will sample."""
     jax = pytest.importorskip("jax")
-    from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
+    from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine
     from trace_jax.envs.scripted import GoldAgent, StoppingUser
 
     tokenizer = smollm2.tokenizer
@@ -255,7 +255,7 @@ def test_gold_turns_are_recorded_as_the_models_tokens(env, smollm2):
     engine = RolloutEngine(
         env, agent=GoldAgent(), user=StoppingUser(), tokenizer=tokenizer, config=RolloutConfig(max_turns=8)
     )
-    for trajectory in engine.run([Job(spec) for spec in specs], key=jax.random.key(0)):
+    for trajectory in engine.run([EpisodeSpec(spec) for spec in specs], key=jax.random.key(0)):
         assert trajectory.outcome.reward == 1.0
         replies = [m["content"] for m in trajectory.messages if m["role"] == "assistant"]
         mask = trajectory.loss_mask

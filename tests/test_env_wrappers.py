@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("tau2")
 
-from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine  # noqa: E402
+from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine  # noqa: E402
 from trace_jax.envs import make_environment  # noqa: E402
 from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment  # noqa: E402
 from trace_jax.envs.guided import GuidedEnvironment  # noqa: E402
@@ -26,7 +26,7 @@ def _capability_config(capability: str, **extra) -> dict:
 
 def _play_gold(env, tasks):
     engine = RolloutEngine(env, agent=GoldAgent(), user=ScriptedUser(), config=RolloutConfig(batch_size=4))
-    return engine.run([Job(t) for t in tasks], key=jax.random.key(0))
+    return engine.run([EpisodeSpec(t) for t in tasks], key=jax.random.key(0))
 
 
 def test_a_guided_episode_differs_from_its_plain_twin_by_the_guidance_after_the_system_prompt():

@@ -16,7 +16,7 @@ import ml_collections
 import pytest
 from scripted_llm_server import ScriptedLLMServer
 
-from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
+from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine
 from trace_jax.envs import make_environment
 from trace_jax.envs.capability import CapabilityEnvironment, authoring, example_airline, example_retail
 from trace_jax.envs.capability.authoring import AuthoringError, capability_from_module, check_scenario
@@ -71,7 +71,7 @@ def _client(server, cache):
 
 def _play(env, agent, tasks):
     engine = RolloutEngine(env, agent=agent, user=ScriptedUser(), config=RolloutConfig(batch_size=8, max_turns=8))
-    return engine.run([Job(task, 0, -1) for task in tasks], key=jax.random.key(0))
+    return engine.run([EpisodeSpec(task, 0, -1) for task in tasks], key=jax.random.key(0))
 
 
 def test_the_writer_asks_again_with_each_failure_until_a_module_passes_then_resumes(tmp_path):

@@ -12,7 +12,8 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 pytest.importorskip("tau2")
 
 from configs import embedded_retail  # noqa: E402
-from trace_jax.evaluation import evaluate, evaluate_together, run_marker  # noqa: E402
+from trace_jax.agent.episodes import run_marker
+from trace_jax.evaluation import evaluate, evaluate_together  # noqa: E402
 
 
 def _records(workdir) -> list[dict]:
@@ -169,7 +170,7 @@ def test_an_evaluation_takes_the_episodes_of_the_same_policies_from_earlier_ones
     import jax
 
     from trace_jax import lora
-    from trace_jax.evaluation import Routes
+    from trace_jax.agent.episodes import Routes
     from trace_jax.models.model import load_model
 
     cfg = load_model(tiny_chat_model).cfg

@@ -25,7 +25,7 @@ pytest.importorskip("tau2")
 
 from configs import grpo_env_tiny, grpo_target_embedded  # noqa: E402
 from trace_jax import lora  # noqa: E402
-from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine  # noqa: E402
+from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine  # noqa: E402
 from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment  # noqa: E402
 from trace_jax.envs.scripted import GoldAgent, ScriptedUser  # noqa: E402
 from trace_jax.models.embedded import embedded_model_dir  # noqa: E402
@@ -116,11 +116,13 @@ def test_the_hinted_row_is_the_unhinted_rendering_of_the_same_turns(tokenizer, t
         config=RolloutConfig(batch_size=4, max_turns=8),
     )
     tasks = env.tasks("train", 3)
-    played = engine.run([Job(task, hint=hint) for task in tasks for hint in (True, False)], key=jax.random.key(0))
+    played = engine.run(
+        [EpisodeSpec(task, hint=hint) for task in tasks for hint in (True, False)], key=jax.random.key(0)
+    )
     for hinted, plain in zip(played[::2], played[1::2]):
         assert hinted.outcome.reward == plain.outcome.reward == 1.0 and hinted.num_turns == plain.num_turns >= 5
-        hinted_prompt, prompt = rollouts.first_prompts(hinted.job.task)
-        hint = env.hint_for(hinted.job.task)
+        hinted_prompt, prompt = rollouts.first_prompts(hinted.spec.task)
+        hint = env.hint_for(hinted.spec.task)
         assert hint in tokenizer.decode(hinted.token_ids[: len(hinted_prompt)])
         made_up = [-(i + 1) * 1e-4 if m else 0.0 for i, m in enumerate(hinted.loss_mask)]
         row = unhinted_sequence(dataclasses.replace(hinted, logprobs=made_up), hinted_prompt, prompt)
@@ -136,7 +138,7 @@ def test_the_hinted_row_is_the_unhinted_rendering_of_the_same_turns(tokenizer, t
         spans = _spans(row.loss_mask)
         assert [tokenizer.decode(row.tokens[start : end - 1]) for start, end in spans] == turns
     with pytest.raises(ValueError, match="does not open with the hinted first prompt"):
-        unhinted_sequence(played[1], *rollouts.first_prompts(played[1].job.task))  # an unhinted episode
+        unhinted_sequence(played[1], *rollouts.first_prompts(played[1].spec.task))  # an unhinted episode
 
 
 @pytest.fixture(scope="module")

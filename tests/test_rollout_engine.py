@@ -3,7 +3,7 @@
 The gold agent replays each task's gold calls and states its facts through the engine's
 parsing, tool execution, episode ends and scoring: every task scores 1. The noop agent
 ends at once and scores 0. A model agent's sampled episodes do not depend on the batch or order
-they are played in (each job has its own random streams).
+they are played in (each episode has its own random streams).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytest.importorskip("tau2")
 
 from trace_jax.agent.rollout import (  # noqa: E402
     MODEL,
-    Job,
+    EpisodeSpec,
     RolloutConfig,
     RolloutEngine,
     rollout_profile,
@@ -38,20 +38,20 @@ def env():
 
 def _run(env, agent, tasks):
     engine = RolloutEngine(env, agent=agent, user=StoppingUser(), config=RolloutConfig(batch_size=4))
-    return engine.run([Job(task) for task in tasks], key=jax.random.key(0))
+    return engine.run([EpisodeSpec(task) for task in tasks], key=jax.random.key(0))
 
 
 def test_gold_agent_scores_one_on_every_task_through_the_engine(env):
     tasks = env.tasks("heldout", 12)
     trajectories = _run(env, GoldAgent(), tasks)
-    assert [t.job.task for t in trajectories] == tasks  # results come back in job order
+    assert [t.spec.task for t in trajectories] == tasks  # results come back in the specs' order
     for trajectory in trajectories:
         assert trajectory.end_reason == base.END_AGENT_STOP
         assert trajectory.outcome.reward == 1.0, trajectory.record()
         calls = [m for m in trajectory.messages if m["role"] == "tool"]
-        assert len(calls) == len(env.episode(trajectory.job.task).gold().tool_calls)
+        assert len(calls) == len(env.episode(trajectory.spec.task).gold().tool_calls)
         assert not any(m["content"].startswith("Error") for m in calls)
-    assert len({t.job.task.family for t in trajectories}) >= 3
+    assert len({t.spec.task.family for t in trajectories}) >= 3
 
 
 def test_noop_agent_ends_at_once_and_scores_zero(env):
@@ -63,7 +63,7 @@ def test_noop_agent_ends_at_once_and_scores_zero(env):
 def test_max_turns_ends_an_episode_with_its_reason(env):
     engine = RolloutEngine(env, agent=GoldAgent(), user=StoppingUser(), config=RolloutConfig(max_turns=1))
     long_tasks = [t for t in env.tasks("heldout", 40) if len(env.episode(t).gold().tool_calls) >= 2][:2]
-    for trajectory in engine.run([Job(task) for task in long_tasks], key=jax.random.key(0)):
+    for trajectory in engine.run([EpisodeSpec(task) for task in long_tasks], key=jax.random.key(0)):
         assert trajectory.end_reason == base.END_MAX_TURNS and trajectory.num_turns == 1
         assert trajectory.outcome.reward == 0.0
 
@@ -92,20 +92,20 @@ def test_a_run_whose_episodes_all_start_at_once_takes_only_the_rows_they_use():
 
 
 def test_sampled_episodes_are_the_same_in_any_batch_or_order(env, tiny_chat_model):
-    """Four jobs (two tasks x two trials) at temperature 1 on the tiny random model: played together in one
+    """Four episodes (two tasks x two trials) at temperature 1 on the tiny random model: played together in one
     batch, and in reverse order two rows at a time, each job's episode is token for token the same, so a run
     can be split across processes (each playing its share) without changing what is played."""
     model = load_model(tiny_chat_model)
     sampler = Sampler(model.cfg, model.params, detokenize=model.tokenizer.decode)
-    jobs = [Job(task, trial) for task in env.tasks("heldout", 2) for trial in range(2)]
+    specs = [EpisodeSpec(task, trial) for task in env.tasks("heldout", 2) for trial in range(2)]
 
     def play(batch_size, order):
         config = RolloutConfig(batch_size=batch_size, max_turns=2, max_tokens_per_turn=12, temperature=1.0)
         engine = RolloutEngine(
             env, agent=MODEL, user=StoppingUser(), sampler=sampler, tokenizer=model.tokenizer, config=config
         )
-        played = engine.run([jobs[i] for i in order], key=jax.random.key(5))
-        return {(t.job.task.task_id, t.job.trial): t.token_ids for t in played}
+        played = engine.run([specs[i] for i in order], key=jax.random.key(5))
+        return {(t.spec.task.task_id, t.spec.trial): t.token_ids for t in played}
 
     together = play(4, [0, 1, 2, 3])
     assert play(2, [3, 2, 1, 0]) == together
@@ -123,7 +123,7 @@ def test_an_opened_turn_is_fed_and_recorded_as_the_agents_own(tiny_chat_model):
     config = RolloutConfig(batch_size=2, max_turns=1, max_tokens_per_turn=6, temperature=1.0)
     engine = RolloutEngine(env, agent=MODEL, sampler=sampler, tokenizer=model.tokenizer, config=config)
     task = env.tasks("train", 1)[0]
-    hinted, plain = engine.run([Job(task, 0, hint=True), Job(task, 1)], key=jax.random.key(0))
+    hinted, plain = engine.run([EpisodeSpec(task, 0, hint=True), EpisodeSpec(task, 1)], key=jax.random.key(0))
     opening = env.episode(task, hint=True).opening
     forced = model.tokenizer.encode(opening)
     assert opening.endswith("return_delivered_order_items") and forced

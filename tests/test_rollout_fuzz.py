@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("tau2")
 
-from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine  # noqa: E402
+from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine  # noqa: E402
 from trace_jax.envs import base  # noqa: E402
 from trace_jax.envs.embedded_retail import EmbeddedRetail  # noqa: E402
 from trace_jax.envs.scripted import StoppingUser  # noqa: E402
@@ -135,7 +135,7 @@ def test_random_and_adversarial_turns_never_crash_the_engine():
     tasks, trajectories, turns = env.tasks("train", TURNS), [], 0
     while turns < TURNS:  # episodes end early on text turns, so play them in batches until enough turns
         batch = engine.run(
-            [Job(task) for task in tasks[len(trajectories) : len(trajectories) + 64]],
+            [EpisodeSpec(task) for task in tasks[len(trajectories) : len(trajectories) + 64]],
             key=jax.random.key(len(trajectories)),
         )
         turns += _check(batch)

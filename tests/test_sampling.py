@@ -125,10 +125,10 @@ def test_row_prefills_are_grouped_to_compute_the_fewest_rows(model):
     cfg, params, _ = model
     sampler = Sampler(cfg, params)
     for n in range(1, 65):
-        groups = sampler._row_groups(n, 64)
+        groups = sampler.shapes.row_groups(n, 64)
         assert sum(groups) == n and groups == sorted(groups, reverse=True)
-        assert sum(sampler._rows_width(k, 64) + 0.5 for k in groups) <= sampler._rows_width(n, 64) + 0.5
-    assert sampler._row_groups(6, 64) == [4, 1, 1] and sampler._row_groups(16, 64) == [16]
+        assert sum(sampler.shapes.rows_width(k, 64) + 0.5 for k in groups) <= sampler.shapes.rows_width(n, 64) + 0.5
+    assert sampler.shapes.row_groups(6, 64) == [4, 1, 1] and sampler.shapes.row_groups(16, 64) == [16]
 
 
 def test_a_session_feeds_rows_while_others_sample(model):
@@ -238,8 +238,8 @@ def test_a_session_compiles_few_programs_whatever_it_is_fed(model):
     cfg, params, _ = model
     sampler = Sampler(cfg, params, decode_chunk=4, min_cache=32, prefill_chunk=64)
     session, rng, capacities = sampler.session(16), np.random.default_rng(0), set()
-    programs = lambda name: getattr(sampler, name)._cache_size()  # _take_rows's cache is shared by all samplers
-    before = programs("_take_rows")
+    programs = lambda name: getattr(sampler.programs, name)._cache_size()  # take_rows's cache is shared by all samplers
+    before = programs("take_rows")
     for _ in range(10):
         rows = rng.choice(16, size=int(rng.integers(1, 17)), replace=False)
         session.feed(
@@ -253,9 +253,9 @@ def test_a_session_compiles_few_programs_whatever_it_is_fed(model):
             capacities.add(session.cache.max_len)
     assert all(c & (c - 1) == 0 for c in capacities), capacities
     windows = [w for w in (32, 64, 128, 256) if w <= max(capacities)]
-    assert programs("_prefill_rows") <= 3 * 2 * len(windows)
-    assert programs("_take_rows") - before <= 3 * len(windows) * len(capacities)
-    assert programs("_decode") <= len(capacities)
+    assert programs("prefill_rows") <= 3 * 2 * len(windows)
+    assert programs("take_rows") - before <= 3 * len(windows) * len(capacities)
+    assert programs("decode") <= len(capacities)
 
 
 def test_sampling_parameters_do_not_recompile_and_key_decides(model):
@@ -270,7 +270,7 @@ def test_sampling_parameters_do_not_recompile_and_key_decides(model):
         top_k=[0, 0, 5],
         **kwargs,
     )
-    compiled = sampler._decode._cache_size()
+    compiled = sampler.programs.decode._cache_size()
     b, _ = sampler.generate(
         [[1, 2]] * 3,
         key=jax.random.key(1),
@@ -287,7 +287,7 @@ def test_sampling_parameters_do_not_recompile_and_key_decides(model):
         top_k=[3, 0, 0],
         **kwargs,
     )
-    assert sampler._decode._cache_size() == compiled
+    assert sampler.programs.decode._cache_size() == compiled
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
 
@@ -446,8 +446,8 @@ def _recorded_sampler(cfg, params, min_shared_prefix, **options):
 
         return call
 
-    sampler._prefill = recording(sampler._prefill, "prefix")
-    sampler._prefill_rows = recording(sampler._prefill_rows, "rows")
+    sampler.programs.prefill = recording(sampler.programs.prefill, "prefix")
+    sampler.programs.prefill_rows = recording(sampler.programs.prefill_rows, "rows")
     return sampler
 
 

@@ -14,7 +14,7 @@ import jax
 from tau2_reference import empty_trajectory_reward, tau2_environment
 
 from configs import tau2_airline, tau2_retail
-from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine
+from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine
 from trace_jax.envs import base
 from trace_jax.envs.scripted import GoldAgent, ScriptedUser
 from trace_jax.envs.tau2_bridge import domain_state
@@ -82,7 +82,7 @@ def test_a_user_who_runs_tools_sees_their_results():
     engine = RolloutEngine(
         env, agent=GoldAgent(), user=ScriptedUser(user_actions=True), config=RolloutConfig(batch_size=4)
     )
-    for trajectory in engine.run([Job(task) for task in tasks], key=jax.random.key(0)):
+    for trajectory in engine.run([EpisodeSpec(task) for task in tasks], key=jax.random.key(0)):
         user_view = trajectory.user_messages
         calls = [i for i, m in enumerate(user_view) if m["role"] == "assistant" and "<tool_call>" in m["content"]]
         assert calls, user_view

@@ -42,7 +42,7 @@ USER = "Zoë Åström"
 # The child's source is ASCII (its command line is decoded in the locale's encoding too).
 ROUND_TRIP = r"""
 import locale, pathlib, sys
-from trace_jax.evaluation import recorded_episodes
+from trace_jax.agent.episodes import recorded_episodes
 from trace_jax.files import append_jsonl, read_json, write_json_atomic, write_jsonl_atomic
 
 assert locale.getpreferredencoding(False) == "ANSI_X3.4-1968", locale.getpreferredencoding(False)

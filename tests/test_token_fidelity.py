@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("tau2")
 
-from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine  # noqa: E402
+from trace_jax.agent.rollout import MODEL, EpisodeSpec, RolloutConfig, RolloutEngine  # noqa: E402
 from trace_jax.envs.embedded_retail import EmbeddedRetail  # noqa: E402
 from trace_jax.rl.batching import pack_sequences  # noqa: E402
 from trace_jax.rl.environment_rollouts import trajectory_sequence  # noqa: E402
@@ -37,7 +37,7 @@ def trajectories(smollm2, env):
     sampler = Sampler(smollm2.cfg, smollm2.params, detokenize=smollm2.tokenizer.decode)
     config = RolloutConfig(batch_size=2, max_turns=3, max_tokens_per_turn=40, temperature=TEMPERATURE)
     engine = RolloutEngine(env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=smollm2.tokenizer, config=config)
-    return engine.run([Job(task) for task in env.tasks("heldout", 2)], key=jax.random.key(3))
+    return engine.run([EpisodeSpec(task) for task in env.tasks("heldout", 2)], key=jax.random.key(3))
 
 
 def _sampled_spans(mask: list[int]) -> list[tuple[int, int]]:
@@ -82,7 +82,7 @@ def test_learner_batches_of_the_trajectories_reproduce_the_sampler_logprobs(smol
         assert len(sampled) == trajectory.generated_tokens > 0
         diff = np.abs(row[scored] - np.asarray(trajectory.logprobs)[sampled]).max()
         print(
-            f"\n[token fidelity] {trajectory.job.task.task_id}: {len(trajectory.token_ids)} ids ({cut} shared), "
+            f"\n[token fidelity] {trajectory.spec.task.task_id}: {len(trajectory.token_ids)} ids ({cut} shared), "
             f"{len(sampled)} sampled over {trajectory.num_turns} turns, max |logprob diff| {diff:.2e}"
         )
         assert diff <= 1e-4
@@ -103,7 +103,7 @@ def test_decoding_the_ids_gives_back_the_messages(smollm2, env, trajectories):
         # after it were never fed to the model); a turn cut at max_tokens lacks only the end-of-turn tag.
         last = max(i for i, m in enumerate(trajectory.messages) if m["role"] == "assistant")
         rendered = tokenizer.render_chat(
-            trajectory.messages[: last + 1], tools=env.episode(trajectory.job.task).tools, add_generation_prompt=False
+            trajectory.messages[: last + 1], tools=env.episode(trajectory.spec.task).tools, add_generation_prompt=False
         )
         decoded = tokenizer.decode(trajectory.token_ids)
         assert rendered.startswith(decoded)

@@ -28,12 +28,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from configs import experiment_tiny, trace_tiny
 from launch.bench_serve import start_server
+from trace_jax.agent.episodes import recorded_episodes, run_marker
 from trace_jax.baselines.experiment import Experiment, scalar_name
 from trace_jax.baselines.experiment import validate_config as validate_experiment_config
 from trace_jax.baselines.gepa import joined_guidance
 from trace_jax.envs import make_environment
 from trace_jax.envs.capability import example_airline, example_retail
-from trace_jax.evaluation import recorded_episodes, run_marker
 from trace_jax.rl.trainer import snapshot_step
 from trace_jax.trace.calibration import calibrate_builtin
 from trace_jax.trace.pipeline import (

@@ -41,7 +41,7 @@ def write_jsonl_atomic(path: pathlib.Path, records: list[Any]) -> None:
 
 def append_jsonl(path: pathlib.Path, record: Any) -> None:
     """Appends `record` as one line, as `write_jsonl_atomic` writes them (a kill may cut the last line; readers
-    such as `trace_jax.evaluation.recorded_episodes` stop before it)."""
+    such as `trace_jax.agent.episodes.recorded_episodes` stop before it)."""
     with open(path, "a", encoding="utf-8") as f:
         f.write(_jsonl_line(record))
 

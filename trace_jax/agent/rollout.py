@@ -68,7 +68,7 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Job:
+class EpisodeSpec:
     """One episode to play: a task, its trial number (for pass^k), the agent's adapter and whether the
     agent plays it with the task's hint in its system prompt (`env.episode(task, hint=True)`, which only
     environments offering hints take: `trace_jax.envs.hints.offers_hint`)."""
@@ -88,7 +88,7 @@ class Job:
 class Trajectory:
     """A finished episode, as the agent saw it, and its score."""
 
-    job: Job
+    spec: EpisodeSpec
     messages: list[base.Message]
     token_ids: list[int]
     loss_mask: list[int]
@@ -103,12 +103,12 @@ class Trajectory:
     def record(self) -> dict[str, Any]:
         """A JSON-ready summary for episode logs (messages and outcome; no token arrays)."""
         return {
-            "task_id": self.job.task.task_id,
-            "family": self.job.task.family,
-            "split": self.job.task.split,
-            "trial": self.job.trial,
-            "hint": self.job.hint,
-            "adapter_idx": self.job.adapter_idx,
+            "task_id": self.spec.task.task_id,
+            "family": self.spec.task.family,
+            "split": self.spec.task.split,
+            "trial": self.spec.trial,
+            "hint": self.spec.hint,
+            "adapter_idx": self.spec.adapter_idx,
             "end_reason": self.end_reason,
             "reward": self.outcome.reward,
             "success": self.outcome.success,
@@ -146,7 +146,7 @@ class _Live:
     """An episode under way."""
 
     index: int
-    job: Job
+    spec: EpisodeSpec
     episode: base.Episode
     agent: _Speaker
     user: _Speaker | None
@@ -159,7 +159,7 @@ class _Live:
 
 
 class RolloutEngine:
-    """Plays jobs in an environment with a model and/or scripted speakers."""
+    """Plays episodes (`EpisodeSpec`s) in an environment with a model and/or scripted speakers."""
 
     def __init__(
         self,
@@ -181,18 +181,18 @@ class RolloutEngine:
         self.stats: collections.Counter = collections.Counter()  # the last run's: see `Session.stats`, and run_s
 
     def run(
-        self, jobs: Sequence[Job], *, key: jax.Array, on_done: Callable[[Trajectory], None] | None = None
+        self, specs: Sequence[EpisodeSpec], *, key: jax.Array, on_done: Callable[[Trajectory], None] | None = None
     ) -> list[Trajectory]:
-        """Plays every job; returns trajectories in job order. `on_done` sees each as it ends.
+        """Plays the episode of every spec; returns trajectories in the specs' order. `on_done` sees each as it ends.
 
         Episodes advance independently: when a model turn ends, the episode takes it (tool calls,
         the user's reply) and its row is fed the next turn while the other rows go on sampling,
-        and an episode that ends frees its rows for the next queued job at once. Each speaker of an
-        episode samples from its own stream of `key` (`Job.stream`), so a job plays the same alone, in
-        any batch or order, or in another process's share of the jobs (numerics allowing).
+        and an episode that ends frees its rows for the next queued episode at once. Each speaker of an
+        episode samples from its own stream of `key` (`EpisodeSpec.stream`), so an episode plays the same alone, in
+        any batch or order, or in another process's share of the episodes (numerics allowing).
         """
-        queue = collections.deque(enumerate(jobs))
-        results: list[Trajectory | None] = [None] * len(jobs)
+        queue = collections.deque(enumerate(specs))
+        results: list[Trajectory | None] = [None] * len(specs)
         live: list[_Live] = []
         free_rows = list(reversed(range(self.config.batch_size))) if self._uses_model else []  # lowest first
         session: Session | None = None
@@ -201,8 +201,8 @@ class RolloutEngine:
         while queue or live:
             runtime.bound_memory_maps()  # a long run meets many shapes (see there)
             while queue and len(live) < self.config.batch_size and len(free_rows) >= self._rows_per_episode:
-                index, job = queue.popleft()
-                live.append(self._start(index, job, free_rows))
+                index, spec = queue.popleft()
+                live.append(self._start(index, spec, free_rows))
             if not live:
                 raise ValueError(f"batch_size {self.config.batch_size} is too small for one episode")
             if session is None and self._uses_model:  # all rows unless every episode has started
@@ -229,8 +229,8 @@ class RolloutEngine:
         self.stats["run_s"] = time.perf_counter() - start
         return results
 
-    def _start(self, index: int, job: Job, free_rows: list[int]) -> _Live:
-        episode = self.env.episode(job.task, hint=True) if job.hint else self.env.episode(job.task)
+    def _start(self, index: int, spec: EpisodeSpec, free_rows: list[int]) -> _Live:
+        episode = self.env.episode(spec.task, hint=True) if spec.hint else self.env.episode(spec.task)
         messages = episode.reset()
         tools = episode.tools
         agent = _Speaker(ChatCodec(self.tokenizer, tools) if self.tokenizer is not None else None, list(messages))
@@ -244,7 +244,7 @@ class RolloutEngine:
             if self.user == MODEL:
                 user.row = free_rows.pop()
         first = "user" if messages[-1]["role"] == "assistant" else "agent"
-        return _Live(index, job, episode, agent, user, next_speaker=first)
+        return _Live(index, spec, episode, agent, user, next_speaker=first)
 
     def _advance(self, item: _Live) -> tuple[_Live, _Speaker, list[int], int] | None:
         """Plays the episode's scripted turns until a model speaker is to speak; returns that turn
@@ -275,7 +275,7 @@ class RolloutEngine:
         if item.next_speaker == "agent":
             return item.agent
         if item.user is None:
-            raise ValueError(f"episode {item.job.task.task_id} awaits a user but has no user simulator")
+            raise ValueError(f"episode {item.spec.task.task_id} awaits a user but has no user simulator")
         return item.user
 
     def _feed(self, session: Session, turns: list, sampling: dict[int, _Live]) -> None:
@@ -285,7 +285,7 @@ class RolloutEngine:
         rows, feeds, adapters, agents, streams = [], [], [], [], []
         for item, speaker, pending, _ in turns:
             agent = speaker is item.agent
-            adapter = item.job.adapter_idx if agent else lora.NO_ADAPTER
+            adapter = item.spec.adapter_idx if agent else lora.NO_ADAPTER
             held = 0 if speaker.token_ids else session.start(speaker.row, pending, adapter, group=agent)
             opened = item.opened if agent else []
             speaker.token_ids += pending + opened
@@ -295,7 +295,7 @@ class RolloutEngine:
             feeds.append(pending[held:] + opened)
             adapters.append(adapter)
             agents.append(agent)
-            streams.append(item.job.stream("agent" if agent else "user"))
+            streams.append(item.spec.stream("agent" if agent else "user"))
             sampling[speaker.row] = item
         session.feed(
             rows,
@@ -376,7 +376,7 @@ class RolloutEngine:
             return
         if result.awaiting_user:
             if item.user is None:
-                raise ValueError(f"episode {item.job.task.task_id} awaits a user but has no user simulator")
+                raise ValueError(f"episode {item.spec.task.task_id} awaits a user but has no user simulator")
             if item.next_speaker == "user":  # the user ran tools (dual control): it sees their results
                 item.user.messages.extend(result.observations)
             else:
@@ -395,7 +395,7 @@ class RolloutEngine:
                 actor.forget(item.episode)
         agent = item.agent
         return Trajectory(
-            item.job,
+            item.spec,
             agent.messages,
             agent.token_ids,
             agent.loss_mask,

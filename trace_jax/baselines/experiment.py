@@ -37,12 +37,13 @@ import ml_collections
 from absl import logging
 
 from trace_jax import distributed, lora
+from trace_jax.agent.episodes import Routes, recorded_episodes
 from trace_jax.agent.rollout import RolloutConfig
 from trace_jax.baselines.gepa import gepa_arm, validate_gepa_config
 from trace_jax.baselines.scaling import plot_scaling, scaling_points, scaling_table
 from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import make_environment
-from trace_jax.evaluation import Routes, evaluate, recorded_episodes
+from trace_jax.evaluation import evaluate
 from trace_jax.files import read_json, write_json_atomic
 from trace_jax.metrics import MetricsWriter, logged_lines
 from trace_jax.report import paired, summarize

@@ -26,12 +26,13 @@ import ml_collections
 from absl import logging
 
 from trace_jax import distributed
-from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine
+from trace_jax.agent.episodes import recorded_episodes
+from trace_jax.agent.rollout import MODEL, EpisodeSpec, RolloutConfig, RolloutEngine
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import make_environment
 from trace_jax.envs.base import Environment, TaskSpec
 from trace_jax.envs.guided import GuidedEnvironment
-from trace_jax.evaluation import evaluate, recorded_episodes
+from trace_jax.evaluation import evaluate
 from trace_jax.files import append_jsonl, write_json_atomic, write_jsonl_atomic
 from trace_jax.llm import ChatClient
 from trace_jax.models.model import Model, load_model
@@ -113,7 +114,7 @@ class EpisodeAdapter:
             records = [
                 t.record()
                 for t in engine.run(
-                    [Job(task) for task in batch], key=jax.random.fold_in(jax.random.key(self.seed), key)
+                    [EpisodeSpec(task) for task in batch], key=jax.random.fold_in(jax.random.key(self.seed), key)
                 )
             ]
             append_jsonl(self.log_path, {"key": key, "records": records})

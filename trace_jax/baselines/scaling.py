@@ -20,8 +20,9 @@ import numpy as np
 from absl import logging
 
 from trace_jax import lora
+from trace_jax.agent.episodes import Routes
 from trace_jax.baselines.gepa import best_within, guided_evaluation
-from trace_jax.evaluation import Routes, evaluate
+from trace_jax.evaluation import evaluate
 from trace_jax.files import read_json
 from trace_jax.rl.trainer import snapshot_step
 

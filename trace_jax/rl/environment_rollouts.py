@@ -30,11 +30,18 @@ from absl import logging
 
 from trace_jax import distributed, lora
 from trace_jax.agent.chat_codec import ChatCodec
-from trace_jax.agent.rollout import MODEL, Job, RolloutConfig, RolloutEngine, Trajectory
+from trace_jax.agent.episodes import (
+    EPISODE_LIMITS,
+    check_base_run,
+    play,
+    recorded_episodes,
+    summarize_run,
+    summary_scalars,
+)
+from trace_jax.agent.rollout import MODEL, EpisodeSpec, RolloutConfig, RolloutEngine, Trajectory
 from trace_jax.envs import make_environment
 from trace_jax.envs.base import TaskSpec
 from trace_jax.envs.hints import hinted_trials, offers_hint
-from trace_jax.evaluation import EPISODE_LIMITS, check_base_run, play, recorded_episodes, summarize_run, summary_scalars
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, StepRollouts
 from trace_jax.rl.curriculum import CurriculumConfig, climb, env_parts, start_state, with_levels
@@ -45,7 +52,7 @@ def trajectory_sequence(trajectory: Trajectory, advantage: float = 0.0) -> Learn
     """The learner's view of a trajectory: its ids, the loss on the agent's sampled tokens, the
     sampler's logprobs, under the adapter it was played with."""
     return LearnerSequence(
-        trajectory.token_ids, trajectory.loss_mask, trajectory.logprobs, advantage, trajectory.job.adapter_idx
+        trajectory.token_ids, trajectory.loss_mask, trajectory.logprobs, advantage, trajectory.spec.adapter_idx
     )
 
 
@@ -56,13 +63,13 @@ def unhinted_sequence(trajectory: Trajectory, hinted_prompt: Sequence[int], prom
     re-render the system prompt, so these are the ids of an unhinted episode with the same turns."""
     head = len(hinted_prompt)
     if list(trajectory.token_ids[:head]) != list(hinted_prompt) or any(trajectory.loss_mask[:head]):
-        raise ValueError(f"episode {trajectory.job.task.task_id} does not open with the hinted first prompt given")
+        raise ValueError(f"episode {trajectory.spec.task.task_id} does not open with the hinted first prompt given")
     return LearnerSequence(
         list(prompt) + list(trajectory.token_ids[head:]),
         [0] * len(prompt) + list(trajectory.loss_mask[head:]),
         [0.0] * len(prompt) + list(trajectory.logprobs[head:]),
         0.0,
-        trajectory.job.adapter_idx,
+        trajectory.spec.adapter_idx,
         hinted=True,
     )
 
@@ -74,8 +81,8 @@ def hinted_per_group(rollout: ml_collections.ConfigDict) -> int:
 
 def hint_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
     """The share of episodes played with the hint, and the mean reward of those and of the others."""
-    hinted = [t.outcome.reward for t in trajectories if t.job.hint]
-    unhinted = [t.outcome.reward for t in trajectories if not t.job.hint]
+    hinted = [t.outcome.reward for t in trajectories if t.spec.hint]
+    unhinted = [t.outcome.reward for t in trajectories if not t.spec.hint]
     out = {f"{prefix}/hinted_share": len(hinted) / len(trajectories)}
     for name, rewards in (("hinted_reward", hinted), ("unhinted_reward", unhinted)):
         if rewards:
@@ -214,16 +221,16 @@ class EnvironmentRollouts:
         rollout_cfg = self.config.rollout
         tasks = self.train_tasks[first_task : first_task + (num_tasks or rollout_cfg.tasks_per_step)]
         hinted = {task.task_id for task in tasks if self.hinted_per_group and offers_hint(self.env, task)}
-        jobs = [
-            Job(task, trial, adapter_idx, hint=trial < self.hinted_per_group and task.task_id in hinted)
+        specs = [
+            EpisodeSpec(task, trial, adapter_idx, hint=trial < self.hinted_per_group and task.task_id in hinted)
             for task in tasks
             for trial in range(rollout_cfg.group_size)
         ]
         engine = self._engine(sampler, self.train_rollout)
-        trajectories = distributed.run_shared(lambda share: engine.run(share, key=key), jobs)
+        trajectories = distributed.run_shared(lambda share: engine.run(share, key=key), specs)
         prompts = {task.task_id: self.first_prompts(task) for task in tasks if task.task_id in hinted}
         sequences = [
-            unhinted_sequence(t, *prompts[t.job.task.task_id]) if t.job.hint else trajectory_sequence(t)
+            unhinted_sequence(t, *prompts[t.spec.task.task_id]) if t.spec.hint else trajectory_sequence(t)
             for t in trajectories
         ]
         rewards = np.array([t.outcome.reward for t in trajectories], np.float64)
@@ -244,13 +251,13 @@ class EnvironmentRollouts:
         per family), with the episodes and the table written under <workdir>/eval/."""
         folder = self.workdir / "eval"
         folder.mkdir(exist_ok=True)
-        jobs = [Job(task, 0, adapter_idx) for task in self.heldout]
+        specs = [EpisodeSpec(task, 0, adapter_idx) for task in self.heldout]
         episodes_path = folder / f"step_{step}.jsonl"
         if self.base_run and adapter_idx == lora.NO_ADAPTER:
             distributed.on_main(lambda: self._seed_base_eval(episodes_path))
         records = play(
             self._engine(sampler, self.eval_rollout, self.eval_env),
-            jobs,
+            specs,
             key=jax.random.key(0),
             episodes_path=episodes_path,
             log_every_s=self.config.log_every_s,
@@ -261,7 +268,7 @@ class EnvironmentRollouts:
         return summary_scalars(summary)
 
     def summary(self, base: dict[str, float], final: dict[str, float]) -> dict:
-        """The job summary's held-out entries: mean reward and success, before and after."""
+        """The spec summary's held-out entries: mean reward and success, before and after."""
         return {
             "base_reward": base["eval/reward"],
             "final_reward": final["eval/reward"],

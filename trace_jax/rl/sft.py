@@ -26,7 +26,7 @@ import numpy as np
 from absl import logging
 
 from trace_jax import distributed, lora
-from trace_jax.agent.rollout import Job, RolloutConfig, RolloutEngine, Trajectory
+from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine, Trajectory
 from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import ENVIRONMENTS, make_environment
 from trace_jax.envs.scripted import GoldAgent, ScriptedUser
@@ -63,7 +63,7 @@ def gold_trajectories(env, tokenizer: ChatTokenizer, tasks, max_turns: int) -> l
     engine = RolloutEngine(
         env, agent=GoldAgent(), user=ScriptedUser(user_actions=True), tokenizer=tokenizer, config=config
     )
-    return engine.run([Job(task, adapter_idx=ADAPTER) for task in tasks], key=jax.random.key(0))
+    return engine.run([EpisodeSpec(task, adapter_idx=ADAPTER) for task in tasks], key=jax.random.key(0))
 
 
 def epoch_order(num: int, seed: int, epoch: int) -> np.ndarray:

@@ -20,7 +20,7 @@ from starlette.routing import Route as Path
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.sampling import FINISH_STOP
 from trace_jax.serve import protocol
-from trace_jax.serve.engine import GenerationRequest, Progress, ServingEngine
+from trace_jax.serve.engine import ChoiceUpdate, GenerationRequest, ServingEngine
 from trace_jax.serve.models import Catalog, Route
 from trace_jax.serve.protocol import ApiError, Sampling, TextDeltas
 
@@ -119,7 +119,7 @@ class Server:
             body["route"] = route.body()
         return JSONResponse(body, headers=headers)
 
-    def _choice(self, final: Progress, chat: bool, tools: list[dict] | None, settings: Sampling) -> dict:
+    def _choice(self, final: ChoiceUpdate, chat: bool, tools: list[dict] | None, settings: Sampling) -> dict:
         ids, logprobs = self.shown(final.token_ids, final.logprobs)
         if chat:
             content, calls = protocol.assistant_reply(final.text, tools)
@@ -144,7 +144,7 @@ class Server:
         return [t for t, _ in kept], [p for _, p in kept]
 
 
-def finish_reason(final: Progress, calls: list[dict] | None) -> str:
+def finish_reason(final: ChoiceUpdate, calls: list[dict] | None) -> str:
     """OpenAI's finish reason: tool_calls, stop (an end token or stop string), or length (a limit reached)."""
     if calls:
         return "tool_calls"
@@ -162,7 +162,7 @@ class _Run:
         self.total = len(prompts) * settings.n
         self.ids = []
         for number, prompt in enumerate(prompts):
-            put: Callable[[Progress], None] = lambda progress, first=number * settings.n: loop.call_soon_threadsafe(
+            put: Callable[[ChoiceUpdate], None] = lambda progress, first=number * settings.n: loop.call_soon_threadsafe(
                 self.queue.put_nowait, (first, progress)
             )
             request = GenerationRequest(
@@ -179,7 +179,7 @@ class _Run:
             )
             self.ids.append(self.engine.submit(request, put))
 
-    async def next(self) -> tuple[int, Progress]:
+    async def next(self) -> tuple[int, ChoiceUpdate]:
         """The next progress of any choice: (choice number, progress); a failed request raises a server error."""
         first, progress = await self.queue.get()
         if progress.error:
@@ -187,9 +187,9 @@ class _Run:
             raise ApiError(progress.error, status=500, kind="server_error")
         return first + progress.index, progress
 
-    async def finals(self, request: Request) -> list[Progress]:
+    async def finals(self, request: Request) -> list[ChoiceUpdate]:
         """Every choice's end, in order; ClientGone (its rows freed) if the client leaves first."""
-        finals: dict[int, Progress] = {}
+        finals: dict[int, ChoiceUpdate] = {}
         while len(finals) < self.total:
             try:
                 number, progress = await asyncio.wait_for(self.next(), _POLL_S)
@@ -206,7 +206,7 @@ class _Run:
         for request_id in self.ids:
             self.engine.cancel(request_id)
 
-    def usage(self, finals: list[Progress]) -> dict:
+    def usage(self, finals: list[ChoiceUpdate]) -> dict:
         n = self.settings.n
         return protocol.usage(
             sum(len(p) for p in self.prompts) * n,
@@ -227,7 +227,7 @@ async def _sse(run: _Run, head: dict, chat: bool, tools: list[dict] | None, rout
     shown_tokens = [0] * run.total
     extra = {"route": route.body()} if route else {}
 
-    def chunk(number: int, text: str, progress: Progress, finish: str | None = None, calls=None) -> dict:
+    def chunk(number: int, text: str, progress: ChoiceUpdate, finish: str | None = None, calls=None) -> dict:
         ids, logprobs = server.shown(progress.token_ids, progress.logprobs)
         new_ids, new_logprobs = ids[shown_tokens[number] :], logprobs[shown_tokens[number] :]
         shown_tokens[number] = len(ids)
@@ -243,7 +243,7 @@ async def _sse(run: _Run, head: dict, chat: bool, tools: list[dict] | None, rout
             choice = {"index": number, "text": text, "logprobs": logs, "finish_reason": finish}
         return {**head, "choices": [choice], **extra}
 
-    finals: dict[int, Progress] = {}
+    finals: dict[int, ChoiceUpdate] = {}
     try:
         if chat:
             for number in range(run.total):

@@ -46,7 +46,7 @@ class GenerationRequest:
 
 
 @dataclasses.dataclass(frozen=True)
-class Progress:
+class ChoiceUpdate:
     """Choice `index` of a request: its tokens so far and, once it ended, its finish reason and text (the
     `Sampler`'s detokenization, a matched stop string cut off); `cached_tokens`: prompt tokens it did not
     prefill (a continued row's, a shared system prompt's). `error`: the request failed (reported once)."""
@@ -60,7 +60,7 @@ class Progress:
     error: str | None = None
 
 
-Callback = Callable[[Progress], None]
+Callback = Callable[[ChoiceUpdate], None]
 
 
 @dataclasses.dataclass
@@ -80,7 +80,7 @@ def choice_stream(seed: int, index: int) -> int:
 class ServingEngine:
     """Plays `GenerationRequest`s on `sampler` in a batch of `batch` rows (see the module docstring).
 
-    `submit` returns a request id and calls `callback` from the engine's thread with each `Progress`;
+    `submit` returns a request id and calls `callback` from the engine's thread with each `ChoiceUpdate`;
     `cancel` drops a request wherever it is. `seed` is the key every row's draws fold their stream into.
     """
 
@@ -269,7 +269,7 @@ class ServingEngine:
             ids, logprobs = self._session.partial(row)
             if len(ids) > active.sent.get(choice, 0):
                 active.sent[choice] = len(ids)
-                active.callback(Progress(choice, tuple(ids), tuple(logprobs)))
+                active.callback(ChoiceUpdate(choice, tuple(ids), tuple(logprobs)))
 
     def _finish(self, row: int, completion) -> None:
         """Reports a choice's end, parks its row (its tokens stay in the cache) and ends a request whose
@@ -280,7 +280,7 @@ class ServingEngine:
         self._parked[row] = (active.request.adapter, tokens)
         self.stats.update(generated_tokens=len(completion.token_ids))
         active.callback(
-            Progress(
+            ChoiceUpdate(
                 choice,
                 tuple(completion.token_ids),
                 tuple(completion.logprobs),
@@ -296,6 +296,6 @@ class ServingEngine:
     def _fail_requests(self, message: str) -> None:
         """Ends every request in flight or waiting with `message` and forgets every row."""
         for active in self._active.values():
-            active.callback(Progress(0, error=message))
+            active.callback(ChoiceUpdate(0, error=message))
         for state in (self._active, self._waiting, self._rows, self._tokens, self._parked):
             state.clear()

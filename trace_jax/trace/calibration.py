@@ -32,10 +32,11 @@ import ml_collections
 import numpy as np
 
 from trace_jax import distributed
+from trace_jax.agent.episodes import recorded_episodes
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs.capability.environment import HINTED_SCAFFOLDS
 from trace_jax.envs.hints import hinted_trials
-from trace_jax.evaluation import evaluate, recorded_episodes
+from trace_jax.evaluation import evaluate
 from trace_jax.files import read_json, write_json_atomic
 from trace_jax.report import pass_at_k
 

@@ -16,8 +16,9 @@ from collections import defaultdict
 import ml_collections
 import numpy as np
 
+from trace_jax.agent.episodes import recorded_episodes
 from trace_jax.config_checks import Check, check_config, number, positive_int
-from trace_jax.evaluation import evaluate, recorded_episodes
+from trace_jax.evaluation import evaluate
 from trace_jax.report import pass_at_k
 
 

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
-from trace_jax.evaluation import recorded_episodes  # noqa: E402
+from trace_jax.agent.episodes import recorded_episodes  # noqa: E402
 from trace_jax.files import read_json  # noqa: E402
 from trace_jax.lora import NO_ADAPTER  # noqa: E402
 from trace_jax.metrics import logged_lines  # noqa: E402

@@ -1,0 +1,171 @@
+"""The sampler's device programs, as pure functions of the weights, the KV cache and per-row arrays: prefill
+(appending each row's new tokens), the row moves a `Session` feeds rows through (take rows out of the cache, put
+them back, copy one row's buffers to another) and the decode loop. `Programs` holds them jitted for one model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from trace_jax import lora as lora_lib
+from trace_jax.models import decoder
+from trace_jax.models.config import ModelConfig
+from trace_jax.sampling.draws import row_keys, sample_from_logits
+
+
+def prefill(params, adapters, cache, tokens, num_new, adapter_idx, *, cfg, constrain):
+    """Appends each row's first num_new[b] tokens; returns logits after each row's last one."""
+    row_lora = lora_lib.for_rows(adapters, adapter_idx)
+    hidden, cache = decoder.forward_hidden(
+        params, tokens, cfg, row_lora=row_lora, cache=cache, num_new=num_new, constrain=constrain
+    )
+    last = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)
+    return decoder.logits_from_hidden(params, last, cfg)[:, 0], cache
+
+
+def take_rows(k, v, lengths, prefix_slot, prefix_len, row_ids, *, window):
+    """Rows `row_ids` of a cache (ids >= the batch give empty padding rows): the first `window`
+    positions of their own buffers in every layer, their lengths and prefixes. A turn's prefill then
+    reads and writes those rows only, and only as far as they reach, not the whole batch at the
+    cache's capacity (attention and the row moves cost rows x positions)."""
+    row = lambda a: a.at[row_ids].get(mode="fill", fill_value=0)
+    own = lambda a: a[:, :, :window].at[row_ids].get(mode="fill", fill_value=0)
+    return tuple(map(own, k)), tuple(map(own, v)), row(lengths), row(prefix_slot), row(prefix_len)
+
+
+def put_rows(k, v, lengths, logits, row_ids, rows_k, rows_v, rows_lengths, row_logits):
+    """Writes rows taken by `take_rows` (and since prefilled) back into their window, with their
+    next-token logits; padding ids are dropped."""
+    row = lambda a, b: a.at[row_ids].set(b, mode="drop")
+    own = lambda a, b: a.at[row_ids, :, : b.shape[2]].set(b, mode="drop")
+    return tuple(map(own, k, rows_k)), tuple(map(own, v, rows_v)), row(lengths, rows_lengths), row(logits, row_logits)
+
+
+def copy_rows(k, v, lengths, logits, src, dst, dst_lengths, dst_logits):
+    """Rows `dst` take the own buffers of rows `src`, with own lengths `dst_lengths` and next-token logits
+    `dst_logits` (an opening's: its length and the logits after it, where `src` may have gone on since); ids
+    >= the batch are padding (copied from empty rows, written nowhere)."""
+    copy = lambda a: a.at[dst].set(a.at[src].get(mode="fill", fill_value=0), mode="drop")
+    return (
+        tuple(map(copy, k)),
+        tuple(map(copy, v)),
+        lengths.at[dst].set(dst_lengths, mode="drop"),
+        logits.at[dst].set(dst_logits, mode="drop"),
+    )
+
+
+class DecodeRows(NamedTuple):
+    """What the decode loop reads per row, one [B] array each: the sampling settings, the random stream
+    (`row_keys`), the adapter, how many tokens the row may still draw, and whether it is idle (done)."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    stream: jax.Array
+    adapter_idx: jax.Array
+    remaining: jax.Array
+    done: jax.Array
+
+
+def decode(
+    params,
+    adapters,
+    cache,
+    logits,
+    key,
+    rows: DecodeRows,
+    stop_ids,
+    return_early,
+    *,
+    cfg,
+    constrain,
+    steps,
+    max_context,
+):
+    """Samples up to `steps` tokens for each row not `rows.done`, feeding each back through the cache;
+    with `return_early`, returns as soon as a row finishes (so its next turn can be fed).
+
+    Every sampled token (stop tokens included) is written to the cache, so a row can
+    later continue after it. Returns tokens and logprobs [B, steps] (-1 / 0 past a
+    row's end), the next logits, the cache, and per row: tokens generated and a
+    finish code (0 running, 1 stop token, 2 length, 3 context full).
+    """
+    temperature, top_p, top_k, streams, adapter_idx, remaining, done = rows
+    row_lora = lora_lib.for_rows(adapters, adapter_idx)
+    batch = logits.shape[0]
+
+    def cond(state):
+        step, _, _, _, done, _, _, finish = state
+        return (step < steps) & ~jnp.all(done) & ~(return_early & jnp.any(finish > 0))
+
+    def body(state):
+        step, cache, logits, count, done, out_tokens, out_logp, finish = state
+        keys = row_keys(key, streams, cache.sequence_lengths)
+        tokens, logp = sample_from_logits(logits, keys, temperature, top_p, top_k)
+        active = ~done
+        out_tokens = out_tokens.at[:, step].set(jnp.where(active, tokens, -1))
+        out_logp = out_logp.at[:, step].set(jnp.where(active, logp, 0.0))
+        count = count + active
+        hit_stop = jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
+        hit_context = cache.sequence_lengths + 1 >= max_context
+        code = jnp.where(hit_stop, 1, jnp.where(count >= remaining, 2, jnp.where(hit_context, 3, 0)))
+        finish = jnp.where(active, code, finish)
+        hidden, cache = decoder.forward_hidden(
+            params,
+            tokens[:, None],
+            cfg,
+            row_lora=row_lora,
+            cache=cache,
+            num_new=active.astype(jnp.int32),
+            constrain=constrain,
+        )
+        logits = jnp.where(active[:, None], decoder.logits_from_hidden(params, hidden, cfg)[:, 0], logits)
+        return step + 1, cache, logits, count, done | (finish > 0), out_tokens, out_logp, finish
+
+    init = (
+        jnp.int32(0),
+        cache,
+        logits,
+        jnp.zeros((batch,), jnp.int32),
+        done,
+        jnp.full((batch, steps), -1, jnp.int32),
+        jnp.zeros((batch, steps), jnp.float32),
+        jnp.zeros((batch,), jnp.int32),
+    )
+    _, cache, logits, count, _, out_tokens, out_logp, finish = jax.lax.while_loop(cond, body, init)
+    return out_tokens, out_logp, logits, cache, count, finish
+
+
+@dataclasses.dataclass
+class Programs:
+    """The kernels jitted for one model and mesh (`constrain`): `prefill` donates the cache it appends to (a fresh
+    batch's, a prefix slot's); `prefill_rows` prefills rows taken out of a cache, which share its prefix slots
+    and so donate nothing; the row moves donate the cache they write; `decode` runs `steps` tokens a call."""
+
+    prefill: Callable
+    prefill_rows: Callable
+    take_rows: Callable
+    put_rows: Callable
+    copy_rows: Callable
+    decode: Callable
+
+    @classmethod
+    def compile(cls, cfg: ModelConfig, constrain: Callable, steps: int, max_context: int) -> Programs:
+        fill = functools.partial(prefill, cfg=cfg, constrain=constrain)
+        return cls(
+            prefill=jax.jit(fill, donate_argnums=(2,)),
+            prefill_rows=jax.jit(fill),
+            take_rows=jax.jit(take_rows, static_argnames="window"),
+            put_rows=jax.jit(put_rows, donate_argnums=(0, 1, 2, 3)),
+            copy_rows=jax.jit(copy_rows, donate_argnums=(0, 1, 2, 3)),
+            decode=jax.jit(
+                functools.partial(decode, cfg=cfg, constrain=constrain, steps=steps, max_context=max_context),
+                donate_argnums=(2,),
+            ),
+        )
