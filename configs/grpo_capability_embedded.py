@@ -15,6 +15,7 @@ call").
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 from configs import trace_embedded
 from trace_jax.trace.calibration import environment_config
@@ -25,6 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
     trace = trace_embedded.get_config()
     env = environment_config("tool_calling", 0, trace.calibration, variant="return")
     config = grpo_config(trace, {**env, "split": "train"}, hints=True)
+    config.loss.tis_cap = config_dict.placeholder(float)  # the copy above dropped the type that lets a flag set it
     config.train.steps = 8
     config.eval.update(num_tasks=16, every=4)
     return config

@@ -13,6 +13,7 @@ adapter per held-out ticket, and every adapter is also evaluated alone for the o
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 from configs import embedded_retail, grpo_target_embedded
 from trace_jax.llm import llm_defaults
@@ -55,7 +56,7 @@ def get_config() -> ml_collections.ConfigDict:
     # under truncated importance sampling the tokens only a hint made likely (the name of a tool the agent never
     # calls) weigh almost nothing (trace_jax/rl/trainer.py).
     config.training.rollout.hint_share = config.calibration.hint_share
-    config.training.loss.tis_cap = None
+    config.training.loss.tis_cap = config_dict.placeholder(float)  # None; a number from the command line
     # Groups of 8 (the paper's code: 16), constant ones re-sampled up to 3 times until half the groups vary; every
     # episode counts toward the budget (trace_jax/rl/resampling.py).
     config.training.rollout.update(group_size=8, resamples=3, min_informative=0.5)
