@@ -18,6 +18,7 @@ weight corrects for the context they were sampled in.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -55,6 +56,19 @@ PREFIX_HIDDEN = "prefix_hidden"
 PASS_THROUGH = ("dropped_fraction",)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Forward:
+    """How the learner runs the model: its config, the mesh's sharding constraint, whether layers are
+    rematerialised, how many bottom layers run forward only (`_run_layers`), and the temperature the
+    logprobs are taken at."""
+
+    cfg: ModelConfig
+    constrain: decoder.Constrain = decoder.no_constraint
+    remat: bool = False
+    frozen: int = 0
+    temperature: float = 1.0
+
+
 @jax.custom_vjp
 def _logprobs_and_entropy(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
     """log p(target) [B, T] and the entropy of each next-token distribution [B, T] (a diagnostic:
@@ -85,12 +99,13 @@ def _logprobs_and_entropy_bwd(residuals, cotangents):
 _logprobs_and_entropy.defvjp(_logprobs_and_entropy_fwd, _logprobs_and_entropy_bwd)
 
 
-def _run_layers(params, tokens, cfg, row_lora, cache, num_new, constrain, remat, frozen, hidden=None):
+def _run_layers(params, tokens, row_lora, cache, num_new, how: _Forward, hidden=None):
     """`decoder.forward_hidden` with its first `frozen` layers, which carry no adapter, run forward
     only: nothing of theirs depends on the adapters, so they need no backward pass (the cache's
     prefix slots of those layers are constants too). frozen = 0 runs every layer as one pass.
     `hidden`: the residual stream entering layer `frozen`, when already computed (`frozen_inputs`)."""
-    kwargs = dict(cache=cache, num_new=num_new, remat=remat, constrain=constrain)
+    cfg, frozen = how.cfg, how.frozen
+    kwargs = dict(cache=cache, num_new=num_new, remat=how.remat, constrain=how.constrain)
     if not frozen:
         return decoder.forward_hidden(params, tokens, cfg, row_lora=row_lora, **kwargs)
     if hidden is None:
@@ -103,28 +118,23 @@ def _run_layers(params, tokens, cfg, row_lora, cache, num_new, constrain, remat,
     )
 
 
-def _prefix_kv(params, adapters, prefix, cfg, constrain, remat, frozen) -> tuple[tuple, tuple]:
+def _prefix_kv(params, adapters, prefix, how: _Forward) -> tuple[tuple, tuple]:
     """Keys and values (one [G, KV, P, hd] array per layer) of the G shared prefixes, each run
     once under its own adapter (prefix_adapter[g])."""
     groups, prefix_len = prefix["prefix_tokens"].shape
     _, cache = _run_layers(
         params,
         prefix["prefix_tokens"],
-        cfg,
         lora.for_rows(adapters, prefix["prefix_adapter"]),
-        decoder.init_cache(cfg, groups, prefix_len, params["embed"].dtype),
+        decoder.init_cache(how.cfg, groups, prefix_len, params["embed"].dtype),
         prefix["prefix_lengths"],
-        constrain,
-        remat,
-        frozen,
+        how,
         prefix.get(PREFIX_HIDDEN),
     )
     return cache.k, cache.v
 
 
-def _final_hidden(
-    params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat, prefix_kv=None, frozen=0, hidden=None
-):
+def _final_hidden(params, adapters, tokens, adapter_idx, prefix, how: _Forward, prefix_kv=None, hidden=None):
     """Final hidden states of `tokens`, each row continuing its shared prefix when `prefix` is given.
 
     The prefixes' keys and values (`prefix_kv`, computed here when not given) become the
@@ -134,11 +144,11 @@ def _final_hidden(
     """
     row_lora = lora.for_rows(adapters, adapter_idx)
     if prefix is None:
-        return _run_layers(params, tokens, cfg, row_lora, None, None, constrain, remat, frozen, hidden)[0]
+        return _run_layers(params, tokens, row_lora, None, None, how, hidden)[0]
     if prefix_kv is None:
-        prefix_kv = _prefix_kv(params, adapters, prefix, cfg, constrain, remat, frozen)
-    cache = _rows_cache(params, tokens, cfg, prefix_kv, prefix["prefix_of_row"], prefix["prefix_lengths"])
-    return _run_layers(params, tokens, cfg, row_lora, cache, None, constrain, remat, frozen, hidden)[0]
+        prefix_kv = _prefix_kv(params, adapters, prefix, how)
+    cache = _rows_cache(params, tokens, how.cfg, prefix_kv, prefix["prefix_of_row"], prefix["prefix_lengths"])
+    return _run_layers(params, tokens, row_lora, cache, None, how, hidden)[0]
 
 
 def _rows_cache(params, tokens, cfg, prefix_kv, prefix_of_row, prefix_lengths) -> decoder.KVCache:
@@ -154,31 +164,17 @@ def _rows_cache(params, tokens, cfg, prefix_kv, prefix_of_row, prefix_lengths) -
 
 
 def _forward_logprobs(
-    params,
-    adapters,
-    tokens,
-    adapter_idx,
-    prefix,
-    cfg,
-    constrain,
-    remat,
-    temperature,
-    prefix_kv=None,
-    frozen=0,
-    positions=None,
-    frozen_hidden=None,
+    params, adapters, tokens, adapter_idx, prefix, how: _Forward, prefix_kv=None, positions=None, frozen_hidden=None
 ):
     """Logprobs and entropies of tokens[:, 1:] under softmax(logits / temperature) (the last position
     predicts nothing, so it is not run); with `positions` [B, K], only of those entries of
     tokens[:, 1:] (the vocabulary projection, a large part of a step, runs on them alone)."""
-    hidden = _final_hidden(
-        params, adapters, tokens[:, :-1], adapter_idx, prefix, cfg, constrain, remat, prefix_kv, frozen, frozen_hidden
-    )
+    hidden = _final_hidden(params, adapters, tokens[:, :-1], adapter_idx, prefix, how, prefix_kv, frozen_hidden)
     targets = tokens[:, 1:]
     if positions is not None:
         hidden = jnp.take_along_axis(hidden, positions[..., None], axis=1)
         targets = jnp.take_along_axis(targets, positions, axis=1)
-    return _logprobs_and_entropy(decoder.logits_from_hidden(params, hidden, cfg) / temperature, targets)
+    return _logprobs_and_entropy(decoder.logits_from_hidden(params, hidden, how.cfg) / how.temperature, targets)
 
 
 def token_logprobs(
@@ -203,7 +199,8 @@ def token_logprobs(
     prefix_lengths[g] tokens, run under adapter prefix_adapter[g]); the prefix tokens are
     context only and the logprobs are still those of tokens[:, 1:].
     """
-    return _forward_logprobs(params, adapters, tokens, adapter_idx, prefix, cfg, constrain, remat, temperature)[0]
+    how = _Forward(cfg, constrain, remat, temperature=temperature)
+    return _forward_logprobs(params, adapters, tokens, adapter_idx, prefix, how)[0]
 
 
 def reference_logprobs(
@@ -222,9 +219,8 @@ def reference_logprobs(
     `prefix_kv`: the prefixes' keys and values under the base, when already computed; `positions`:
     as in `make_grad_fn`."""
     idx = jnp.full(tokens.shape[:1], NO_ADAPTER, jnp.int32)
-    return _forward_logprobs(
-        params, None, tokens, idx, prefix, cfg, constrain, remat, temperature, prefix_kv, positions=positions
-    )[0]
+    how = _Forward(cfg, constrain, remat, temperature=temperature)
+    return _forward_logprobs(params, None, tokens, idx, prefix, how, prefix_kv, positions=positions)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "frozen", "scan"))
@@ -321,24 +317,16 @@ def make_rescore_fn(
     logprob, "hinted_logp_gain") and, with a cap, the mean weight ("hinted_is_weight") and the share the cap
     cut ("hinted_capped").
     """
-    constrain = plan.constrain if plan is not None else decoder.no_constraint
+    how = _Forward(cfg, plan.constrain if plan is not None else decoder.no_constraint, remat, temperature=temperature)
 
     @jax.jit
     def forward(params, weights, scale, mb, shared):
         if plan is not None:
             mb = {k: plan.constrain(v, "batch") for k, v in mb.items()}
         prefix = {**shared, "prefix_of_row": mb["prefix_of_row"]} if shared else None
+        adapters = Adapters(weights, scale)
         return _forward_logprobs(
-            params,
-            Adapters(weights, scale),
-            mb["tokens"],
-            mb["adapter_idx"],
-            prefix,
-            cfg,
-            constrain,
-            remat,
-            temperature,
-            positions=mb["loss_positions"],
+            params, adapters, mb["tokens"], mb["adapter_idx"], prefix, how, positions=mb["loss_positions"]
         )[0]
 
     def rescore(params, weights, scale, batch, hinted):
@@ -411,6 +399,7 @@ def make_grad_fn(
     if objective == "grpo" and loss_cfg is None:
         raise ValueError("objective 'grpo' needs a LossConfig")
     constrain = plan.constrain if plan is not None else decoder.no_constraint
+    how = _Forward(cfg, constrain, remat, frozen_layers, temperature)
     use_kl = objective == "grpo" and loss_cfg.kl_coef > 0
 
     def micro_loss(weights, prefix_kv, scale, params, mb, shared, ref_kv):
@@ -418,18 +407,15 @@ def make_grad_fn(
             mb = {k: plan.constrain(v, "batch") for k, v in mb.items()}
         prefix = {**shared, "prefix_of_row": mb["prefix_of_row"]} if shared else None
         positions = mb.get("loss_positions")
+        adapters = Adapters(weights, scale)
         logp, entropy = _forward_logprobs(
             params,
-            Adapters(weights, scale),
+            adapters,
             mb["tokens"],
             mb["adapter_idx"],
             prefix,
-            cfg,
-            constrain,
-            remat,
-            temperature,
+            how,
             prefix_kv,
-            frozen_layers,
             positions,
             mb.get("frozen_hidden"),
         )
@@ -470,10 +456,8 @@ def make_grad_fn(
     def prefix_forward(params, weights, scale, shared):
         """The prefixes' keys and values, the pullback from their cotangents to adapter gradients, and
         (for the KL term) their keys and values under the base."""
-        prefix_kv, pullback = jax.vjp(
-            lambda w: _prefix_kv(params, Adapters(w, scale), shared, cfg, constrain, remat, frozen_layers), weights
-        )
-        ref_kv = _prefix_kv(params, None, shared, cfg, constrain, remat, 0) if use_kl else None
+        prefix_kv, pullback = jax.vjp(lambda w: _prefix_kv(params, Adapters(w, scale), shared, how), weights)
+        ref_kv = _prefix_kv(params, None, shared, dataclasses.replace(how, frozen=0)) if use_kl else None
         return prefix_kv, pullback, ref_kv
 
     @jax.jit
