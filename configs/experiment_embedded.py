@@ -25,6 +25,9 @@ from trace_jax.baselines.gepa import gepa_defaults
 def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
     config.trace = trace_embedded.get_config()
+    # the committed calibration of the built-in capabilities (launch.calibrate): its tries played with these
+    # settings are taken, not played again
+    config.trace.calibration.resume_from = "docs/results/calibration_embedded"
     config.trace_run = ""  # "" runs the pipeline in <workdir>/trace; else a TRACE run's workdir
     config.budget = config_dict.placeholder(int)  # None: TRACE's own training episodes
     config.arms = ARMS

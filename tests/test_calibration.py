@@ -4,6 +4,7 @@ walk, and a real calibration through the evaluation job (scripted agents, real e
 import json
 import math
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -168,6 +169,17 @@ def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_cal
     assert [t["difficulty"] for t in noop["tries"]] == [0, -1, -2] and noop["tries"][-1]["mean"] == 0.0
     assert noop["reason"].startswith("too hard even at its most scaffolded level (-2)")
     assert calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "noop", agent="gold") == noop
+    walks = tmp_path / "walks" / "multi_step"  # launch.calibrate's layout: <workdir>/<capability>/difficulty_<d>
+    shutil.copytree(tmp_path / "gold", walks)
+    groups = json.loads((walks / "difficulty_0" / "groups.json").read_text())
+    groups["rewards"][0][0] = 0.25  # a mark only a taken try carries
+    (walks / "difficulty_0" / "groups.json").write_text(json.dumps(groups))
+    config.resume_from = str(walks.parent)
+    taken = calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "taken", agent="gold")
+    assert taken["tries"][0]["mean"] < 1.0 and (tmp_path / "taken" / "difficulty_0" / "episodes.jsonl").exists()
+    played = calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "played", agent="noop")
+    assert played["tries"] == noop["tries"]  # the gold agent's tries are not the noop agent's: played afresh
+    config.resume_from = ""
     deeper = calibrate_capability("multi_step", (-3, 2), base, config, tmp_path / "noop", agent="noop")
     assert [t["difficulty"] for t in deeper["tries"]] == [0, -1, -2, -3]  # a new scaffold: the walk goes on
     assert deeper["tries"][:3] == noop["tries"] and deeper["reason"].startswith(

@@ -274,6 +274,22 @@ def _episode_setting(marker: dict) -> str:
     )
 
 
+PLAYED_KEYS = ("split", "num_tasks", "trials", "hint_share", "families", "per_family")  # which episodes a run plays
+
+
+def same_episodes(marker: dict, other: dict) -> bool:
+    """Whether runs of the run markers `marker` and `other` (as run.json holds them) play the same episodes:
+    the same policy and settings (`_episode_setting`) on the same tasks and trials, whatever else differs (batch
+    size, logging)."""
+    played = lambda m: {k: m["config"].get(k) for k in PLAYED_KEYS}
+    return (
+        _episode_setting(marker) == _episode_setting(other)
+        and _policy(marker, 0) == _policy(other, 0)
+        and marker.get("routes") == other.get("routes")
+        and played(marker) == played(other)
+    )
+
+
 def _policy(marker: dict, adapter_idx: int) -> str:
     """The fingerprint of the adapter an episode of the run `marker` played under ("" for the base model)."""
     if "routes" in marker:

@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import math
 import pathlib
+import shutil
 from collections.abc import Callable
 
 import ml_collections
 import numpy as np
+from absl import logging
 
 from trace_jax import distributed
-from trace_jax.agent.episodes import recorded_episodes
+from trace_jax.agent.episodes import jsonable, recorded_episodes, run_marker, same_episodes
 from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs.capability.environment import HINTED_SCAFFOLDS
 from trace_jax.envs.hints import hinted_trials
@@ -97,6 +99,8 @@ def calibration_defaults() -> ml_collections.ConfigDict:
             "cut_share": CUT_SHARE,  # what an episode cut at a limit keeps of its reward (the environment's docstring)
             # "capability/family" entries: the only families walked of the capabilities they name (others: all)
             "families": (),
+            # a calibration workdir (`launch.calibrate`'s) whose tries a walk takes where they played the same episodes
+            "resume_from": "",
         }
     )
 
@@ -113,6 +117,7 @@ def _checks(config: ml_collections.ConfigDict) -> list[Check]:
         ("calibration.min_step", lambda v: number(v) and 0 < v <= 1, "a number in (0, 1]"),
         ("calibration.policy", lambda v: isinstance(v, bool), "True or False"),
         ("calibration.cut_share", *share),
+        ("calibration.resume_from", lambda v: isinstance(v, str), 'a folder, or "" for none'),
         (
             "calibration.families",
             lambda v: isinstance(v, (tuple, list)) and all(e in _family_names() for e in v),
@@ -393,13 +398,17 @@ def _calibrate_walk(
 
     def measure(difficulty: float) -> tuple[np.ndarray, np.ndarray, list[str]]:
         workdir = folder / f"difficulty_{difficulty}"
-        if (workdir / GROUPS).exists():  # measured before: its groups are all the walk needs
-            groups = read_json(workdir / GROUPS)
-            return np.array(groups["rewards"]), np.array(groups["successes"], bool), groups["variants"]
         run = ml_collections.ConfigDict(base_eval.to_dict())
         run.env = environment_config(capability, difficulty, config, scenarios, variant)
         run.update(split="train", num_tasks=config.seeds, trials=config.samples, hint_share=config.hint_share)
         run.rollout.temperature = config.temperature
+        if config.resume_from and not (workdir / GROUPS).exists():
+            tried = pathlib.Path(config.resume_from, capability, variant or "", workdir.name)
+            distributed.on_main(lambda: _take_try(tried, workdir, run_marker(run, agent)))
+            distributed.barrier("calibration try taken")
+        if (workdir / GROUPS).exists():  # measured before: its groups are all the walk needs
+            groups = read_json(workdir / GROUPS)
+            return np.array(groups["rewards"]), np.array(groups["successes"], bool), groups["variants"]
         evaluate(run, workdir, agent=agent)
         rewards, successes, variants = rewards_by_group(
             recorded_episodes(workdir / "episodes.jsonl"), config.seeds, config.samples
@@ -463,6 +472,24 @@ def _calibrate_families(
         result["reason"] = "; ".join(f"{v}: {p['reason']}" for v, p in parts.items())
     distributed.on_main(lambda: write_json_atomic(result_path, result))
     return result
+
+
+TRY_FILES = (GROUPS, "run.json", "summary.json", "table.md", "episodes.jsonl")  # what a taken try brings
+
+
+def _take_try(tried: pathlib.Path, workdir: pathlib.Path, marker: dict) -> None:
+    """Copies the try in `tried` (another calibration's difficulty folder) into `workdir` if its episodes are
+    those this try would play (its run.json against `marker`); its episodes come along where it kept them."""
+    if not (tried / GROUPS).is_file() or not (tried / "run.json").is_file():
+        return
+    if not same_episodes(read_json(tried / "run.json"), jsonable(marker)):
+        logging.info("%s was played with other settings: not taken", tried)
+        return
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name in TRY_FILES:
+        if (tried / name).is_file():
+            shutil.copyfile(tried / name, workdir / name)
+    logging.info("calibration try taken from %s", tried)
 
 
 def _stored_result(path: pathlib.Path, bounds: tuple[int, int]) -> dict | None:
