@@ -35,6 +35,7 @@ from trace_jax import runtime
 from trace_jax.lora import ALL_TARGETS, LoraSpec, init_adapters
 from trace_jax.models.model import load_model
 from trace_jax.rl.learner import make_optimizer, make_train_step
+from trace_jax.rl.learner_batch import LearnerBatch, MicroBatch
 from trace_jax.rl.losses import LossConfig
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Embedded model name or HF checkpoint folder.")
@@ -87,8 +88,8 @@ def _ours(model, data, micro_batches: int, remat: bool):
     spec = LoraSpec(rank=_RANK, alpha=_ALPHA, targets=ALL_TARGETS)
     adapters = init_adapters(jax.random.key(0), model.cfg, spec, 1)
     optimizer = make_optimizer(lr=_LR, clip_norm=_CLIP_NORM)
-    train_step = make_train_step(model.cfg, _LOSS, optimizer, micro_batches=micro_batches, remat=remat)
-    batch = {k: jnp.asarray(v) for k, v in data.items()}
+    train_step = make_train_step(model.cfg, _LOSS, optimizer, remat=remat)
+    batch = LearnerBatch.strided(MicroBatch(**{k: jnp.asarray(v) for k, v in data.items()}), micro_batches)
     state = {"weights": adapters.weights, "opt": optimizer.init(adapters.weights)}
 
     def step() -> float:

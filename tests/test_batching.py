@@ -10,7 +10,8 @@ from trace_jax import lora
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.loading import load_params
 from trace_jax.rl.batching import LearnerSequence, micro_batch_rows, pack_sequences
-from trace_jax.rl.learner import PREFIX_KEYS, token_logprobs
+from trace_jax.rl.learner import token_logprobs
+from trace_jax.rl.learner_batch import LearnerBatch, SharedPrefix
 from trace_jax.sampling import Sampler
 
 _logprobs = jax.jit(token_logprobs, static_argnames=("cfg", "temperature"))
@@ -35,10 +36,21 @@ def _sequences(prompts, completions, logprobs, advantages=None, adapter_idx=None
     ]
 
 
-def _one(batch: dict) -> dict:
-    """The only micro-batch of a packed batch, with the shared-prefix entries."""
-    (mb,) = batch["micro_batches"]
-    return {**mb, **{k: v for k, v in batch.items() if k != "micro_batches"}}
+def _one(batch: LearnerBatch) -> dict:
+    """The only micro-batch of a packed batch as a dict of its arrays, with the shared prefix's as prefix_*."""
+    (mb,) = batch.micro_batches
+    rows = {k: v for k, v in mb.items() if v is not None}
+    if batch.prefix is None:
+        return rows
+    return {**rows, **{f"prefix_{k}": v for k, v in batch.prefix.items() if v is not None}}
+
+
+def _prefix(batch: dict) -> dict:
+    """`token_logprobs`'s shared-prefix arguments for the rows of `_one`."""
+    prefix = SharedPrefix(
+        tokens=batch["prefix_tokens"], lengths=batch["prefix_lengths"], adapter=batch["prefix_adapter"]
+    )
+    return {"prefix": jax.tree.map(jnp.asarray, prefix), "prefix_of_row": jnp.asarray(batch["prefix_of_row"])}
 
 
 @pytest.mark.parametrize("min_shared_prefix", [None, 8])
@@ -71,7 +83,7 @@ def test_rows_hold_prompt_tail_then_completion_and_the_mask_covers_the_completio
             20
         ]
     else:
-        assert not set(PREFIX_KEYS) & set(batch)
+        assert not any(k.startswith("prefix_") for k in batch)
 
 
 def test_packing_by_token_budget_keeps_every_row_once_in_bucketed_shapes():
@@ -85,7 +97,7 @@ def test_packing_by_token_budget_keeps_every_row_once_in_bucketed_shapes():
     ]
     packed = pack_sequences(sequences, token_budget=256, row_multiple=2, min_shared_prefix=None)
     seen = []
-    for mb in packed["micro_batches"]:
+    for mb in packed.micro_batches:
         rows, width = mb["tokens"].shape
         assert rows == micro_batch_rows(width, 256, 2) and rows % 2 == 0  # the shape follows from the width bucket
         assert rows * width <= 256 or rows == 2
@@ -93,9 +105,9 @@ def test_packing_by_token_budget_keeps_every_row_once_in_bucketed_shapes():
         seen += mb["advantages"][real].astype(int).tolist()
         assert all(4 + lengths[int(a)] <= width for a in mb["advantages"][real])
     assert sorted(seen) == list(range(len(lengths)))
-    assert sum(mb["loss_mask"].sum() for mb in packed["micro_batches"]) == sum(lengths)
-    widths = [mb["tokens"].shape[1] for mb in packed["micro_batches"]]
-    assert widths == sorted(widths, reverse=True) and len(packed["micro_batches"]) > 2
+    assert sum(mb["loss_mask"].sum() for mb in packed.micro_batches) == sum(lengths)
+    widths = [mb["tokens"].shape[1] for mb in packed.micro_batches]
+    assert widths == sorted(widths, reverse=True) and len(packed.micro_batches) > 2
 
 
 def test_mixed_adapters_get_one_prefix_each_and_logprobs_equal_full_rows(tiny_checkpoints):
@@ -124,10 +136,9 @@ def test_mixed_adapters_get_one_prefix_each_and_logprobs_equal_full_rows(tiny_ch
     prompts, completions = [prompts[i] for i in order], [completions[i] for i in order]
     assert batch["prefix_adapter"].tolist() == [-1, 0, 1]
     assert batch["prefix_adapter"][batch["prefix_of_row"]].tolist() == adapter_idx
-    prefix = {k: jnp.asarray(batch[k]) for k in (*PREFIX_KEYS, "prefix_of_row")}
     split = np.asarray(
         _logprobs(
-            params, adapters, jnp.asarray(batch["tokens"]), jnp.asarray(batch["adapter_idx"]), cfg=cfg, prefix=prefix
+            params, adapters, jnp.asarray(batch["tokens"]), jnp.asarray(batch["adapter_idx"]), cfg=cfg, **_prefix(batch)
         )
     )
     width = max(len(p) + len(c) for p, c in zip(prompts, completions))  # full rows, right-padded (causal: exact)
@@ -175,7 +186,6 @@ def test_sampler_logprobs_equal_learner_logprobs_of_the_built_batch(tiny_checkpo
         )
     )  # 4 rows of 16
     assert batch["prefix_lengths"].tolist() == [30]
-    prefix = {k: jnp.asarray(batch[k]) for k in (*PREFIX_KEYS, "prefix_of_row")}
     learner = np.asarray(
         _logprobs(
             params,
@@ -183,7 +193,7 @@ def test_sampler_logprobs_equal_learner_logprobs_of_the_built_batch(tiny_checkpo
             jnp.asarray(batch["tokens"]),
             jnp.asarray(batch["adapter_idx"]),
             cfg=cfg,
-            prefix=prefix,
+            **_prefix(batch),
             temperature=0.7,
         )
     )
@@ -193,7 +203,7 @@ def test_sampler_logprobs_equal_learner_logprobs_of_the_built_batch(tiny_checkpo
     np.testing.assert_allclose(learner[mask], batch["old_logp"][mask], atol=1e-5)
     plain = np.asarray(
         _logprobs(
-            params, adapters, jnp.asarray(batch["tokens"]), jnp.asarray(batch["adapter_idx"]), cfg=cfg, prefix=prefix
+            params, adapters, jnp.asarray(batch["tokens"]), jnp.asarray(batch["adapter_idx"]), cfg=cfg, **_prefix(batch)
         )
     )
     plain = np.take_along_axis(plain, batch["loss_positions"], axis=1)

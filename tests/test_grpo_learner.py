@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from batches import as_batch
 from numerics import tree_rel
 
 from trace_jax import lora
 from trace_jax.lora import Adapters, LoraSpec
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.loading import load_params
-from trace_jax.rl.learner import (
-    ROW_KEYS,
-    make_grad_fn,
-    make_optimizer,
-    make_train_step,
-    reference_logprobs,
-    token_logprobs,
-)
+from trace_jax.rl.learner import make_grad_fn, make_optimizer, make_train_step, token_logprobs
+from trace_jax.rl.learner_batch import LearnerBatch
 from trace_jax.rl.losses import LossConfig
 from trace_jax.sharding import ShardingPlan, make_mesh
 
@@ -68,15 +64,24 @@ def make_batch(key, cfg, params, adapters):
 
 
 @functools.cache
+def _grads(cfg, loss_cfg, plan=None):
+    return make_grad_fn(cfg, loss_cfg, plan=plan)
+
+
 def grad_fn(cfg, loss_cfg, micro_batches, plan=None):
-    return make_grad_fn(cfg, loss_cfg, micro_batches=micro_batches, plan=plan)
+    """The learner's gradient of a flat test batch (`batches.as_batch`) split into `micro_batches`."""
+    grads = _grads(cfg, loss_cfg, plan)
+    return lambda params, weights, scale, flat: grads(params, weights, scale, as_batch(flat, micro_batches))
 
 
 @functools.cache
 def train_step(cfg, loss_cfg):
-    """(optimizer, step) with lr 1e-2, so that one update visibly moves the policy."""
+    """(optimizer, step of a flat test batch) with lr 1e-2, so that one update visibly moves the policy."""
     optimizer = make_optimizer(lr=1e-2)
-    return optimizer, make_train_step(cfg, loss_cfg, optimizer, micro_batches=1)
+    step = make_train_step(cfg, loss_cfg, optimizer)
+    return optimizer, lambda params, weights, opt_state, scale, flat: step(
+        params, weights, opt_state, scale, as_batch(flat)
+    )
 
 
 def test_micro_batches_equal_full_batch(setup):
@@ -99,8 +104,9 @@ def test_updates_per_step_take_one_optimizer_update_per_dealt_mini_batch(setup):
     cfg, params, _, adapters, batch = setup
     optimizer = make_optimizer(lr=1e-2)
     one, two = (make_train_step(cfg, LOSS, optimizer, updates=n) for n in (1, 2))
-    rows = [{k: batch[k][i : i + 2] for k in ROW_KEYS if k in batch} for i in range(0, B, 2)]
-    packed = lambda parts: {"micro_batches": parts, "dropped_fraction": batch["dropped_fraction"]}
+    whole_rows = as_batch(batch).micro_batches[0]
+    rows = [whole_rows.take(slice(i, i + 2)) for i in range(0, B, 2)]
+    packed = lambda parts: LearnerBatch(tuple(parts), dropped_fraction=float(batch["dropped_fraction"]))
     copy = lambda: jax.tree.map(jnp.copy, adapters.weights)  # every step donates its weights
     # Two updates: micro-batches 0 and 2, then 1 and 3, each its own mean loss and AdamW step.
     weights, opt_state = copy(), optimizer.init(adapters.weights)
@@ -124,9 +130,11 @@ def test_sharded_gradients_equal_single_device(setup, shared_prefix):
         batch = _with_shared_prefixes(cfg, batch)[1]
     full, _ = grad_fn(cfg, LOSS, 1)(params, adapters.weights, adapters.scale, batch)
     plan = ShardingPlan(make_mesh(data=2, fsdp=2, tensor=2))
-    rows = {k: jax.device_put(v, plan.activation_sharding("batch", v.shape)) for k, v in batch.items() if k in ROW_KEYS}
-    sharded, _ = grad_fn(cfg, LOSS, 2, plan)(
-        plan.shard_params(params), plan.shard_params(adapters.weights), adapters.scale, {**batch, **rows}
+    put = lambda v: jax.device_put(v, plan.activation_sharding("batch", v.shape))
+    split = as_batch(batch, 2)
+    split = dataclasses.replace(split, micro_batches=tuple(jax.tree.map(put, mb) for mb in split.micro_batches))
+    sharded, _ = _grads(cfg, LOSS, plan)(
+        plan.shard_params(params), plan.shard_params(adapters.weights), adapters.scale, split
     )
     err = tree_rel(sharded, full)
     print(
@@ -196,7 +204,8 @@ def test_base_params_are_never_differentiated_nor_changed(setup):
     matrix_shapes = {tuple(x.shape) for x in jax.tree.leaves(params) if x.ndim == 2}
     step_shapes = set(_eqn_shapes(jax.make_jaxpr(step)(params, weights, opt_state, adapters.scale, batch).jaxpr))
     assert not step_shapes & matrix_shapes
-    base_grad = jax.grad(lambda p: reference_logprobs(p, batch["tokens"], cfg).sum())
+    no_adapter = jnp.full((B,), lora.NO_ADAPTER, jnp.int32)
+    base_grad = jax.grad(lambda p: token_logprobs(p, None, batch["tokens"], no_adapter, cfg).sum())
     assert matrix_shapes <= set(_eqn_shapes(jax.make_jaxpr(base_grad)(params).jaxpr))
     # The optimizer state only holds adapter-shaped slots; the base is bitwise unchanged.
     adapter_shapes = {x.shape for x in jax.tree.leaves(weights)}
@@ -209,10 +218,12 @@ def test_base_params_are_never_differentiated_nor_changed(setup):
 
 def test_bad_batches_are_errors(setup):
     cfg, params, _, adapters, batch = setup
-    with pytest.raises(ValueError, match="micro-batches"):
-        make_grad_fn(cfg, LOSS, micro_batches=3)(params, adapters.weights, adapters.scale, batch)
-    with pytest.raises(ValueError, match="rewards"):
-        grad_fn(cfg, LOSS, 1)(params, adapters.weights, adapters.scale, {**batch, "rewards": batch["advantages"]})
+    with pytest.raises(ValueError, match="does not split into 3 micro-batches"):
+        grad_fn(cfg, LOSS, 3)(params, adapters.weights, adapters.scale, batch)
+    with pytest.raises(ValueError, match=r"MicroBatch.old_logp has shape \(8, 10\), expected \(8, 11\)"):
+        grad_fn(cfg, LOSS, 1)(params, adapters.weights, adapters.scale, {**batch, "old_logp": batch["old_logp"][:, 1:]})
+    with pytest.raises(ValueError, match="no micro-batches"):
+        _grads(cfg, LOSS)(params, adapters.weights, adapters.scale, LearnerBatch(()))
 
 
 def _with_shared_prefixes(cfg, batch) -> tuple[dict, dict, list[int]]:
@@ -261,10 +272,12 @@ def test_shared_prefix_equals_full_sequences(setup):
     assert err <= 1e-6
     for k in ("loss", "kl_ref", "clip_fraction", "entropy"):
         assert abs(float(split_metrics[k]) - float(full_metrics[k])) <= 1e-5 * max(1.0, abs(float(full_metrics[k]))), k
-    prefix = {k: split_batch[k] for k in ("prefix_tokens", "prefix_lengths", "prefix_adapter", "prefix_of_row")}
+    prefix, prefix_of_row = as_batch(split_batch).prefix, split_batch["prefix_of_row"]
     adapter_idx = split_batch["adapter_idx"]
     logprobs = jax.jit(token_logprobs, static_argnames="cfg")
-    split_logp = logprobs(params, adapters, jnp.asarray(batch["tokens"]), adapter_idx, cfg=cfg, prefix=prefix)
+    split_logp = logprobs(
+        params, adapters, jnp.asarray(batch["tokens"]), adapter_idx, cfg=cfg, prefix=prefix, prefix_of_row=prefix_of_row
+    )
     whole_logp = logprobs(params, adapters, jnp.asarray(full_batch["tokens"]), adapter_idx, cfg=cfg)
     for b, p in enumerate(prefix_lengths):
         assert np.abs(np.asarray(split_logp[b]) - np.asarray(whole_logp[b, p : p + T - 1])).max() <= 1e-5
@@ -272,10 +285,13 @@ def test_shared_prefix_equals_full_sequences(setup):
 
 def test_incomplete_shared_prefix_is_rejected(setup):
     cfg, params, _, adapters, batch = setup
-    with pytest.raises(ValueError, match="prefix"):
+    full_batch, split_batch, _ = _with_shared_prefixes(cfg, batch)
+    with pytest.raises(ValueError, match="a shared prefix needs prefix_of_row in every micro-batch"):
         grad_fn(cfg, LOSS, 1)(
-            params, adapters.weights, adapters.scale, {**batch, "prefix_tokens": np.zeros((1, 3), np.int32)}
+            params, adapters.weights, adapters.scale, {k: v for k, v in split_batch.items() if k != "prefix_of_row"}
         )
+    with pytest.raises(ValueError, match="a shared prefix needs prefix_of_row"):  # rows of a prefix, and none
+        grad_fn(cfg, LOSS, 1)(params, adapters.weights, adapters.scale, {**full_batch, "prefix_of_row": np.zeros(B)})
 
 
 def test_fused_logprobs_and_entropy_match_the_plain_formulas():

@@ -194,10 +194,10 @@ def test_sampled_hinted_rows_carry_the_hinted_logprobs_and_rescore_to_the_unhint
     batch = pack_sequences(sequences, token_budget=64, min_shared_prefix=64)
     rescore = make_rescore_fn(model.cfg, LossConfig(tis_cap=TIS_CAP))
     rescored, metrics = rescore(model.params, adapters.weights, adapters.scale, batch, [True, False])
-    cut = int(batch["prefix_lengths"][0])
+    cut = int(batch.prefix.lengths[0])
     rows = [
         (mb, before, row, index)
-        for mb, before in zip(rescored["micro_batches"], batch["micro_batches"])
+        for mb, before in zip(rescored.micro_batches, batch.micro_batches)
         for row, index in enumerate(mb["sequence"])
         if index >= 0
     ]

@@ -86,12 +86,12 @@ def test_token_budget_micro_batches_equal_the_full_batch(setup, objective):
     (full, full_metrics), full_batch = _grads(setup, objective, token_budget=ONE_MICRO_BATCH, min_shared_prefix=8)
     (packed, metrics), batch = _grads(setup, objective, token_budget=64, min_shared_prefix=8)
     (plain, _), plain_batch = _grads(setup, objective, token_budget=ONE_MICRO_BATCH, min_shared_prefix=None)
-    widths = {mb["tokens"].shape[1] for mb in batch["micro_batches"]}
-    assert len(full_batch["micro_batches"]) == 1 and len(batch["micro_batches"]) >= 4 and len(widths) >= 2
-    assert batch["prefix_lengths"].tolist() == [HEAD] and "prefix_tokens" not in plain_batch
+    widths = {mb["tokens"].shape[1] for mb in batch.micro_batches}
+    assert len(full_batch.micro_batches) == 1 and len(batch.micro_batches) >= 4 and len(widths) >= 2
+    assert batch.prefix.lengths.tolist() == [HEAD] and plain_batch.prefix is None
     err, err_plain = tree_rel(packed, full), tree_rel(plain, full)
     print(
-        f"\n[packed learner] {objective}: {len(batch['micro_batches'])} micro-batches, widths {sorted(widths)}: "
+        f"\n[packed learner] {objective}: {len(batch.micro_batches)} micro-batches, widths {sorted(widths)}: "
         f"grad rel diff {err:.2e}; without the shared head {err_plain:.2e}"
     )
     assert err <= 1e-6 and err_plain <= 1e-6
@@ -102,9 +102,8 @@ def test_token_budget_micro_batches_equal_the_full_batch(setup, objective):
 def test_packed_logprobs_are_those_of_the_full_sequences(setup):
     cfg, params, adapters, sequences = setup
     batch = pack_sequences(sequences, token_budget=64, min_shared_prefix=8)
-    shared = {k: batch[k] for k in ("prefix_tokens", "prefix_lengths", "prefix_adapter")}
     found = {}
-    for mb in batch["micro_batches"]:
+    for mb in batch.micro_batches:
         logp = np.asarray(
             _LOGPROBS(
                 params,
@@ -112,7 +111,8 @@ def test_packed_logprobs_are_those_of_the_full_sequences(setup):
                 mb["tokens"],
                 mb["adapter_idx"],
                 cfg=cfg,
-                prefix={**shared, "prefix_of_row": mb["prefix_of_row"]},
+                prefix=batch.prefix,
+                prefix_of_row=mb["prefix_of_row"],
             )
         )
         for row in np.flatnonzero(mb["loss_mask"].sum(axis=1)):
@@ -191,7 +191,7 @@ def test_frozen_bottom_layers_give_the_same_gradients(setup):
     assert all(float(jnp.abs(w["a"][:, 0]).max()) == 0 for w in adapters.weights.values())
     batch = pack_sequences(sequences, token_budget=ONE_MICRO_BATCH, min_shared_prefix=8)
     streams = frozen_inputs(params, cfg, 1, batch)
-    assert streams["prefix_hidden"].shape == (1, batch["prefix_tokens"].shape[1], cfg.hidden_size)
+    assert streams.prefix.hidden.shape == (1, batch.prefix.tokens.shape[1], cfg.hidden_size)
     # GRPO's loss only: the frozen layers sit below the objective, which the SFT tests above cover.
     whole, _ = make_grad_fn(cfg, LOSS)(params, adapters.weights, adapters.scale, batch)
     frozen_fn = make_grad_fn(cfg, LOSS, frozen_layers=1, remat=True)
@@ -206,7 +206,7 @@ def test_frozen_bottom_layers_give_the_same_gradients(setup):
     for g in jax.tree.leaves(jax.tree.map(lambda w: w[:, 0], (frozen, cached, whole))):
         assert float(jnp.abs(g).max()) == 0.0
     # The learner does run from the given streams: other streams give other gradients.
-    shifted = {**streams, "prefix_hidden": streams["prefix_hidden"] + 1.0}
+    shifted = dataclasses.replace(streams, prefix=streams.prefix.replace(hidden=streams.prefix.hidden + 1.0))
     assert tree_rel(frozen_fn(params, adapters.weights, adapters.scale, shifted)[0], whole) > 1e-3
     with pytest.raises(ValueError, match="frozen_layers > 0"):
         make_grad_fn(cfg, LOSS)(params, adapters.weights, adapters.scale, streams)
@@ -238,9 +238,9 @@ def _rescored(setup, sequences, loss=HINT_LOSS):
 def test_rescoring_gives_hinted_rows_the_policys_logprobs_and_leaves_the_others_bit_for_bit(setup, hinted):
     batch, rescored, metrics = _rescored(setup, hinted)
     weights, seen = [], set()
-    for mb, before in zip(rescored["micro_batches"], batch["micro_batches"]):
-        assert set(mb) == set(before) | {"sampler_logp"}
-        assert all(np.array_equal(mb[k], before[k]) for k in before if k != "old_logp")
+    for mb, before in zip(rescored.micro_batches, batch.micro_batches):
+        assert before["sampler_logp"] is None and mb["sampler_logp"] is not None
+        assert all(np.array_equal(mb[k], before[k]) for k in before if k not in ("old_logp", "sampler_logp"))
         assert np.array_equal(mb["sampler_logp"], before["old_logp"])  # the sampler's, as packed
         for row, index in enumerate(mb["sequence"]):
             if index < 0:

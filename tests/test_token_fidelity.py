@@ -59,11 +59,10 @@ def test_learner_batches_of_the_trajectories_reproduce_the_sampler_logprobs(smol
     batch = pack_sequences(
         [trajectory_sequence(t, advantage=i) for i, t in enumerate(trajectories)], token_budget=1, min_shared_prefix=64
     )  # one row per micro-batch
-    assert len(batch["micro_batches"]) == len(trajectories)
-    shared = {k: batch[k] for k in ("prefix_tokens", "prefix_lengths", "prefix_adapter")}
-    cut = int(batch["prefix_lengths"][0])
+    assert len(batch.micro_batches) == len(trajectories)
+    cut = int(batch.prefix.lengths[0])
     rescore = jax.jit(token_logprobs, static_argnames=("cfg", "temperature"))
-    for mb in batch["micro_batches"]:
+    for mb in batch.micro_batches:
         trajectory = trajectories[int(mb["advantages"][0])]
         row = np.asarray(
             rescore(
@@ -72,7 +71,8 @@ def test_learner_batches_of_the_trajectories_reproduce_the_sampler_logprobs(smol
                 mb["tokens"],
                 mb["adapter_idx"],
                 cfg=smollm2.cfg,
-                prefix={**shared, "prefix_of_row": mb["prefix_of_row"]},
+                prefix=batch.prefix,
+                prefix_of_row=mb["prefix_of_row"],
                 temperature=TEMPERATURE,
             )
         )[0]

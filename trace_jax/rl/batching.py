@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from trace_jax.rl.learner_batch import LearnerBatch, MicroBatch, SharedPrefix
 from trace_jax.sampling import bucket_size, prefix_capacity, shared_prefix_length
 
 MIN_WIDTH = 16  # the narrowest row bucket
@@ -105,8 +106,8 @@ def pack_sequences(
     min_shared_prefix: int | None = 64,
     pad_id: int = 0,
     prefix_length: int | None = None,
-) -> dict:
-    """The learner batch ({"micro_batches": [...], shared-prefix entries}) of `sequences`.
+) -> LearnerBatch:
+    """The learner batch of `sequences`: micro-batches and the head they share.
 
     Row entries per micro-batch: tokens [R, W]; loss_positions [R, K], the entries of tokens[:, 1:]
     that are learned (the learner projects only those onto the vocabulary; K is the row's
@@ -150,14 +151,16 @@ def pack_sequences(
             _rows([learned[i] for i in chosen], [kept[i] for i in chosen], rows, width, cut, adapters, pad_id)
         )
         at += rows
-    batch: dict = {"micro_batches": micro_batches}
-    if cut:
-        prefix = np.full((prefix_capacity(cut),), pad_id, np.int32)
-        prefix[:cut] = learned[0].tokens[:cut]
-        batch["prefix_tokens"] = np.tile(prefix, (len(adapters), 1))
-        batch["prefix_lengths"] = np.full((len(adapters),), cut, np.int32)
-        batch["prefix_adapter"] = np.asarray(adapters, np.int32)
-    return batch
+    if not cut:
+        return LearnerBatch(tuple(micro_batches))
+    head = np.full((prefix_capacity(cut),), pad_id, np.int32)
+    head[:cut] = learned[0].tokens[:cut]
+    prefix = SharedPrefix(
+        tokens=np.tile(head, (len(adapters), 1)),
+        lengths=np.full((len(adapters),), cut, np.int32),
+        adapter=np.asarray(adapters, np.int32),
+    )
+    return LearnerBatch(tuple(micro_batches), prefix=prefix)
 
 
 def _rows(
@@ -168,7 +171,7 @@ def _rows(
     cut: int,
     adapters: list[int],
     pad_id: int,
-) -> dict[str, np.ndarray]:
+) -> MicroBatch:
     """One micro-batch of `rows` x `width`: the sequences after the shared prefix, then padding rows."""
     learned = [np.flatnonzero(s.loss_mask[cut + 1 : s.last_learned() + 1]) for s in sequences]
     scored = min(bucket_size(max(len(at) for at in learned), MIN_WIDTH), width - 1)
@@ -188,25 +191,23 @@ def _rows(
         adapter_idx[i] = s.adapter_idx
     sequence = np.full((rows,), -1, np.int32)
     sequence[: len(indices)] = indices
-    batch = {
-        "tokens": tokens,
-        "loss_positions": positions,
-        "loss_mask": loss_mask,
-        "old_logp": old_logp,
-        "advantages": advantages,
-        "adapter_idx": adapter_idx,
-        "sequence": sequence,
-    }
-    if cut:
-        batch["prefix_of_row"] = np.searchsorted(adapters, adapter_idx).astype(np.int32)
-    return batch
+    return MicroBatch(
+        tokens=tokens,
+        adapter_idx=adapter_idx,
+        loss_mask=loss_mask,
+        advantages=advantages,
+        old_logp=old_logp,
+        loss_positions=positions,
+        prefix_of_row=np.searchsorted(adapters, adapter_idx).astype(np.int32) if cut else None,
+        sequence=sequence,
+    )
 
 
-def learned_tokens(batch: dict) -> int:
+def learned_tokens(batch: LearnerBatch) -> int:
     """How many loss tokens a packed batch holds."""
-    return int(sum(mb["loss_mask"].sum() for mb in batch["micro_batches"]))
+    return int(sum(mb.loss_mask.sum() for mb in batch.micro_batches))
 
 
-def padded_tokens(batch: dict) -> int:
+def padded_tokens(batch: LearnerBatch) -> int:
     """How many token positions a packed batch runs (padding included; the shared prefix not)."""
-    return int(sum(mb["tokens"].size for mb in batch["micro_batches"]))
+    return int(sum(mb.tokens.size for mb in batch.micro_batches))

@@ -32,28 +32,9 @@ from trace_jax.distributed import host_array
 from trace_jax.lora import NO_ADAPTER, Adapters
 from trace_jax.models import decoder
 from trace_jax.models.config import ModelConfig
+from trace_jax.rl.learner_batch import LearnerBatch, MicroBatch, SharedPrefix
 from trace_jax.rl.losses import LossConfig, policy_loss, sft_loss, tis_weight
 from trace_jax.sharding import ShardingPlan
-
-# Per-row batch entries (split into micro-batches).
-ROW_KEYS = (
-    "tokens",
-    "loss_mask",
-    "advantages",
-    "old_logp",
-    "sampler_logp",
-    "adapter_idx",
-    "prefix_of_row",
-    "loss_positions",
-    "frozen_hidden",
-    "sequence",
-)
-# Shared prefixes, given whole to every micro-batch (see `token_logprobs`), and optionally their
-# residual streams entering the first adapted layer (see `frozen_inputs`).
-PREFIX_KEYS = ("prefix_tokens", "prefix_lengths", "prefix_adapter")
-PREFIX_HIDDEN = "prefix_hidden"
-# Scalars passed through to the metrics.
-PASS_THROUGH = ("dropped_fraction",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,36 +99,39 @@ def _run_layers(params, tokens, row_lora, cache, num_new, how: _Forward, hidden=
     )
 
 
-def _prefix_kv(params, adapters, prefix, how: _Forward) -> tuple[tuple, tuple]:
+def _prefix_kv(params, adapters, prefix: SharedPrefix, how: _Forward) -> tuple[tuple, tuple]:
     """Keys and values (one [G, KV, P, hd] array per layer) of the G shared prefixes, each run
-    once under its own adapter (prefix_adapter[g])."""
-    groups, prefix_len = prefix["prefix_tokens"].shape
+    once under its own adapter (prefix.adapter[g])."""
+    groups, prefix_len = prefix.tokens.shape
     _, cache = _run_layers(
         params,
-        prefix["prefix_tokens"],
-        lora.for_rows(adapters, prefix["prefix_adapter"]),
+        prefix.tokens,
+        lora.for_rows(adapters, prefix.adapter),
         decoder.init_cache(how.cfg, groups, prefix_len, params["embed"].dtype),
-        prefix["prefix_lengths"],
+        prefix.lengths,
         how,
-        prefix.get(PREFIX_HIDDEN),
+        prefix.hidden,
     )
     return cache.k, cache.v
 
 
-def _final_hidden(params, adapters, tokens, adapter_idx, prefix, how: _Forward, prefix_kv=None, hidden=None):
-    """Final hidden states of `tokens`, each row continuing its shared prefix when `prefix` is given.
+def _final_hidden(params, adapters, rows: MicroBatch, prefix: SharedPrefix | None, how: _Forward, prefix_kv=None):
+    """Final hidden states of `rows.tokens[:, :-1]` (the last position predicts nothing), each row continuing
+    its shared prefix (`rows.prefix_of_row`) when `prefix` is given; `rows.frozen_hidden`: the residual stream
+    entering the first adapted layer, when already computed.
 
     The prefixes' keys and values (`prefix_kv`, computed here when not given) become the
     prefix slots the rows attend to, so gradients still flow through the prefix: the result
     equals running every row's full sequence, at a fraction of the cost when many rows share
     a long system prompt.
     """
-    row_lora = lora.for_rows(adapters, adapter_idx)
+    tokens, hidden = rows.tokens[:, :-1], rows.frozen_hidden
+    row_lora = lora.for_rows(adapters, rows.adapter_idx)
     if prefix is None:
         return _run_layers(params, tokens, row_lora, None, None, how, hidden)[0]
     if prefix_kv is None:
         prefix_kv = _prefix_kv(params, adapters, prefix, how)
-    cache = _rows_cache(params, tokens, how.cfg, prefix_kv, prefix["prefix_of_row"], prefix["prefix_lengths"])
+    cache = _rows_cache(params, tokens, how.cfg, prefix_kv, rows.prefix_of_row, prefix.lengths)
     return _run_layers(params, tokens, row_lora, cache, None, how, hidden)[0]
 
 
@@ -163,14 +147,12 @@ def _rows_cache(params, tokens, cfg, prefix_kv, prefix_of_row, prefix_lengths) -
     )
 
 
-def _forward_logprobs(
-    params, adapters, tokens, adapter_idx, prefix, how: _Forward, prefix_kv=None, positions=None, frozen_hidden=None
-):
-    """Logprobs and entropies of tokens[:, 1:] under softmax(logits / temperature) (the last position
-    predicts nothing, so it is not run); with `positions` [B, K], only of those entries of
-    tokens[:, 1:] (the vocabulary projection, a large part of a step, runs on them alone)."""
-    hidden = _final_hidden(params, adapters, tokens[:, :-1], adapter_idx, prefix, how, prefix_kv, frozen_hidden)
-    targets = tokens[:, 1:]
+def _forward_logprobs(params, adapters, rows: MicroBatch, prefix: SharedPrefix | None, how: _Forward, prefix_kv=None):
+    """Logprobs and entropies of rows.tokens[:, 1:] under softmax(logits / temperature); with
+    `rows.loss_positions` [B, K], only of those entries (the vocabulary projection, a large part of a step, runs
+    on them alone)."""
+    hidden = _final_hidden(params, adapters, rows, prefix, how, prefix_kv)
+    targets, positions = rows.tokens[:, 1:], rows.loss_positions
     if positions is not None:
         hidden = jnp.take_along_axis(hidden, positions[..., None], axis=1)
         targets = jnp.take_along_axis(targets, positions, axis=1)
@@ -184,7 +166,8 @@ def token_logprobs(
     adapter_idx: jax.Array,
     cfg: ModelConfig,
     *,
-    prefix: dict | None = None,
+    prefix: SharedPrefix | None = None,
+    prefix_of_row: jax.Array | None = None,
     constrain: decoder.Constrain = decoder.no_constraint,
     remat: bool = False,
     temperature: float = 1.0,
@@ -194,33 +177,22 @@ def token_logprobs(
     p is the policy sampled at `temperature`, softmax(logits / temperature), as the sampler
     reports it: a job sampling at temperature T trains that tempered policy.
 
-    With `prefix` ({"prefix_tokens": [G, P], "prefix_lengths": [G], "prefix_adapter": [G],
-    "prefix_of_row": [B]}), row b is the continuation of prefix prefix_of_row[b] (its first
-    prefix_lengths[g] tokens, run under adapter prefix_adapter[g]); the prefix tokens are
-    context only and the logprobs are still those of tokens[:, 1:].
+    With `prefix`, row b is the continuation of prefix prefix_of_row[b] (its first prefix.lengths[g]
+    tokens, run under adapter prefix.adapter[g]); the prefix tokens are context only and the logprobs
+    are still those of tokens[:, 1:].
     """
     how = _Forward(cfg, constrain, remat, temperature=temperature)
-    return _forward_logprobs(params, adapters, tokens, adapter_idx, prefix, how)[0]
+    rows = MicroBatch(tokens=tokens, adapter_idx=adapter_idx, prefix_of_row=prefix_of_row)
+    return _forward_logprobs(params, adapters, rows, prefix, how)[0]
 
 
-def reference_logprobs(
-    params: dict,
-    tokens: jax.Array,
-    cfg: ModelConfig,
-    *,
-    prefix: dict | None = None,
-    constrain: decoder.Constrain = decoder.no_constraint,
-    remat: bool = False,
-    temperature: float = 1.0,
-    prefix_kv: tuple | None = None,
-    positions: jax.Array | None = None,
+def _reference_logprobs(
+    params: dict, rows: MicroBatch, prefix: SharedPrefix | None, how: _Forward, prefix_kv: tuple | None
 ) -> jax.Array:
-    """Token logprobs of the frozen base (every row NO_ADAPTER, so no LoRA is computed): the KL reference.
-    `prefix_kv`: the prefixes' keys and values under the base, when already computed; `positions`:
-    as in `make_grad_fn`."""
-    idx = jnp.full(tokens.shape[:1], NO_ADAPTER, jnp.int32)
-    how = _Forward(cfg, constrain, remat, temperature=temperature)
-    return _forward_logprobs(params, None, tokens, idx, prefix, how, prefix_kv, positions=positions)[0]
+    """Token logprobs of `rows` under the frozen base (every row NO_ADAPTER, so no LoRA is computed): the KL
+    reference. `prefix_kv`: the prefixes' keys and values under the base."""
+    base_rows = rows.replace(adapter_idx=jnp.full(rows.tokens.shape[:1], NO_ADAPTER, jnp.int32), frozen_hidden=None)
+    return _forward_logprobs(params, None, base_rows, prefix, dataclasses.replace(how, frozen=0), prefix_kv)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "frozen", "scan"))
@@ -246,53 +218,34 @@ def _frozen_rows(params, tokens, prefix_kv, prefix_of_row, prefix_lengths, cfg, 
     return decoder.forward_hidden(params, tokens, cfg, cache=cache, stop_layer=frozen, remat=scan)[0]
 
 
-def frozen_inputs(params: dict, cfg: ModelConfig, frozen_layers: int, batch: dict, *, remat: bool = False) -> dict:
-    """`batch` (packed, see `make_grad_fn`) with the residual streams entering layer `frozen_layers`
-    added: "prefix_hidden" [G, P, D] and each micro-batch's "frozen_hidden" [R, W-1, D] (for
-    tokens[:, :-1]). Below the first adapted layer nothing depends on the adapters, so a job that
-    trains on the same sequences again and again computes these once and its learner runs only
-    the adapted layers. A position's stream depends only on the tokens up to it, not on where the
-    shared prefix was cut. `remat`: run the layers under `lax.scan` (one layer compiled, not all)."""
-    out = dict(batch)
-    prefix_kv = None
-    if "prefix_tokens" in batch:
-        out[PREFIX_HIDDEN], *prefix_kv = _frozen_prefix(
-            params, batch["prefix_tokens"], batch["prefix_lengths"], cfg, frozen_layers, remat
+def frozen_inputs(
+    params: dict, cfg: ModelConfig, frozen_layers: int, batch: LearnerBatch, *, remat: bool = False
+) -> LearnerBatch:
+    """`batch` with the residual streams entering layer `frozen_layers` added: the prefix's `hidden` [G, P, D]
+    and each micro-batch's `frozen_hidden` [R, W-1, D] (for tokens[:, :-1]). Below the first adapted layer
+    nothing depends on the adapters, so a job that trains on the same sequences again and again computes these
+    once and its learner runs only the adapted layers. A position's stream depends only on the tokens up to it,
+    not on where the shared prefix was cut. `remat`: run the layers under `lax.scan` (one layer compiled, not
+    all)."""
+    prefix, prefix_kv = batch.prefix, None
+    if prefix is not None:
+        hidden, *prefix_kv = _frozen_prefix(params, prefix.tokens, prefix.lengths, cfg, frozen_layers, remat)
+        prefix = prefix.replace(hidden=hidden)
+    lengths = None if prefix is None else prefix.lengths
+    micro_batches = tuple(
+        mb.replace(
+            frozen_hidden=_frozen_rows(
+                params, mb.tokens[:, :-1], prefix_kv, mb.prefix_of_row, lengths, cfg, frozen_layers, remat
+            )
         )
-    out["micro_batches"] = [
-        {
-            **mb,
-            "frozen_hidden": _frozen_rows(
-                params,
-                mb["tokens"][:, :-1],
-                prefix_kv,
-                mb.get("prefix_of_row"),
-                batch.get("prefix_lengths"),
-                cfg,
-                frozen_layers,
-                remat,
-            ),
-        }
-        for mb in batch["micro_batches"]
-    ]
-    return out
+        for mb in batch.micro_batches
+    )
+    return dataclasses.replace(batch, prefix=prefix, micro_batches=micro_batches)
 
 
 def make_optimizer(lr: float = 1e-5, weight_decay: float = 0.0, clip_norm: float = 1.0) -> optax.GradientTransformation:
     """AdamW after global-norm gradient clipping (the paper's settings by default)."""
     return optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(lr, weight_decay=weight_decay))
-
-
-def split_micro_batches(batch: dict, n: int) -> list[dict]:
-    """The row entries of a flat batch as n micro-batches, micro-batch m = rows m, m+n, m+2n, ...
-
-    Strided rather than contiguous, so on a batch-sharded mesh each device keeps its own
-    rows in every micro-batch.
-    """
-    size = batch["tokens"].shape[0]
-    if size % n:
-        raise ValueError(f"batch of {size} rows does not split into {n} micro-batches")
-    return [{k: v[m::n] for k, v in batch.items() if k in ROW_KEYS} for m in range(n)]
 
 
 def make_rescore_fn(
@@ -307,7 +260,7 @@ def make_rescore_fn(
     (`batching.pack_sequences`) whose hinted rows are made ready for the update.
 
     Every micro-batch gets "sampler_logp", the sampler's logprobs (packed as its old_logp). The rows
-    of the sequences `hinted` marks (indexed as the packed sequences are, `mb["sequence"]`) were sampled
+    of the sequences `hinted` marks (indexed as the packed sequences are, `MicroBatch.sequence`) were sampled
     under a hinted context their tokens lack: their old_logp becomes the current policy's logprobs on
     their own tokens, from one forward pass of their micro-batches (ratio 1 at the update); every other
     row keeps old_logp = sampler_logp. How the loss then weighs a hinted token is `loss_cfg.tis_cap`'s:
@@ -320,29 +273,29 @@ def make_rescore_fn(
     how = _Forward(cfg, plan.constrain if plan is not None else decoder.no_constraint, remat, temperature=temperature)
 
     @jax.jit
-    def forward(params, weights, scale, mb, shared):
+    def forward(params, weights, scale, rows: MicroBatch, prefix: SharedPrefix | None):
         if plan is not None:
-            mb = {k: plan.constrain(v, "batch") for k, v in mb.items()}
-        prefix = {**shared, "prefix_of_row": mb["prefix_of_row"]} if shared else None
-        adapters = Adapters(weights, scale)
-        return _forward_logprobs(
-            params, adapters, mb["tokens"], mb["adapter_idx"], prefix, how, positions=mb["loss_positions"]
-        )[0]
+            rows = jax.tree.map(lambda v: plan.constrain(v, "batch"), rows)
+        return _forward_logprobs(params, Adapters(weights, scale), rows, prefix, how)[0]
 
-    def rescore(params, weights, scale, batch, hinted):
+    def rescore(params, weights, scale, batch: LearnerBatch, hinted):
         marked = np.flatnonzero(np.asarray(hinted, bool))
-        shared = {k: batch[k] for k in PREFIX_KEYS if k in batch}
-        inputs = ("tokens", "adapter_idx", "loss_positions", *(("prefix_of_row",) if shared else ()))
         parts, old, sampled = [], [], []
-        for mb in batch["micro_batches"]:
-            rows = np.isin(mb["sequence"], marked)
-            mb = {**mb, "sampler_logp": mb["old_logp"]}
+        for mb in batch.micro_batches:
+            rows = np.isin(mb.sequence, marked)
+            mb = mb.replace(sampler_logp=mb.old_logp)
             if rows.any():
-                logp = host_array(forward(params, weights, scale, {k: mb[k] for k in inputs}, shared))
-                mb["old_logp"] = np.where(rows[:, None], logp, mb["sampler_logp"])
-                learned = (mb["loss_mask"] > 0) & rows[:, None]
-                old.append(mb["old_logp"][learned])
-                sampled.append(mb["sampler_logp"][learned])
+                inputs = MicroBatch(
+                    tokens=mb.tokens,
+                    adapter_idx=mb.adapter_idx,
+                    loss_positions=mb.loss_positions,
+                    prefix_of_row=mb.prefix_of_row,
+                )
+                logp = host_array(forward(params, weights, scale, inputs, batch.prefix))
+                mb = mb.replace(old_logp=np.where(rows[:, None], logp, mb.sampler_logp))
+                learned = (mb.loss_mask > 0) & rows[:, None]
+                old.append(mb.old_logp[learned])
+                sampled.append(mb.sampler_logp[learned])
             parts.append(mb)
         metrics = {}
         if old:
@@ -354,7 +307,7 @@ def make_rescore_fn(
                     hinted_is_weight=float(is_weights.mean()),
                     hinted_capped=float(np.mean(is_weights >= np.float32(loss_cfg.tis_cap))),
                 )
-        return {**batch, "micro_batches": parts}, metrics
+        return dataclasses.replace(batch, micro_batches=tuple(parts)), metrics
 
     return rescore
 
@@ -366,7 +319,6 @@ def make_grad_fn(
     cfg: ModelConfig,
     loss_cfg: LossConfig | None,
     *,
-    micro_batches: int = 1,
     plan: ShardingPlan | None = None,
     remat: bool = False,
     temperature: float = 1.0,
@@ -374,78 +326,41 @@ def make_grad_fn(
     frozen_layers: int = 0,
 ) -> Callable:
     """`grads(params, adapter_weights, scale, batch) -> (grads, metrics)`: the gradient of the batch
-    loss (sum / denominator) w.r.t. the adapter weights, accumulated over micro-batches.
-
-    `batch` holds either flat row entries (`ROW_KEYS`, split into `micro_batches` strided
-    micro-batches) or "micro_batches": a list of row dicts of any shapes (packed by a token
-    budget, see `batching.pack_sequences`); plus an optional shared prefix (`PREFIX_KEYS`).
-    Each micro-batch shape compiles once; the prefix runs forward once per step.
+    loss (sum / denominator) w.r.t. the adapter weights, accumulated over the micro-batches of the
+    `LearnerBatch` (any shapes, e.g. packed by a token budget: `batching.pack_sequences`). Each micro-batch
+    shape compiles once; the shared prefix runs forward once per step.
 
     objective "grpo": `policy_loss` under `loss_cfg`; "sft": masked token cross-entropy, the
     mean over loss tokens (`sft_loss`; rows need only tokens, loss_mask, adapter_idx).
 
-    A micro-batch with "loss_positions" [R, K] scores only those entries of tokens[:, 1:]; its
-    loss_mask, old_logp and sampler_logp are then [R, K], aligned with them.
     `frozen_layers`: the adapters are zero in the first frozen_layers layers (`LoraSpec.
     first_layer`), which then run forward only; the gradient is the same (those layers'
     adapter gradients are exactly zero), at a fraction of the backward pass's cost.
     """
-    if micro_batches < 1:
-        raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
     if not 0 <= frozen_layers < cfg.num_layers:
         raise ValueError(f"frozen_layers must be in [0, {cfg.num_layers}), got {frozen_layers}")
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r} is unknown; choose from {OBJECTIVES}")
     if objective == "grpo" and loss_cfg is None:
         raise ValueError("objective 'grpo' needs a LossConfig")
-    constrain = plan.constrain if plan is not None else decoder.no_constraint
-    how = _Forward(cfg, constrain, remat, frozen_layers, temperature)
+    how = _Forward(
+        cfg, plan.constrain if plan is not None else decoder.no_constraint, remat, frozen_layers, temperature
+    )
     use_kl = objective == "grpo" and loss_cfg.kl_coef > 0
 
-    def micro_loss(weights, prefix_kv, scale, params, mb, shared, ref_kv):
+    def micro_loss(weights, prefix_kv, scale, params, mb: MicroBatch, prefix: SharedPrefix | None, ref_kv):
         if plan is not None:
-            mb = {k: plan.constrain(v, "batch") for k, v in mb.items()}
-        prefix = {**shared, "prefix_of_row": mb["prefix_of_row"]} if shared else None
-        positions = mb.get("loss_positions")
-        adapters = Adapters(weights, scale)
-        logp, entropy = _forward_logprobs(
-            params,
-            adapters,
-            mb["tokens"],
-            mb["adapter_idx"],
-            prefix,
-            how,
-            prefix_kv,
-            positions,
-            mb.get("frozen_hidden"),
-        )
-        mask = mb["loss_mask"].astype(jnp.float32)
+            mb = jax.tree.map(lambda v: plan.constrain(v, "batch"), mb)
+        logp, entropy = _forward_logprobs(params, Adapters(weights, scale), mb, prefix, how, prefix_kv)
+        mask = mb.loss_mask.astype(jnp.float32)
         if objective == "sft":
             loss_sum, denom, diagnostics = sft_loss(logp, mask)
         else:
             ref_logp = None
             if use_kl:
-                ref_logp = jax.lax.stop_gradient(
-                    reference_logprobs(
-                        params,
-                        mb["tokens"],
-                        cfg,
-                        prefix=prefix,
-                        constrain=constrain,
-                        remat=remat,
-                        temperature=temperature,
-                        prefix_kv=ref_kv,
-                        positions=positions,
-                    )
-                )
+                ref_logp = jax.lax.stop_gradient(_reference_logprobs(params, mb, prefix, how, ref_kv))
             loss_sum, denom, diagnostics = policy_loss(
-                logp,
-                mb["old_logp"],
-                mb["advantages"],
-                mask,
-                loss_cfg,
-                ref_logp=ref_logp,
-                sampler_logp=mb.get("sampler_logp"),
+                logp, mb.old_logp, mb.advantages, mask, loss_cfg, ref_logp=ref_logp, sampler_logp=mb.sampler_logp
             )
         diagnostics["entropy"] = (jnp.sum(entropy * mask), jnp.sum(mask))
         return loss_sum, (loss_sum, denom, diagnostics)
@@ -453,11 +368,12 @@ def make_grad_fn(
     micro_grad = jax.jit(jax.grad(micro_loss, argnums=(0, 1), has_aux=True))
 
     @jax.jit
-    def prefix_forward(params, weights, scale, shared):
+    def prefix_forward(params, weights, scale, prefix: SharedPrefix):
         """The prefixes' keys and values, the pullback from their cotangents to adapter gradients, and
         (for the KL term) their keys and values under the base."""
-        prefix_kv, pullback = jax.vjp(lambda w: _prefix_kv(params, Adapters(w, scale), shared, how), weights)
-        ref_kv = _prefix_kv(params, None, shared, dataclasses.replace(how, frozen=0)) if use_kl else None
+        prefix_kv, pullback = jax.vjp(lambda w: _prefix_kv(params, Adapters(w, scale), prefix, how), weights)
+        base = dataclasses.replace(how, frozen=0)
+        ref_kv = _prefix_kv(params, None, prefix.replace(hidden=None), base) if use_kl else None
         return prefix_kv, pullback, ref_kv
 
     @jax.jit
@@ -473,31 +389,29 @@ def make_grad_fn(
 
     accumulate = jax.jit(lambda acc, new: jax.tree.map(jnp.add, acc, new), donate_argnums=0)
 
-    def grads(params, weights, scale, batch):
-        known = set(ROW_KEYS) | set(PREFIX_KEYS) | {PREFIX_HIDDEN} | set(PASS_THROUGH) | {"micro_batches"}
-        unknown = sorted(set(batch) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown batch entries {unknown}; expected {ROW_KEYS} or micro_batches "
-                f"(+ {PREFIX_KEYS}, {PASS_THROUGH})"
-            )
-        parts = batch["micro_batches"] if "micro_batches" in batch else split_micro_batches(batch, micro_batches)
-        if not parts:
+    def grads(params, weights, scale, batch: LearnerBatch):
+        if not batch.micro_batches:
             raise ValueError("the batch has no micro-batches")
-        shared = {k: batch[k] for k in (*PREFIX_KEYS, PREFIX_HIDDEN) if k in batch}
-        if shared and (not set(PREFIX_KEYS) <= set(shared) or any("prefix_of_row" not in mb for mb in parts)):
-            raise ValueError(f"a shared prefix needs all of {PREFIX_KEYS} and prefix_of_row in every micro-batch")
-        if not frozen_layers and (PREFIX_HIDDEN in shared or any("frozen_hidden" in mb for mb in parts)):
-            raise ValueError("frozen inputs (frozen_hidden, prefix_hidden) are for a learner with frozen_layers > 0")
-        prefix_kv, pullback, ref_kv = prefix_forward(params, weights, scale, shared) if shared else (None,) * 3
+        prefix = batch.prefix
+        for mb in batch.micro_batches:
+            mb.check()
+            if (prefix is None) != (mb.prefix_of_row is None):
+                raise ValueError("a shared prefix needs prefix_of_row in every micro-batch, and only a prefix does")
+        frozen = (prefix is not None and prefix.hidden is not None) or any(
+            mb.frozen_hidden is not None for mb in batch.micro_batches
+        )
+        if frozen and not frozen_layers:
+            raise ValueError("frozen inputs (frozen_hidden, prefix hidden) are for a learner with frozen_layers > 0")
+        prefix_kv, pullback, ref_kv = prefix_forward(params, weights, scale, prefix) if prefix else (None,) * 3
         # Every micro-batch adds its gradient w.r.t. the adapters and the prefixes' keys and values;
         # one backward pass through the prefixes turns the latter sum into adapter gradients.
         acc = None
-        for mb in parts:
-            out = micro_grad(weights, prefix_kv, scale, params, mb, shared, ref_kv)
+        for mb in batch.micro_batches:
+            out = micro_grad(weights, prefix_kv, scale, params, mb, prefix, ref_kv)
             acc = out if acc is None else accumulate(acc, out)
         (g_sum, g_prefix_kv), sums = acc
-        return finish(g_sum, g_prefix_kv, pullback, sums, {k: batch[k] for k in PASS_THROUGH if k in batch})
+        passed = {} if batch.dropped_fraction is None else {"dropped_fraction": jnp.float32(batch.dropped_fraction)}
+        return finish(g_sum, g_prefix_kv, pullback, sums, passed)
 
     return grads
 
@@ -507,7 +421,6 @@ def make_train_step(
     loss_cfg: LossConfig | None,
     optimizer: optax.GradientTransformation,
     *,
-    micro_batches: int = 1,
     plan: ShardingPlan | None = None,
     remat: bool = False,
     temperature: float = 1.0,
@@ -517,13 +430,10 @@ def make_train_step(
 ) -> Callable:
     """`step(params, adapter_weights, opt_state, scale, batch) -> (adapter_weights, opt_state, metrics)`.
 
-    batch (see `make_grad_fn`): tokens [B, T] int32, loss_mask [B, T-1], advantages [B],
-    old_logp [B, T-1], adapter_idx [B] int32, optional sampler_logp [B, T-1], a scalar
-    dropped_fraction and a shared prefix (`PREFIX_KEYS` + prefix_of_row [B], see
-    `token_logprobs`); or "micro_batches", a list of such row dicts.
-    The adapter weights and optimizer state are donated to the update (updated in place).
+    `batch`: a `LearnerBatch` (see `make_grad_fn`). The adapter weights and optimizer state are donated to
+    the update (updated in place).
 
-    `updates` > 1 (PPO's mini-batches): a packed batch's micro-batches are dealt into that many
+    `updates` > 1 (PPO's mini-batches): the batch's micro-batches are dealt into that many
     mini-batches (micro-batch i into mini-batch i mod updates; fewer when there are fewer micro-batches),
     each its own loss and optimizer update, in turn. Every mini-batch keeps the batch's old_logp, so
     from the second on the clipped ratio holds the policy near the one that sampled: more learning per
@@ -534,7 +444,6 @@ def make_train_step(
     grad_fn = make_grad_fn(
         cfg,
         loss_cfg,
-        micro_batches=micro_batches,
         plan=plan,
         remat=remat,
         temperature=temperature,
@@ -547,12 +456,11 @@ def make_train_step(
         deltas, opt_state = optimizer.update(g, opt_state, weights)
         return optax.apply_updates(weights, deltas), opt_state
 
-    def step(params, weights, opt_state, scale, batch):
-        parts = batch.get("micro_batches")
-        if updates == 1 or parts is None:
-            mini_batches = [batch]
-        else:
-            mini_batches = [{**batch, "micro_batches": parts[i::updates]} for i in range(min(updates, len(parts)))]
+    def step(params, weights, opt_state, scale, batch: LearnerBatch):
+        parts = batch.micro_batches
+        mini_batches = [
+            dataclasses.replace(batch, micro_batches=parts[i::updates]) for i in range(min(updates, len(parts)))
+        ]
         history = []
         for mini_batch in mini_batches:
             g, metrics = grad_fn(params, weights, scale, mini_batch)

@@ -17,6 +17,7 @@ steps; the learner runs on the mesh of all their devices and process 0 writes th
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import time
 
@@ -37,7 +38,8 @@ from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, learned_tokens, pack_sequences, padded_tokens
 from trace_jax.rl.checkpoint import TrainState
 from trace_jax.rl.job import ADAPTER, common_checks, export_adapter, start_run
-from trace_jax.rl.learner import PREFIX_HIDDEN, frozen_inputs, make_train_step
+from trace_jax.rl.learner import frozen_inputs, make_train_step
+from trace_jax.rl.learner_batch import LearnerBatch
 
 
 def _checks() -> list[Check]:
@@ -91,30 +93,29 @@ class FrozenStreams:
         self, run, sequences: list[LearnerSequence], frozen_layers: int, token_budget: int, pad_id: int, remat: bool
     ):
         batch = pack_sequences(sequences, token_budget=token_budget, row_multiple=run.row_multiple, pad_id=pad_id)
-        self.prefix_length = int(batch["prefix_lengths"][0]) if "prefix_lengths" in batch else 0
+        self.prefix_length = 0 if batch.prefix is None else int(batch.prefix.lengths[0])
         batch = frozen_inputs(run.params, run.model.cfg, frozen_layers, batch, remat=remat)
-        self.prefix_hidden = batch.get(PREFIX_HIDDEN)
+        self.prefix_hidden = None if batch.prefix is None else batch.prefix.hidden
         self.rows: dict[int, np.ndarray] = {}
-        for mb in batch["micro_batches"]:
-            hidden = distributed.host_array(mb["frozen_hidden"])
-            for row, i in enumerate(mb["sequence"]):
+        for mb in batch.micro_batches:
+            hidden = distributed.host_array(mb.frozen_hidden)
+            for row, i in enumerate(mb.sequence):
                 if i >= 0:  # a row runs tokens[prefix_length:last_learned + 1]; its streams, all but the last
                     self.rows[int(i)] = hidden[row, : sequences[i].last_learned() - self.prefix_length]
 
-    def add_to(self, batch: dict, items: list[int]) -> dict:
+    def add_to(self, batch: LearnerBatch, items: list[int]) -> LearnerBatch:
         """`batch` (packed from the sequences `items`, cut at `prefix_length`) with their streams."""
-        out = {**batch, "micro_batches": []}
-        if self.prefix_hidden is not None:
-            out[PREFIX_HIDDEN] = self.prefix_hidden
-        for mb in batch["micro_batches"]:
-            rows, width = mb["tokens"].shape
+        micro_batches = []
+        for mb in batch.micro_batches:
+            rows, width = mb.tokens.shape
             hidden = np.zeros((rows, width - 1, self.rows[items[0]].shape[-1]), np.float32)
-            for row, i in enumerate(mb["sequence"]):
+            for row, i in enumerate(mb.sequence):
                 if i >= 0:
                     stream = self.rows[items[i]]
                     hidden[row, : len(stream)] = stream
-            out["micro_batches"].append({**mb, "frozen_hidden": hidden})
-        return out
+            micro_batches.append(mb.replace(frozen_hidden=hidden))
+        prefix = batch.prefix if batch.prefix is None else batch.prefix.replace(hidden=self.prefix_hidden)
+        return dataclasses.replace(batch, micro_batches=tuple(micro_batches), prefix=prefix)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
@@ -186,7 +187,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
             {
                 "learner/tokens": float(padded_tokens(batch)),
                 "learner/loss_tokens": float(learned_tokens(batch)),
-                "learner/micro_batches": float(len(batch["micro_batches"])),
+                "learner/micro_batches": float(len(batch.micro_batches)),
                 "time/step_s": time.monotonic() - t0,
             }
         )

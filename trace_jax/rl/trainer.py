@@ -395,7 +395,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
                 min_shared_prefix=config.rollout.min_shared_prefix,
                 pad_id=tokenizer.pad_token_id,
             )
-            batch["dropped_fraction"] = np.float32(advantage_stats["dropped_fraction"])
+            batch = dataclasses.replace(batch, dropped_fraction=float(advantage_stats["dropped_fraction"]))
             if rescore is not None:  # before the update: the old policy is the current adapter
                 batch, hint_stats = rescore(run.params, weights, state.scale, batch, [s.hinted for s in kept])
                 metrics.update({f"learner/{k}": v for k, v in hint_stats.items()})
@@ -403,7 +403,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
             sampler.set_adapters(run.sampler_adapters(weights))
             metrics.update({f"learner/{k}": float(v) for k, v in learner_metrics.items()})
             metrics["learner/tokens"] = float(padded_tokens(batch))
-            metrics["learner/micro_batches"] = float(len(batch["micro_batches"]))
+            metrics["learner/micro_batches"] = float(len(batch.micro_batches))
         t_learned = time.monotonic()
         rss_gb = release_freed_memory()
         bound_memory_maps()  # the learner's programs, as the rollout engine does for the sampler's
