@@ -54,7 +54,8 @@ def get_config() -> ml_collections.ConfigDict:
     )
     # Half of each group hinted, as calibration plays them; hinted rows learned as on-policy ones (tis_cap None):
     # under truncated importance sampling the tokens only a hint made likely (the name of a tool the agent never
-    # calls) weigh almost nothing (trace_jax/rl/trainer.py).
+    # calls) weigh almost nothing, and the policy learns the hinted calls more slowly (docs/results.md, "GRPO on
+    # the return family from the written call").
     config.training.rollout.hint_share = config.calibration.hint_share
     config.training.loss.tis_cap = config_dict.placeholder(float)  # None; a number from the command line
     # Groups of 8 (the paper's code: 16), constant ones re-sampled up to 3 times until half the groups vary; every
