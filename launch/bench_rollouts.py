@@ -16,6 +16,7 @@ needed: compiled, or loaded from the persistent compilation cache that an earlie
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import time
 
@@ -50,8 +51,7 @@ def _time_sampler(sampler: Sampler, prompts: list[list[int]], new_tokens: int) -
 
 def _programs(sampler: Sampler) -> dict[str, int]:
     """How many programs each of the sampler's jitted functions has so far (compiled or loaded)."""
-    names = ("_prefill", "_take_rows", "_prefill_rows", "_put_rows", "_decode")
-    return {name: getattr(sampler, name)._cache_size() for name in names}
+    return {f.name: getattr(sampler.programs, f.name)._cache_size() for f in dataclasses.fields(sampler.programs)}
 
 
 def main(argv: list[str]) -> None:

@@ -162,7 +162,7 @@ def test_a_session_feeds_rows_while_others_sample(model):
         assert out.token_ids == alone[0].token_ids and out.finish_reason == FINISH_LENGTH
         assert np.abs(_full_logprobs(params, cfg, prompt, out.token_ids) - np.array(out.logprobs)).max() <= 1e-4
     # rows 2 and 1 fed together are prefilled apart (two calls of one row compute fewer rows than one of four:
-    # `Sampler._row_groups`), row 1's 37 tokens in three calls
+    # `ShapePolicy.row_groups`), row 1's 37 tokens in three calls
     assert session.stats["prefill_calls"] == 1 + 1 + 3 + 1
     with pytest.raises(ValueError, match="distinct rows"):
         session.feed([5], [[1]])
