@@ -22,11 +22,8 @@ if TYPE_CHECKING:
     from trace_jax.sampling.sampler import Sampler
 
 FINISH_STOP = "stop"  # a stop token or stop string
-
 FINISH_LENGTH = "length"  # max_new_tokens reached
-
 FINISH_CONTEXT = "context"  # the row reached the model's context limit
-
 _FINISH_NAMES = {1: FINISH_STOP, 2: FINISH_LENGTH, 3: FINISH_CONTEXT}
 
 
