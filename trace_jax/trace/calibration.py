@@ -443,7 +443,7 @@ def _calibrate_families(
     environment to train on mixes the families that passed, each at its own level (`folder/calibration.json`)."""
     result_path = folder / "calibration.json"
     stored = _stored_result(result_path, bounds)
-    if stored is not None and list(stored["families"]) == list(families):  # else walked again from the tries' groups
+    if stored is not None and list(stored.get("families", ())) == list(families):  # else walked again from its groups
         return stored
     parts = {}
     for variant in families:
