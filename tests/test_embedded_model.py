@@ -17,6 +17,7 @@ from safetensors import safe_open
 from trace_jax.models import embedded
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.embedded import embedded_gguf_path, embedded_model_dir, resolve_model_dir
+from trace_jax.models.model import weights_fingerprint
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.tool_calls import format_tool_call, render_tool_instructions
 
@@ -149,6 +150,24 @@ def test_an_unbuilt_agent_name_is_an_error_naming_the_build_command(tmp_path, mo
         resolve_model_dir(embedded.EMBEDDED_AGENTS[0])
     (folder / embedded.AGENT_MARKER).write_text("{}", encoding="utf-8")
     assert resolve_model_dir(embedded.EMBEDDED_AGENTS[0]) == folder
+
+
+def test_the_weights_fingerprint_follows_the_files_contents_not_where_or_when_they_were_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRACE_JAX_CACHE", str(tmp_path / "cache"))
+    built, rebuilt = tmp_path / "built", tmp_path / "rebuilt"
+    for folder, seconds in ((built, 1980.0), (rebuilt, 2100.0)):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"\x01" * 4096)
+        (folder / "config.json").write_text("{}", encoding="utf-8")
+        (folder / embedded.AGENT_MARKER).write_text(json.dumps({"seconds": seconds}), encoding="utf-8")
+    os.utime(rebuilt / "model.safetensors", ns=(1, 1))
+    fingerprint = weights_fingerprint(built)
+    assert weights_fingerprint(rebuilt) == fingerprint  # a rebuild with the same weights, its build log aside
+    assert len(list((tmp_path / "cache" / "fingerprints").iterdir())) == 2  # each folder's hash remembered
+    (rebuilt / "model.safetensors").write_bytes(b"\x02" + b"\x01" * 4095)
+    assert weights_fingerprint(rebuilt) != fingerprint  # the same size, other weights
+    (built / "model.safetensors").rename(built / "weights.safetensors")
+    assert weights_fingerprint(built) != fingerprint  # a file's name is part of what the folder holds
 
 
 def test_tokenizer_loads_without_torch(model_dir):

@@ -31,12 +31,12 @@ def read_json(path: pathlib.Path) -> Any:
 def write_json_atomic(path: pathlib.Path, value: Any) -> None:
     """Writes `value` as JSON so that a reader (or a resumed run after a kill) sees the old file or the
     new one, never half of one."""
-    _write_text_atomic(path, json.dumps(value, ensure_ascii=False, indent=1))
+    write_text_atomic(path, json.dumps(value, ensure_ascii=False, indent=1))
 
 
 def write_jsonl_atomic(path: pathlib.Path, records: list[Any]) -> None:
     """Writes `records` one JSON object a line, atomically as `write_json_atomic`."""
-    _write_text_atomic(path, "".join(map(_jsonl_line, records)))
+    write_text_atomic(path, "".join(map(_jsonl_line, records)))
 
 
 def append_jsonl(path: pathlib.Path, record: Any) -> None:
@@ -58,13 +58,13 @@ def write_if_changed(path: pathlib.Path, data: bytes) -> None:
 def write_file_if_changed(path: pathlib.Path, write: Callable[[pathlib.Path], None]) -> None:
     """Has `write` write the file at the path it is given (a temp file beside `path`) and moves it to `path`,
     unless `path` already holds the same bytes (compared a block at a time: a merged model need not fit in memory
-    twice). An unchanged file keeps its modification time, which `trace_jax.models.model.weights_fingerprint`
-    reads: an adapter or model exported again by a rerun job is still the one an evaluation recorded its episodes
-    for."""
+    twice). An unchanged file keeps its modification time, so `trace_jax.models.model.weights_fingerprint` finds
+    the content hash it remembered for the folder instead of reading the weights again."""
     _write_through_temp(path, write, keep_unchanged=True)
 
 
-def _write_text_atomic(path: pathlib.Path, text: str) -> None:
+def write_text_atomic(path: pathlib.Path, text: str) -> None:
+    """Writes `text` (UTF-8) to `path` through a temp file renamed into place."""
     _write_through_temp(path, lambda tmp: tmp.write_bytes(text.encode()), keep_unchanged=False)
 
 
