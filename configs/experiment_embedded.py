@@ -19,7 +19,8 @@ from ml_collections import config_dict
 
 from configs import trace_embedded
 from trace_jax.baselines.experiment import ARMS
-from trace_jax.baselines.gepa import gepa_defaults
+from trace_jax.baselines.gepa import GepaSettings
+from trace_jax.settings import defaults
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -34,5 +35,5 @@ def get_config() -> ml_collections.ConfigDict:
     config.grpo_target = ml_collections.ConfigDict(dict(split="train"))
     # oracle routing's choice per family: on the first num_tasks of TRACE's analysis tasks (None: all of them)
     config.oracle = ml_collections.ConfigDict(dict(num_tasks=config_dict.placeholder(int)))
-    config.gepa = gepa_defaults()
+    config.gepa = defaults(GepaSettings)
     return config

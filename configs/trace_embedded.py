@@ -16,11 +16,12 @@ import ml_collections
 from ml_collections import config_dict
 
 from configs import embedded_retail, grpo_target_embedded
-from trace_jax.llm import llm_defaults
-from trace_jax.trace.analysis import analysis_defaults
-from trace_jax.trace.calibration import calibration_defaults
-from trace_jax.trace.diagnostics import diagnostics_defaults
-from trace_jax.trace.env_writer import env_writer_defaults
+from trace_jax.llm import LlmSettings
+from trace_jax.settings import defaults
+from trace_jax.trace.analysis import AnalysisSettings
+from trace_jax.trace.calibration import CalibrationSettings
+from trace_jax.trace.diagnostics import DiagnosticsSettings
+from trace_jax.trace.env_writer import EnvWriterSettings
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -41,9 +42,9 @@ def get_config() -> ml_collections.ConfigDict:
             base_run="",
         )
     )
-    config.analysis = analysis_defaults()
-    config.llm = llm_defaults()  # used when analysis.analyst = "llm"
-    config.calibration = calibration_defaults()
+    config.analysis = defaults(AnalysisSettings)
+    config.llm = defaults(LlmSettings)  # used when analysis.analyst = "llm"
+    config.calibration = defaults(CalibrationSettings)
     config.calibration.update(seeds=16, samples=8)  # 128 rollouts per try (the paper: >= 100)
     grpo = grpo_target_embedded.get_config()
     config.training = ml_collections.ConfigDict(
@@ -71,10 +72,10 @@ def get_config() -> ml_collections.ConfigDict:
     # "batch": a 135M router otherwise puts every ticket on label A (trace_jax/trace/routing.py)
     config.routing = ml_collections.ConfigDict(dict(max_messages=10, batch_size=8, calibration="batch"))
     config.final = ml_collections.ConfigDict(dict(per_adapter=True))
-    config.diagnostics = diagnostics_defaults()  # sampled pass@8 on the targeted families, before and after
+    config.diagnostics = defaults(DiagnosticsSettings)  # sampled pass@8 on the targeted families, before and after
     # "builtin": the programmatic analyst's capabilities all have generators; "auto"/"llm" write with config.llm
     # max_trained: CPU, two adapters (the paper trained four); a capability that fails calibration gives its
     # place to the next selected one by coverage
     config.environments = ml_collections.ConfigDict(dict(source="builtin", max_trained=2))
-    config.env_writer = env_writer_defaults()
+    config.env_writer = defaults(EnvWriterSettings)
     return config

@@ -39,10 +39,10 @@ def main(argv: list[str]) -> None:
     if unknown:
         raise app.UsageError(f"--capabilities: no built-in environment for {unknown}; there are {list(CAPABILITIES)}")
     config, workdir = _CONFIG.value, pathlib.Path(_WORKDIR.value)
-    validate_config(config)
+    settings = validate_config(config)
     agents.ensure_config_agents(config)
     base = calibration_evaluation(config)
-    results = [calibrate_builtin(name, base, config.calibration, workdir / name) for name in _CAPABILITIES.value]
+    results = [calibrate_builtin(name, base, settings.calibration, workdir / name) for name in _CAPABILITIES.value]
     if not distributed.is_main():
         return
     table = calibration_table(results)

@@ -1,6 +1,7 @@
 """Stage 2's calibration gates: statistics and pass@k against hand-computed values, the difficulty
 walk, and a real calibration through the evaluation job (scripted agents, real environments)."""
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -12,11 +13,12 @@ import ml_collections
 import numpy as np
 import pytest
 
+from trace_jax.settings import from_config
 from trace_jax.trace.calibration import (
+    CalibrationSettings,
     calibrate,
     calibrate_builtin,
     calibrate_capability,
-    calibration_defaults,
     calibration_feedback,
     calibration_table,
     gate_failures,
@@ -29,6 +31,11 @@ from trace_jax.trace.calibration import (
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+def _block(settings: CalibrationSettings, **changes) -> CalibrationSettings:
+    """The settings a `calibration` config block of `settings` with `changes` builds."""
+    return from_config(CalibrationSettings, {**dataclasses.asdict(settings), **changes}, "calibration")
+
+
 def test_group_stats_and_pass_at_k_are_the_hand_computed_values():
     rewards = np.array([[1.0, 0.0, 0.5, 0.5], [0.5, 0.5, 0.5, 0.5], [0.0, 0.0, 0.0, 0.0]])
     stats = group_stats(rewards, rewards == 1.0)
@@ -38,7 +45,7 @@ def test_group_stats_and_pass_at_k_are_the_hand_computed_values():
     assert stats["pass@2"] == pytest.approx((1 - math.comb(3, 2) / math.comb(4, 2)) / 3)
     assert stats["pass@4"] == pytest.approx(1 / 3) and "pass@8" not in stats
     assert stats["std"] == pytest.approx(0.312, abs=1e-3)  # mean 1/3 and std pass; a third of groups informative
-    assert gate_failures(stats, calibration_defaults()) == ["informative groups 0.33 < 0.6"]
+    assert gate_failures(stats, CalibrationSettings()) == ["informative groups 0.33 < 0.6"]
     split = group_stats(rewards, rewards == 1.0, hinted=1)  # the first sample of each group hinted
     assert (split["hinted_success"], split["unhinted_success"]) == (pytest.approx(1 / 3), 0.0)
 
@@ -63,15 +70,14 @@ def test_gates_apply_per_variant_and_the_released_codes_are_one_value_away():
     rewards = np.concatenate([np.ones((4, 8)), np.zeros((4, 8))])
     rewards[[0, 4], 0] = [0.0, 1.0]  # one informative group of each kind
     variants = ["cancel"] * 4 + ["return"] * 4
-    config = calibration_defaults()
+    config = CalibrationSettings()
     stats = level_stats(rewards, rewards == 1.0, variants)
     assert 0.3 <= stats["mean"] <= 0.6 and set(stats["variants"]) == {"cancel", "return"}
     failures = gate_failures(stats, config)
     assert any(f.startswith("cancel: mean reward 0.969 outside [0.3, 0.6]") for f in failures)
     assert any(f.startswith("return: mean reward 0.031 outside [0.3, 0.6]") for f in failures)
     assert "variants" not in level_stats(rewards, rewards == 1.0, ["cancel"] * 8)  # one kind: gated as a whole
-    loose = calibration_defaults()
-    loose.gates = "released_code"
+    loose = CalibrationSettings(gates="released_code")
     one_kind = np.array([[1.0, 0.0, 0.0, 0.0]] * 4 + [[1.0, 1.0, 1.0, 0.0]] * 2 + [[0.0] * 4] * 2)
     stats = group_stats(one_kind, one_kind == 1.0)
     assert gate_failures(stats, config) == []  # the paper has no gate on all-zero groups
@@ -90,34 +96,36 @@ def _measure(means: dict[float, float]):
 
 
 def test_the_difficulty_walks_to_the_gates_or_the_environment_is_dropped():
-    config = calibration_defaults()
+    config = CalibrationSettings()
     bounds = (0, 2)
     walked = calibrate(_measure({0: 0.95, 1: 0.45, 2: 0.1}), config, bounds)
     assert walked["calibrated"] and walked["difficulty"] == 1 and [t["difficulty"] for t in walked["tries"]] == [0, 1]
-    config.start_difficulty = 2
+    config = dataclasses.replace(config, start_difficulty=2)
     down = calibrate(_measure({0: 0.95, 1: 0.45, 2: 0.1}), config, bounds)
     assert down["difficulty"] == 1 and [t["difficulty"] for t in down["tries"]] == [2, 1]
-    config.start_difficulty = 0
+    config = dataclasses.replace(config, start_difficulty=0)
     # too easy, then too hard: the mix halfway between, then (with min_step 0.25) halfway again, never a loop
     mixed = calibrate(_measure({0: 0.9, 1: 0.1, 0.5: 0.45}), config, (0, 1))
     assert mixed["calibrated"] and [t["difficulty"] for t in mixed["tries"]] == [0, 1, 0.5]
     flips = calibrate(_measure({0: 0.9, 1: 0.1, 0.5: 0.15}), config, (0, 1))
     assert not flips["calibrated"] and [t["difficulty"] for t in flips["tries"]] == [0, 1, 0.5]
     assert flips["reason"].startswith("too hard: mean reward 0.1") and "outside [0.3, 0.6]" in flips["reason"]
-    config.min_step = 0.25
+    config = dataclasses.replace(config, min_step=0.25)
     finer = calibrate(_measure({0: 0.9, 1: 0.1, 0.5: 0.15, 0.25: 0.5}), config, (0, 1))
     assert finer["difficulty"] == 0.25 and [t["difficulty"] for t in finer["tries"]] == [0, 1, 0.5, 0.25]
-    config.min_step, config.start_difficulty = 1, 2  # whole levels only; down from 2: 0 too easy stops it
+    config = dataclasses.replace(
+        config, min_step=1, start_difficulty=2
+    )  # whole levels only; down from 2: 0 too easy stops it
     whole = calibrate(_measure({2: 0.1, 1: 0.1, 0: 0.9}), config, bounds)
     assert not whole["calibrated"] and [t["difficulty"] for t in whole["tries"]] == [2, 1, 0]
-    config.min_step = 0.5  # the same walk may mix 0 and 1
+    config = dataclasses.replace(config, min_step=0.5)  # the same walk may mix 0 and 1
     assert [
         t["difficulty"] for t in calibrate(_measure({2: 0.1, 1: 0.1, 0: 0.9, 0.5: 0.2}), config, bounds)["tries"]
     ] == [2, 1, 0, 0.5]
 
 
 def test_too_hard_at_level_0_walks_into_the_scaffolded_levels_and_drops_only_at_the_most_scaffolded():
-    config = calibration_defaults()
+    config = CalibrationSettings()
     scaffolded = calibrate(_measure({0: 0.02, -1: 0.1, -2: 0.45}), config, (-2, 2))
     assert scaffolded["calibrated"] and [t["difficulty"] for t in scaffolded["tries"]] == [0, -1, -2]
     dropped = calibrate(_measure({0: 0.02, -1: 0.1, -2: 0.15}), config, (-2, 2))
@@ -156,8 +164,7 @@ def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_cal
             ),
         )
     )
-    config = calibration_defaults()
-    config.update(seeds=3, samples=2)
+    config = CalibrationSettings(seeds=3, samples=2)
     gold = calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "gold", agent="gold")
     assert not gold["calibrated"] and [t["difficulty"] for t in gold["tries"]] == [0, 1, 2]  # too easy everywhere
     assert all(t["mean"] == 1.0 and t["episodes"] == 6 for t in gold["tries"]) and gold["env"] is None
@@ -174,12 +181,12 @@ def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_cal
     groups = json.loads((walks / "difficulty_0" / "groups.json").read_text())
     groups["rewards"][0][0] = 0.25  # a mark only a taken try carries
     (walks / "difficulty_0" / "groups.json").write_text(json.dumps(groups))
-    config.resume_from = str(walks.parent)
+    config = dataclasses.replace(config, resume_from=str(walks.parent))
     taken = calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "taken", agent="gold")
     assert taken["tries"][0]["mean"] < 1.0 and (tmp_path / "taken" / "difficulty_0" / "episodes.jsonl").exists()
     played = calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "played", agent="noop")
     assert played["tries"] == noop["tries"]  # the gold agent's tries are not the noop agent's: played afresh
-    config.resume_from = ""
+    config = dataclasses.replace(config, resume_from="")
     deeper = calibrate_capability("multi_step", (-3, 2), base, config, tmp_path / "noop", agent="noop")
     assert [t["difficulty"] for t in deeper["tries"]] == [0, -1, -2, -3]  # a new scaffold: the walk goes on
     assert deeper["tries"][:3] == noop["tries"] and deeper["reason"].startswith(
@@ -199,26 +206,22 @@ def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_cal
         for line in (tmp_path / "families" / "return" / "difficulty_0" / "episodes.jsonl").open()
     }
     assert tasks == {"return"}
-    config.families = ("tool_calling/return", "multi_step/none")
     with pytest.raises(ValueError, match="config.calibration.families = .* is invalid; it must be a tuple of built"):
-        calibrate_builtin("tool_calling", base, config, tmp_path / "families", agent="gold")
-    config.families = ("tool_calling/address", "tool_calling/return")
+        _block(config, families=["tool_calling/return", "multi_step/none"])
+    config = _block(config, families=["tool_calling/address", "tool_calling/return"])
     narrowed = calibrate_builtin("tool_calling", base, config, tmp_path / "families", agent="noop")
     assert narrowed["families"] == {"return": None, "address": None}  # the capability's order, not the config's
     assert narrowed["tries"] == [t for t in families["tries"] if t["variant"] in ("return", "address")]  # replayed
-    config.families = ()
+    config = dataclasses.replace(config, families=())
     table = calibration_table([gold, noop, families])
     assert table.count("\n") == 1 + 10 and "| multi_step | 2 | 6 | 1.000 |" in table
     assert "| tool_calling[return] | 0 | 6 | 1.000 |" in table
-    config.samples = 1
     with pytest.raises(ValueError, match="config.calibration.samples = 1 is invalid"):
-        calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "bad")
-    config.samples, config.cut_share = 2, -0.5
+        _block(config, samples=1)
     with pytest.raises(ValueError, match="config.calibration.cut_share = -0.5 is invalid"):
-        calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "bad")
-    config.cut_share, config.gates = 0.0, "strict"
+        _block(config, cut_share=-0.5)
     with pytest.raises(ValueError, match='config.calibration.gates = .strict. is invalid; it must be "paper" or'):
-        calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "bad")
+        _block(config, gates="strict")
 
 
 def test_the_calibration_job_names_an_unknown_capability():
@@ -241,7 +244,7 @@ def test_the_calibration_job_names_an_unknown_capability():
 
 
 def test_the_calibration_feedback_tells_the_writer_which_way_to_move():
-    config = calibration_defaults()
+    config = CalibrationSettings()
     tries = [
         {
             "difficulty": 0,

@@ -4,10 +4,10 @@ each flaw as LACKING the capability it breaks (and nothing else where the agent 
 the compact view must be what an analyst reads, and the analysis must write its artifacts,
 agree with `launch.select_capabilities` on its own runs and resume without relabelling."""
 
+import dataclasses
 import json
 
 import jax
-import ml_collections
 import pytest
 from scripted_llm_server import ScriptedLLMServer
 
@@ -15,9 +15,10 @@ from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine
 from trace_jax.envs.embedded_retail import EmbeddedRetail
 from trace_jax.envs.scripted import PlannedAgent, ScriptedUser
 from trace_jax.envs.tau2_bridge import domain_state
-from trace_jax.llm import llm_defaults
+from trace_jax.llm import LlmSettings
+from trace_jax.settings import from_config
 from trace_jax.tool_calls import format_tool_call
-from trace_jax.trace.analysis import analysis_defaults, analyze, make_analyst
+from trace_jax.trace.analysis import AnalysisSettings, analyze, make_analyst
 from trace_jax.trace.analyst import LACKING, NA, PRESENT
 from trace_jax.trace.programmatic_analyst import CARDS, ProgrammaticAnalyst
 from trace_jax.trace.selection import load_runs, select
@@ -151,8 +152,7 @@ def test_the_compact_view_is_what_the_authors_analyst_reads(played):
 
 def test_analysis_writes_its_artifacts_agrees_with_the_cli_rule_and_resumes(played, tmp_path):
     env, _, trajectories = played
-    config = analysis_defaults()
-    config.runs, config.min_runs = 6, 5
+    config = AnalysisSettings(runs=6, min_runs=5)
     result = analyze(list(trajectories.values()), _analyst(env), config, tmp_path)
     folder = tmp_path / "analysis"
     runs, dropped = load_runs(folder / "runs")
@@ -179,9 +179,9 @@ def test_analysis_writes_its_artifacts_agrees_with_the_cli_rule_and_resumes(play
 
     (folder / "capabilities.json").unlink()
     assert analyze(list(trajectories.values()), Refuses(), config, tmp_path) == result
-    config.min_runs = 9
+    block = {**dataclasses.asdict(config), "min_runs": 9}
     with pytest.raises(ValueError, match=r"config.analysis.min_runs = 9 is invalid; .* \[1, analysis.runs = 6\]"):
-        analyze([], Refuses(), config, tmp_path)
+        from_config(AnalysisSettings, block, "analysis")
 
 
 def trajectories_by_id(trajectories):
@@ -233,12 +233,11 @@ def _scripted_analyst(flaky_sample: int):
 
 def test_the_llm_analyst_runs_stage_one_through_a_real_openai_compatible_server(played, tmp_path):
     env, _, trajectories = played
-    config = ml_collections.ConfigDict({"analysis": analysis_defaults(), "llm": llm_defaults()})
-    config.analysis.update(analyst="llm", runs=4, min_runs=3, label_batch=4, discovery_tokens=1500)
+    settings = AnalysisSettings(analyst="llm", runs=4, min_runs=3, label_batch=4, discovery_tokens=1500)
     with ScriptedLLMServer(_scripted_analyst(flaky_sample=2)) as server:
-        config.llm.update(model="scripted", base_url=server.base_url, max_retries=0)
-        analyst = make_analyst(config, env, tmp_path)
-        result = analyze(list(trajectories.values()), analyst, config.analysis, tmp_path)
+        llm = LlmSettings(model="scripted", base_url=server.base_url, max_retries=0)
+        analyst = make_analyst(settings, llm, env, tmp_path)
+        result = analyze(list(trajectories.values()), analyst, settings, tmp_path)
         sent = len(server.requests)
         # 2 discovery requests; labellings 0, 1, 3: 3 batches of <= 4 trajectories; labelling 2: 3 bad replies
         assert sent == 2 + 3 * 3 + 3 and analyst.client.stats["failed"] == 1
@@ -251,7 +250,7 @@ def test_the_llm_analyst_runs_stage_one_through_a_real_openai_compatible_server(
         assert [json.loads(line)["reward"] < 1 for line in shown[:2]] == [True, False]  # failed and passed in turns
         (tmp_path / "analysis" / "capabilities.json").unlink()
         (tmp_path / "analysis" / "labellings" / "01.json").unlink()
-        again = analyze(list(trajectories.values()), make_analyst(config, env, tmp_path), config.analysis, tmp_path)
+        again = analyze(list(trajectories.values()), make_analyst(settings, llm, env, tmp_path), settings, tmp_path)
         assert again == result and len(server.requests) == sent  # relabelled from the disk cache, no request
 
 

@@ -8,13 +8,13 @@ import pytest
 
 from trace_jax.agent.episodes import recorded_episodes
 from trace_jax.evaluation import evaluate
+from trace_jax.settings import defaults, from_config
 from trace_jax.trace.diagnostics import (
-    diagnostics_defaults,
+    DiagnosticsSettings,
     diagnostics_table,
     pass_rates,
     sampled_evaluation,
     targeted_families,
-    validate_diagnostics_config,
 )
 
 
@@ -68,17 +68,17 @@ def test_a_sampled_evaluation_plays_only_the_targeted_families_first_tickets(tmp
             ),
         )
     )
-    config = diagnostics_defaults()
-    config.update(samples=2, per_family=3)
-    run = sampled_evaluation(heldout, config, ["change_address", "return_delivered"])
+    settings = DiagnosticsSettings(samples=2, per_family=3)
+    run = sampled_evaluation(heldout, settings, ["change_address", "return_delivered"])
     assert run.trials == 2 and run.rollout.temperature == 1.0 and heldout.trials == 1
     evaluate(run, tmp_path, agent="gold")
     records = recorded_episodes(tmp_path / "episodes.jsonl")
     assert sorted({r["family"] for r in records}) == ["change_address", "return_delivered"]
     assert len(records) == 2 * 3 * 2 and all(r["success"] for r in records)
+    config = defaults(DiagnosticsSettings)
     config.per_family = 0
     with pytest.raises(ValueError, match="config.diagnostics.per_family = 0 is invalid"):
-        validate_diagnostics_config(config)
+        from_config(DiagnosticsSettings, config, "diagnostics")
     bad = ml_collections.ConfigDict({**run.to_dict(), "families": [3]})
     with pytest.raises(ValueError, match=r"config.families = \[3\] is invalid"):
         evaluate(bad, tmp_path / "bad", agent="gold")

@@ -23,10 +23,11 @@ from trace_jax.envs.capability.authoring import AuthoringError, capability_from_
 from trace_jax.envs.capability.sandbox import Checks, Limits, ValidationReport, validate_module
 from trace_jax.envs.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.envs.tau2_bridge import domain_state
-from trace_jax.llm import ChatClient, llm_defaults
+from trace_jax.llm import ChatClient, LlmSettings
+from trace_jax.settings import defaults, from_config
 from trace_jax.trace.analyst import CapabilityCard
 from trace_jax.trace.calibration import environment_config
-from trace_jax.trace.env_writer import NO_CODE, env_writer_defaults, extract_code, write_environment
+from trace_jax.trace.env_writer import NO_CODE, EnvWriterSettings, extract_code, write_environment
 
 EXAMPLE = pathlib.Path(example_retail.__file__).read_text()
 CARD = CapabilityCard(
@@ -58,15 +59,11 @@ def _fenced(source):
 
 
 def _config(**changes):
-    config = env_writer_defaults()
-    config.update({"seeds": SEEDS, "export_tasks": TASKS, **changes})
-    return config
+    return EnvWriterSettings(**{"seeds": SEEDS, "export_tasks": TASKS, **changes})
 
 
 def _client(server, cache):
-    llm = llm_defaults()
-    llm.update(model="scripted", base_url=server.base_url, max_retries=0)
-    return ChatClient(llm, cache)
+    return ChatClient(LlmSettings(model="scripted", base_url=server.base_url, max_retries=0), cache)
 
 
 def _play(env, agent, tasks):
@@ -284,10 +281,12 @@ def test_a_report_names_each_failed_check_and_survives_json():
     assert ValidationReport.failed("stopped", Checks()).failure_report() == "stopped"
 
 
-def test_bad_settings_fail_naming_the_key(tmp_path):
-    assert (env_writer_defaults().max_attempts, env_writer_defaults().seeds, Checks().seeds) == (5, 100, 100)
-    with ScriptedLLMServer([]) as server, pytest.raises(ValueError, match="config.env_writer.max_attempts = 0"):
-        write_environment(CARD, EVIDENCE, _client(server, None), tmp_path, _config(max_attempts=0))
+def test_bad_settings_fail_naming_the_key():
+    assert (EnvWriterSettings().max_attempts, EnvWriterSettings().seeds, Checks().seeds) == (5, 100, 100)
+    config = defaults(EnvWriterSettings)
+    config.max_attempts = 0
+    with pytest.raises(ValueError, match="config.env_writer.max_attempts = 0"):
+        from_config(EnvWriterSettings, config, "env_writer")
 
 
 def test_a_module_the_judge_rejects_is_asked_for_again_with_its_verdict(tmp_path):

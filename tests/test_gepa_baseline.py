@@ -20,9 +20,10 @@ from trace_jax.agent.rollout import RolloutConfig, RolloutEngine  # noqa: E402
 from trace_jax.baselines import gepa as gepa_baseline  # noqa: E402
 from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment  # noqa: E402
 from trace_jax.envs.scripted import GoldAgent, ScriptedUser  # noqa: E402
-from trace_jax.llm import ChatClient, llm_defaults  # noqa: E402
+from trace_jax.llm import ChatClient, LlmSettings  # noqa: E402
 from trace_jax.models.model import load_model  # noqa: E402
 from trace_jax.sampling import Completion, Sampler  # noqa: E402
+from trace_jax.settings import defaults, from_config  # noqa: E402
 
 KEY_PHRASE = "Make every call the ticket needs"
 HELPFUL = f"{KEY_PHRASE}, with the exact arguments, then state the outcome."
@@ -46,14 +47,11 @@ def _env() -> CapabilityEnvironment:
 
 
 def _client(server, cache_dir) -> ChatClient:
-    cfg = llm_defaults()
-    cfg.update(model="scripted-reflection", base_url=server.base_url, max_retries=0)
-    return ChatClient(cfg, cache_dir)
+    return ChatClient(LlmSettings(model="scripted-reflection", base_url=server.base_url, max_retries=0), cache_dir)
 
 
 def _optimize(workdir, server, played_guidance: list[str]) -> dict:
-    cfg = gepa_baseline.gepa_defaults()
-    cfg.update(train_tasks=6, val_tasks=4, max_metric_calls=40, minibatch_size=2)
+    cfg = gepa_baseline.GepaSettings(train_tasks=6, val_tasks=4, max_metric_calls=40, minibatch_size=2)
 
     def make_engine(env):
         played_guidance.append(env.guidance)
@@ -99,11 +97,11 @@ def test_joined_guidance_names_each_capability_in_order_and_drops_empty_texts():
 
 
 def test_a_bad_gepa_setting_fails_naming_the_key():
-    cfg = gepa_baseline.gepa_defaults()
-    gepa_baseline.validate_gepa_config(cfg)
+    cfg = defaults(gepa_baseline.GepaSettings)
+    assert from_config(gepa_baseline.GepaSettings, cfg, "gepa") == gepa_baseline.GepaSettings()
     cfg.reflection = "teacher"
     with pytest.raises(ValueError, match=r"config.gepa.reflection = 'teacher' is invalid; it must be one of local"):
-        gepa_baseline.validate_gepa_config(cfg)
+        from_config(gepa_baseline.GepaSettings, cfg, "gepa")
 
 
 def test_the_base_model_reflects_deterministically_and_a_long_prompt_keeps_its_ends(tiny_chat_model):

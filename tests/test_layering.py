@@ -10,7 +10,13 @@ import pathlib
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # Bottom to top; a unit is a top-level module of trace_jax or a subpackage.
 LAYERS = (
-    ("files", "runtime", "config_checks", "tool_calls", "report"),  # plain Python: files, the wire format, tables
+    (
+        "files",
+        "runtime",
+        "settings",
+        "tool_calls",
+        "report",
+    ),  # plain Python: files, typed settings, wire format, tables
     ("sharding", "models"),  # the model core: configs, decoder, per-row adapters, tokenizer, loading
     ("distributed", "lora"),  # processes over the mesh; making, merging and saving adapters
     ("metrics", "sampling", "envs", "tasks", "llm"),  # the sampler; environments and tasks; the LLM client

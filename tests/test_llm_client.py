@@ -6,16 +6,15 @@ import json
 import pytest
 from scripted_llm_server import Fail, ScriptedLLMServer
 
-from trace_jax.llm import ChatClient, LLMError, MalformedReply, extract_json, llm_defaults, validate_llm_config
+from trace_jax.llm import ChatClient, LLMError, LlmSettings, MalformedReply, extract_json
+from trace_jax.settings import defaults, from_config
 
 MESSAGES = [{"role": "system", "content": "You list capabilities."}, {"role": "user", "content": "List them."}]
 GOOD_JSON = 'Here it is:\n```json\n{"capabilities": ["lookup", "refund"]}\n```'
 
 
 def make_client(base_url: str, cache_dir, **overrides) -> ChatClient:
-    cfg = llm_defaults()
-    cfg.update(dict(model="scripted-model", base_url=base_url, **overrides))
-    return ChatClient(cfg, cache_dir)
+    return ChatClient(LlmSettings(**dict(model="scripted-model", base_url=base_url, **overrides)), cache_dir)
 
 
 def capabilities(value) -> list[str]:
@@ -129,18 +128,16 @@ def test_the_exhausted_script_answers_500(tmp_path):
     [("model", ""), ("temperature", -1.0), ("max_json_attempts", 0), ("api_key_env", ""), ("max_retries", -1)],
 )
 def test_a_bad_config_names_its_key(key, value):
-    cfg = llm_defaults()
+    cfg = defaults(LlmSettings)
     cfg.model = "m"
     cfg[key] = value
     with pytest.raises(ValueError, match=rf"llm\.{key}\b"):
-        validate_llm_config(cfg)
-    with pytest.raises(ValueError, match=rf"llm\.{key}\b"):
-        ChatClient(cfg, None)
+        from_config(LlmSettings, cfg, "llm")
 
 
 def test_the_empty_model_message_says_how_to_set_it():
     with pytest.raises(ValueError, match=r"llm\.model.*--config\.llm\.model="):
-        validate_llm_config(llm_defaults())
+        from_config(LlmSettings, defaults(LlmSettings), "llm")
 
 
 def test_base_url_and_api_key_come_from_the_environment(tmp_path, monkeypatch):

@@ -32,13 +32,13 @@ from trace_jax.agent.episodes import (
     take_reused,
 )
 from trace_jax.agent.rollout import MODEL, EpisodeSpec, RolloutConfig, RolloutEngine
-from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS, make_environment
 from trace_jax.envs.hints import hinted_trials, offers_hint
 from trace_jax.envs.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.files import write_json_atomic
 from trace_jax.models.model import DTYPES, load_model
 from trace_jax.sampling import Sampler
+from trace_jax.settings import Check, check_config, number, positive_int
 from trace_jax.sharding import ShardingPlan, make_mesh
 
 AGENTS = ("model", "gold", "noop")

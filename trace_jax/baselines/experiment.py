@@ -28,6 +28,7 @@ the rollouts each arm used and its wall time, and the scaling curve (a table in 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 import re
@@ -39,17 +40,18 @@ from absl import logging
 from trace_jax import distributed, lora
 from trace_jax.agent.episodes import Routes, recorded_episodes
 from trace_jax.agent.rollout import RolloutConfig
-from trace_jax.baselines.gepa import gepa_arm, validate_gepa_config
+from trace_jax.baselines.gepa import GepaSettings, gepa_arm
 from trace_jax.baselines.scaling import plot_scaling, scaling_points, scaling_table
-from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import make_environment
 from trace_jax.evaluation import evaluate
 from trace_jax.files import read_json, write_json_atomic
 from trace_jax.metrics import MetricsWriter, logged_lines
 from trace_jax.report import paired, summarize
 from trace_jax.rl import trainer as grpo
+from trace_jax.settings import from_config, nonempty_str, positive_int, setting
 from trace_jax.trace.pipeline import (
     Pipeline,
+    PipelineSettings,
     Stages,
     analysis_evaluation,
     evaluate_alone,
@@ -68,48 +70,66 @@ STAGES = ("trace", *ARMS, "scaling")
 BUDGET_TOLERANCE = 0.05  # the baselines' budgets are within 5% of TRACE's (else a warning)
 
 
-def _checks() -> list[Check]:
-    return [
-        ("trace_run", lambda v: isinstance(v, str), '"" (run the pipeline here) or a TRACE run\'s workdir'),
-        ("budget", lambda v: v is None or positive_int(v), "None (TRACE's own rollouts) or a positive int"),
-        ("arms", lambda v: isinstance(v, tuple | list) and set(v) <= set(ARMS), f"a subset of {ARMS}"),
-        ("grpo_target.split", lambda v: isinstance(v, str) and bool(v), "the target's training split"),
-        (
-            "oracle.num_tasks",
-            lambda v: v is None or positive_int(v),
-            "None (all of TRACE's analysis tasks) or a positive int",
-        ),
-    ]
+@dataclasses.dataclass(frozen=True)
+class GrpoTargetSettings:
+    """The `grpo_target` block."""
+
+    split: str = setting("train", "the target's training split", nonempty_str)
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Fails at start naming the first wrong key (the pipeline's under `trace.`)."""
-    check_config(config, _checks())
+@dataclasses.dataclass(frozen=True)
+class OracleSettings:
+    """The `oracle` block: the analysis tasks oracle routing is chosen on."""
+
+    num_tasks: int | None = setting(
+        None, "None (all of TRACE's analysis tasks) or a positive int", lambda v: v is None or positive_int(v)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentSettings:
+    """A comparison config's own blocks, typed (the pipeline's under `trace` are `PipelineSettings`)."""
+
+    grpo_target: GrpoTargetSettings
+    oracle: OracleSettings
+    gepa: GepaSettings
+    trace_run: str = setting("", '"" (run the pipeline here) or a TRACE run\'s workdir', lambda v: isinstance(v, str))
+    budget: int | None = setting(
+        None, "None (TRACE's own rollouts) or a positive int", lambda v: v is None or positive_int(v)
+    )
+    arms: tuple[str, ...] = setting(ARMS, f"a subset of {ARMS}", lambda v: isinstance(v, tuple) and set(v) <= set(ARMS))
+
+
+def validate_config(config: ml_collections.ConfigDict) -> tuple[ExperimentSettings, PipelineSettings]:
+    """The config's typed blocks and its pipeline's; fails at start naming the first wrong key (the pipeline's
+    under `trace.`)."""
+    settings = from_config(ExperimentSettings, config, "")
     try:
-        validate_pipeline_config(config.trace)
+        trace = validate_pipeline_config(config.trace)
     except ValueError as error:
         raise ValueError(str(error).replace("config.", "config.trace.", 1)) from None
-    validate_gepa_config(config.gepa)
+    return settings, trace
 
 
 class Experiment:
     """One comparison in `workdir` (see the module docstring)."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path):
-        validate_config(config)
+        self.settings, self.trace_settings = validate_config(config)
         self.config, self.workdir = config, pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.trace_dir = pathlib.Path(config.trace_run) if config.trace_run else self.workdir / "trace"
+        trace_run = self.settings.trace_run
+        self.trace_dir = pathlib.Path(trace_run) if trace_run else self.workdir / "trace"
         self.stages = Stages(self.workdir, STAGES)
 
     def run(self) -> dict:
         """Runs (or resumes) every arm; writes results.json and report.md; returns the summary."""
         start = time.monotonic()
         trace = self.stages.run("trace", self._trace)
-        budget = self.config.budget or trace["trace_rollouts"]
+        budget = self.settings.budget or trace["trace_rollouts"]
         if not budget:
             raise ValueError("TRACE trained no adapter, so it gives no budget: set config.budget")
-        target = {**self.config.trace.target.env.to_dict(), "split": self.config.grpo_target.split}
+        target = {**self.config.trace.target.env.to_dict(), "split": self.settings.grpo_target.split}
         mixed = {"name": "mixed", "parts": list(trace["environments"].values()), "split": "train"}
         runs = {
             "oracle": lambda: self._oracle(trace),
@@ -121,9 +141,9 @@ class Experiment:
             "subsets": lambda: self._subsets(trace),
         }
         skipped = () if trace["environments"] else CAPABILITY_ARMS
-        for arm in [arm for arm in self.config.arms if arm in skipped]:
+        for arm in [arm for arm in self.settings.arms if arm in skipped]:
             logging.warning("arm %s skipped: TRACE calibrated no capability environment", arm)
-        arms = [arm for arm in ARMS if arm in self.config.arms and arm not in skipped]
+        arms = [arm for arm in ARMS if arm in self.settings.arms and arm not in skipped]
         stages = [*arms, "scaling"]
         self._write(trace, budget, stages)  # a long experiment's table so far, kept current after every arm
         for arm in arms:
@@ -202,7 +222,7 @@ class Experiment:
         records, played = {}, 0
         for index, (name, adapter) in systems.items():
             summary = evaluate(
-                analysis_evaluation(config, adapter, self.config.oracle.num_tasks),
+                analysis_evaluation(config, adapter, self.settings.oracle.num_tasks),
                 folder / name,
                 reuse=[self.trace_dir / "base_analysis"],
             )
@@ -243,7 +263,7 @@ class Experiment:
             max_turns=limits.max_turns,
             max_tokens_per_turn=limits.max_tokens_per_turn,
             max_errors=limits.max_errors,
-            temperature=self.config.gepa.temperature,
+            temperature=self.settings.gepa.temperature,
         )
         capabilities = {n: (env, trace["descriptions"][n]) for n, env in trace["environments"].items()}
         folder = self.workdir / "gepa"
@@ -251,7 +271,7 @@ class Experiment:
             capabilities,
             heldout_evaluation(self.config.trace),
             rollout,
-            self.config.gepa,
+            self.settings.gepa,
             self.config.trace.llm,
             budget,
             folder,
@@ -268,14 +288,14 @@ class Experiment:
     def _subsets(self, trace: dict) -> dict:
         """TRACE routed among its first k adapters only, for each k below their number; k -> the rollouts those
         adapters' training used and the held-out episodes' folder."""
-        names, config = list(trace["adapters"]), self.config.trace
+        names, config, settings = list(trace["adapters"]), self.config.trace, self.trace_settings
         target = make_environment(config.target.env)
-        tasks = target.tasks(config.target.heldout_split, config.target.heldout_tasks)
+        tasks = target.tasks(settings.target.heldout_split, settings.target.heldout_tasks)
         reuse = heldout_runs(self.trace_dir, trace["base_dir"])  # each adapter's alone, the base agent's
         runs = {}
         for k in range(1, len(names)):
             options = [RouteOption(n, trace["descriptions"][n], trace["examples"][n]) for n in names[:k]]
-            indices, _, _ = route_tasks(config, target, tasks, options)
+            indices, _, _ = route_tasks(config.model, config.dtype, settings.routing, target, tasks, options)
             routes = Routes(
                 tuple(trace["adapters"][n] for n in names[:k]), {t.task_id: i for t, i in zip(tasks, indices)}
             )
@@ -311,7 +331,7 @@ class Experiment:
                 by_task[by_family.get(r["family"], "general_service")][r["task_id"]] for r in base
             ]
             if "oracle" in self.stages.done:
-                done, split = self.stages.done["oracle"], self.config.trace.target.analysis_split
+                done, split = self.stages.done["oracle"], self.trace_settings.target.analysis_split
                 rows.append(
                     row(
                         f"TRACE, oracle routing (chosen on {done['result']['tasks']} {split} tasks)",

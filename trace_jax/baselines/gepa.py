@@ -14,6 +14,7 @@ logged (`<workdir>/evaluations.jsonl`), so a rerun plays no evaluation twice.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import pathlib
@@ -28,7 +29,6 @@ from absl import logging
 from trace_jax import distributed
 from trace_jax.agent.episodes import recorded_episodes
 from trace_jax.agent.rollout import MODEL, EpisodeSpec, RolloutConfig, RolloutEngine
-from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import make_environment
 from trace_jax.envs.base import Environment, TaskSpec
 from trace_jax.envs.guided import GuidedEnvironment
@@ -37,46 +37,30 @@ from trace_jax.files import append_jsonl, write_json_atomic, write_jsonl_atomic
 from trace_jax.llm import ChatClient
 from trace_jax.models.model import Model, load_model
 from trace_jax.sampling import Sampler
+from trace_jax.settings import number, positive_int, setting
 from trace_jax.trace.trajectories import compact, failure_reasons, from_record
 
 COMPONENT = "guidance"  # the one text GEPA evolves per capability
 REFLECTIONS = ("local", "llm")
 
 
-def gepa_defaults() -> ml_collections.ConfigDict:
-    """The `gepa` config block (per capability; the authors: 200 train seeds, 5,000 metric calls)."""
-    return ml_collections.ConfigDict(
-        dict(
-            train_tasks=16,  # the capability environment's first train tasks: GEPA's reflection minibatches
-            val_tasks=8,  # the train tasks after those: GEPA's validation (its Pareto front)
-            max_metric_calls=256,  # episodes GEPA may play (its budget, as rollouts)
-            minibatch_size=3,
-            reflection="local",  # "local": the base model; "llm": the config's `llm` endpoint
-            reflection_max_tokens=384,  # the local reflection's reply
-            reflection_temperature=0.7,  # the local reflection's sampling
-            message_chars=300,  # messages are cut to this many characters in what the reflection LM reads
-            temperature=0.0,  # its episodes' sampling (greedy: the target's held-out evaluation is)
-        )
-    )
+@dataclasses.dataclass(frozen=True)
+class GepaSettings:
+    """The `gepa` block, per capability (the authors: 200 train seeds, 5,000 metric calls)."""
 
-
-def _checks() -> list[Check]:
-    return [
-        ("gepa.train_tasks", positive_int, "a positive int"),
-        ("gepa.val_tasks", positive_int, "a positive int"),
-        ("gepa.max_metric_calls", positive_int, "a positive int (episodes)"),
-        ("gepa.minibatch_size", positive_int, "a positive int"),
-        ("gepa.reflection", lambda v: v in REFLECTIONS, f"one of {', '.join(REFLECTIONS)}"),
-        ("gepa.reflection_max_tokens", positive_int, "a positive int"),
-        ("gepa.reflection_temperature", lambda v: number(v) and v >= 0, "a number >= 0"),
-        ("gepa.message_chars", positive_int, "a positive int"),
-        ("gepa.temperature", lambda v: number(v) and v >= 0, "a number >= 0 (0 is greedy)"),
-    ]
-
-
-def validate_gepa_config(config: ml_collections.ConfigDict) -> None:
-    """Fails naming the key on a missing or invalid setting of the `gepa` block."""
-    check_config(ml_collections.ConfigDict({"gepa": config}), _checks())
+    # the capability environment's first train tasks: GEPA's reflection minibatches
+    train_tasks: int = setting(16, "a positive int", positive_int)
+    val_tasks: int = setting(8, "a positive int", positive_int)  # the train tasks after those: its Pareto front
+    max_metric_calls: int = setting(256, "a positive int (episodes)", positive_int)  # episodes GEPA may play
+    minibatch_size: int = setting(3, "a positive int", positive_int)
+    # "local": the base model reflects; "llm": the config's `llm` endpoint
+    reflection: str = setting("local", f"one of {', '.join(REFLECTIONS)}", lambda v: v in REFLECTIONS)
+    reflection_max_tokens: int = setting(384, "a positive int", positive_int)  # the local reflection's reply
+    reflection_temperature: float = setting(0.7, "a number >= 0", lambda v: number(v) and v >= 0)
+    # messages are cut to this many characters in what the reflection LM reads
+    message_chars: int = setting(300, "a positive int", positive_int)
+    # its episodes' sampling (greedy: the target's held-out evaluation is)
+    temperature: float = setting(0.0, "a number >= 0 (0 is greedy)", lambda v: number(v) and v >= 0)
 
 
 class EpisodeAdapter:
@@ -210,7 +194,7 @@ def optimize_guidance(
     seed_text: str,
     make_engine: Callable[[Environment], RolloutEngine],
     reflection_lm: Callable[[str], str],
-    cfg: ml_collections.ConfigDict,
+    settings: GepaSettings,
     workdir: str | pathlib.Path,
     *,
     seed: int = 0,
@@ -219,22 +203,21 @@ def optimize_guidance(
     """Runs GEPA on one capability's environment from `seed_text` into `workdir` (resumed when it holds a
     run); returns (and writes to result.json) the best text by validation score, every candidate with its
     validation score and the metric calls spent when it was found, and the episodes played."""
-    validate_gepa_config(cfg)
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    tasks = env.tasks(split, cfg.train_tasks + cfg.val_tasks)
+    tasks = env.tasks(split, settings.train_tasks + settings.val_tasks)
     adapter = EpisodeAdapter(
-        env, make_engine, seed=seed, log_path=workdir / "evaluations.jsonl", message_chars=cfg.message_chars
+        env, make_engine, seed=seed, log_path=workdir / "evaluations.jsonl", message_chars=settings.message_chars
     )
     start = time.monotonic()
     result = gepa.optimize(
         seed_candidate={COMPONENT: seed_text},
-        trainset=tasks[: cfg.train_tasks],
-        valset=tasks[cfg.train_tasks :],
+        trainset=tasks[: settings.train_tasks],
+        valset=tasks[settings.train_tasks :],
         adapter=adapter,
         reflection_lm=reflection_lm,
-        reflection_minibatch_size=cfg.minibatch_size,
-        max_metric_calls=cfg.max_metric_calls,
+        reflection_minibatch_size=settings.minibatch_size,
+        max_metric_calls=settings.max_metric_calls,
         run_dir=str(workdir / "gepa"),
         seed=seed,
         logger=_AbslLogger(),
@@ -251,7 +234,7 @@ def optimize_guidance(
         "best_val_score": round(float(result.val_aggregate_scores[result.best_idx]), 6),
         "seed_val_score": candidates[0]["val_score"],
         "metric_calls": int(result.total_metric_calls),
-        "budget": cfg.max_metric_calls,
+        "budget": settings.max_metric_calls,
         "episodes_played": adapter.played,
         "candidates": candidates,
         "seconds": round(time.monotonic() - start, 1),
@@ -293,7 +276,7 @@ def gepa_arm(
     capabilities: dict[str, tuple[dict, str]],
     heldout: ml_collections.ConfigDict,
     rollout: RolloutConfig,
-    cfg: ml_collections.ConfigDict,
+    settings: GepaSettings,
     llm: ml_collections.ConfigDict | None,
     budget: int,
     workdir: str | pathlib.Path,
@@ -304,10 +287,9 @@ def gepa_arm(
     config) and evaluated. In a run of several processes GEPA's loop runs once, on process 0, and every process
     plays its share of the evaluation. Every part resumes from `workdir`; returns (and writes to result.json) the
     texts, the budget spent, the held-out summary and this call's wall time."""
-    validate_gepa_config(cfg)
     workdir = pathlib.Path(workdir)
     start = time.monotonic()
-    runs = distributed.on_main(lambda: _optimize_each(capabilities, heldout, rollout, cfg, llm, budget, workdir))
+    runs = distributed.on_main(lambda: _optimize_each(capabilities, heldout, rollout, settings, llm, budget, workdir))
     texts = {name: run["best_text"] for name, run in runs.items()}
     evaluation = guided_evaluation(heldout, texts)
     summary = evaluate(evaluation, workdir / "heldout")
@@ -329,7 +311,7 @@ def _optimize_each(
     capabilities: dict[str, tuple[dict, str]],
     heldout: ml_collections.ConfigDict,
     rollout: RolloutConfig,
-    cfg: ml_collections.ConfigDict,
+    settings: GepaSettings,
     llm: ml_collections.ConfigDict | None,
     budget: int,
     workdir: pathlib.Path,
@@ -337,22 +319,21 @@ def _optimize_each(
     """`optimize_guidance` on each capability's environment with an equal share of `budget`; name -> its result."""
     model = load_model(heldout.model, heldout.dtype)
     sampler = Sampler(model.cfg, model.params, detokenize=model.tokenizer.decode)
-    if cfg.reflection == "llm":
+    if settings.reflection == "llm":
         reflection_lm = endpoint_reflection(ChatClient(llm, workdir / "llm_cache"))
     else:
         reflection_lm = LocalReflectionLM(
             model,
             sampler,
-            max_new_tokens=cfg.reflection_max_tokens,
-            temperature=cfg.reflection_temperature,
+            max_new_tokens=settings.reflection_max_tokens,
+            temperature=settings.reflection_temperature,
             seed=heldout.seed,
         )
 
     def make_engine(env: Environment) -> RolloutEngine:
         return RolloutEngine(env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=model.tokenizer, config=rollout)
 
-    share = ml_collections.ConfigDict(cfg.to_dict())
-    share.max_metric_calls = max(budget // len(capabilities), 1)
+    share = dataclasses.replace(settings, max_metric_calls=max(budget // len(capabilities), 1))
     return {
         name: optimize_guidance(
             make_environment(ml_collections.ConfigDict(env)),

@@ -3,10 +3,9 @@
 from trace_jax.llm.client import (
     ChatClient,
     LLMError,
+    LlmSettings,
     MalformedReply,
     extract_json,
-    llm_defaults,
-    validate_llm_config,
 )
 
-__all__ = ["ChatClient", "LLMError", "MalformedReply", "extract_json", "llm_defaults", "validate_llm_config"]
+__all__ = ["ChatClient", "LLMError", "LlmSettings", "MalformedReply", "extract_json"]

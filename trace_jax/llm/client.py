@@ -7,6 +7,7 @@ replies into validated JSON, asking again with the error when a reply is malform
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -16,11 +17,10 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import ml_collections
 import openai
 
-from trace_jax.config_checks import check_config, number, positive_int
 from trace_jax.files import read_json, write_json_atomic
+from trace_jax.settings import non_negative_int, nonempty_str, number, positive_int, positive_number, setting
 
 T = TypeVar("T")
 
@@ -28,37 +28,22 @@ _PLACEHOLDER_KEY = "unused"  # local servers take any key, but the openai client
 _FENCE = re.compile(r"```(?:json)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 
-def llm_defaults() -> ml_collections.ConfigDict:
-    """The `llm` config block: which endpoint and model, sampling, and how hard to retry."""
-    return ml_collections.ConfigDict(
-        dict(
-            model="",  # must be set: the endpoint's model name
-            base_url="",  # "" = $OPENAI_BASE_URL, else the openai default
-            api_key_env="OPENAI_API_KEY",  # the NAME of the env var holding the key ("unused" when it is unset)
-            temperature=1.0,
-            max_tokens=4096,
-            timeout_s=120.0,
-            max_retries=3,  # transport retries (connection errors, 408/409/429/5xx), done by the openai library
-            max_json_attempts=3,  # complete_json's attempts in all, each told the previous reply's error
-        )
-    )
+@dataclasses.dataclass(frozen=True)
+class LlmSettings:
+    """The `llm` block: which endpoint and model, sampling, and how hard to retry."""
 
-
-_LLM_CHECKS = (
-    ("llm.model", lambda v: isinstance(v, str) and bool(v), "a model name: set --config.llm.model=..."),
-    ("llm.base_url", lambda v: isinstance(v, str), "a URL, or '' for $OPENAI_BASE_URL / the openai default"),
-    ("llm.api_key_env", lambda v: isinstance(v, str) and bool(v), "the name of the env var holding the API key"),
-    ("llm.temperature", lambda v: number(v) and v >= 0, "a number >= 0"),
-    ("llm.max_tokens", positive_int, "an int >= 1"),
-    ("llm.timeout_s", lambda v: number(v) and v > 0, "a number of seconds > 0"),
-    ("llm.max_retries", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an int >= 0"),
-    ("llm.max_json_attempts", positive_int, "an int >= 1"),
-)
-
-
-def validate_llm_config(cfg: ml_collections.ConfigDict) -> None:
-    """Raises ValueError naming the first missing or invalid key of an `llm` config block."""
-    check_config(ml_collections.ConfigDict({"llm": cfg}), _LLM_CHECKS)
+    model: str = setting("", "a model name: set --config.llm.model=...", nonempty_str)
+    # "" = $OPENAI_BASE_URL, else the openai default
+    base_url: str = setting("", "a URL, or '' for $OPENAI_BASE_URL / the openai default", lambda v: isinstance(v, str))
+    # the NAME of the env var holding the key ("unused" when it is unset)
+    api_key_env: str = setting("OPENAI_API_KEY", "the name of the env var holding the API key", nonempty_str)
+    temperature: float = setting(1.0, "a number >= 0", lambda v: number(v) and v >= 0)
+    max_tokens: int = setting(4096, "an int >= 1", positive_int)
+    timeout_s: float = setting(120.0, "a number of seconds > 0", positive_number)
+    # transport retries (connection errors, 408/409/429/5xx), done by the openai library
+    max_retries: int = setting(3, "an int >= 0", non_negative_int)
+    # complete_json's attempts in all, each told the previous reply's error
+    max_json_attempts: int = setting(3, "an int >= 1", positive_int)
 
 
 class LLMError(RuntimeError):
@@ -97,8 +82,7 @@ class ChatClient:
     that gave up). It is safe to share between threads.
     """
 
-    def __init__(self, cfg: ml_collections.ConfigDict, cache_dir: str | pathlib.Path | None):
-        validate_llm_config(cfg)
+    def __init__(self, cfg: LlmSettings, cache_dir: str | pathlib.Path | None):
         self.cfg = cfg
         self.cache_dir = None if cache_dir is None else pathlib.Path(cache_dir)
         self.stats = {"requests": 0, "cache_hits": 0, "malformed": 0, "failed": 0}

@@ -13,10 +13,10 @@ import optax
 from absl import logging
 
 from trace_jax import distributed, lora
-from trace_jax.config_checks import Check, number, positive_int
 from trace_jax.models.model import DTYPES, Model, load_model
 from trace_jax.rl.checkpoint import Checkpointer, TrainState
 from trace_jax.rl.learner import make_optimizer
+from trace_jax.settings import Check, number, positive_int
 from trace_jax.sharding import ShardingPlan, make_mesh
 
 ADAPTER = 0  # the one adapter a job trains

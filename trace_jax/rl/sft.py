@@ -28,7 +28,6 @@ from absl import logging
 
 from trace_jax import distributed, lora
 from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine, Trajectory
-from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import ENVIRONMENTS, make_environment
 from trace_jax.envs.scripted import GoldAgent, ScriptedUser
 from trace_jax.files import write_json_atomic
@@ -40,6 +39,7 @@ from trace_jax.rl.checkpoint import TrainState
 from trace_jax.rl.job import ADAPTER, common_checks, export_adapter, start_run
 from trace_jax.rl.learner import frozen_inputs, make_train_step
 from trace_jax.rl.learner_batch import LearnerBatch
+from trace_jax.settings import Check, check_config, positive_int
 
 
 def _checks() -> list[Check]:

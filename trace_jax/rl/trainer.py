@@ -60,7 +60,6 @@ import numpy as np
 from absl import logging
 
 from trace_jax import distributed, lora
-from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs import ENVIRONMENTS
 from trace_jax.files import read_json, write_json_atomic, write_jsonl_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
@@ -76,6 +75,7 @@ from trace_jax.rl.resampling import sample_informative
 from trace_jax.rl.single_turn import TaskSetRollouts
 from trace_jax.runtime import bound_memory_maps, peak_memory_gb, release_freed_memory
 from trace_jax.sampling import Sampler
+from trace_jax.settings import Check, check_config, number, positive_int
 from trace_jax.tasks import TASK_SETS
 
 

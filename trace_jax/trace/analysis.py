@@ -9,16 +9,16 @@ a killed analysis resumes where it stopped and a finished one is not redone.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from collections import Counter
 from collections.abc import Sequence
 
-import ml_collections
 import numpy as np
 
-from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.files import read_json, write_json_atomic
-from trace_jax.llm.client import ChatClient
+from trace_jax.llm.client import ChatClient, LlmSettings
+from trace_jax.settings import Invalid, number, positive_int, setting, share
 from trace_jax.trace import selection
 from trace_jax.trace.analyst import (
     LACKING,
@@ -38,55 +38,38 @@ EXAMPLES = 3  # failed trajectories quoted per selected capability in the report
 ANALYSTS = ("programmatic", "llm")
 
 
-def analysis_defaults() -> ml_collections.ConfigDict:
-    """Stage 1's settings (the paper's where it gives them)."""
-    return ml_collections.ConfigDict(
-        {
-            "analyst": "programmatic",  # or "llm": trace_jax.trace.programmatic_analyst / llm_analyst
-            "runs": 10,  # labelling runs N (the authors' code: 10)
-            "min_runs": 8,  # K: runs a capability must pass in
-            "delta": 0.2,  # least contrastive gap ER- - ER+
-            "coverage": 0.1,  # least share of failures labelled LACKING
-            "seed": 0,  # bootstrap resamples (programmatic runs and the intervals)
-            "interval_resamples": 1000,
-            # the LLM analyst's (the endpoint is the pipeline's `llm` block)
-            "discovery_tokens": 12000,  # trajectories shown at discovery, in tokens
-            "message_chars": 300,  # each message's content cut to this many characters (the authors' ~300)
-            "max_candidates": 10,
-            "label_batch": 10,  # trajectories per labelling request
-        }
-    )
+@dataclasses.dataclass(frozen=True)
+class AnalysisSettings:
+    """The `analysis` block: stage 1's settings (the paper's where it gives them)."""
+
+    # "programmatic" or "llm": trace_jax.trace.programmatic_analyst / llm_analyst
+    analyst: str = setting("programmatic", f"one of {ANALYSTS}", lambda v: v in ANALYSTS)
+    runs: int = setting(10, "an int >= 1", positive_int)  # labelling runs N (the authors' code: 10)
+    min_runs: int = setting(8, "an int >= 1", positive_int)  # K: runs a capability must pass in
+    delta: float = setting(0.2, "a number in [-1, 1]", lambda v: number(v) and -1 <= v <= 1)  # least ER- - ER+
+    coverage: float = setting(0.1, "a number in [0, 1]", share)  # least share of failures labelled LACKING
+    seed: int = setting(0, "an int", lambda v: isinstance(v, int))  # bootstrap resamples (runs and intervals)
+    interval_resamples: int = setting(1000, "an int >= 1", positive_int)
+    # the LLM analyst's (the endpoint is the pipeline's `llm` block): trajectories shown at discovery, in tokens
+    discovery_tokens: int = setting(12000, "an int >= 1", positive_int)
+    # each message's content cut to this many characters (the authors' ~300)
+    message_chars: int = setting(300, "an int >= 1", positive_int)
+    max_candidates: int = setting(10, "an int >= 1", positive_int)
+    label_batch: int = setting(10, "an int >= 1", positive_int)  # trajectories per labelling request
+
+    def __post_init__(self):
+        if self.min_runs > self.runs:
+            raise Invalid("min_runs", f"an int in [1, analysis.runs = {self.runs}]")
 
 
-def _checks(config: ml_collections.ConfigDict) -> list[Check]:
-    runs = config.get("runs")
-    return [
-        ("analysis.analyst", lambda v: v in ANALYSTS, f"one of {ANALYSTS}"),
-        ("analysis.runs", positive_int, "an int >= 1"),
-        ("analysis.min_runs", lambda v: positive_int(v) and v <= runs, f"an int in [1, analysis.runs = {runs}]"),
-        ("analysis.delta", lambda v: number(v) and -1 <= v <= 1, "a number in [-1, 1]"),
-        ("analysis.coverage", lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-        ("analysis.seed", lambda v: isinstance(v, int), "an int"),
-        *(
-            (f"analysis.{key}", positive_int, "an int >= 1")
-            for key in ("interval_resamples", "discovery_tokens", "message_chars", "max_candidates", "label_batch")
-        ),
-    ]
-
-
-def validate_analysis_config(config: ml_collections.ConfigDict) -> None:
-    """Fails at start naming the key that is missing or wrong (`config` is the `analysis` block)."""
-    check_config(ml_collections.ConfigDict({"analysis": config}), _checks(config))
-
-
-def make_analyst(config: ml_collections.ConfigDict, env, workdir: str | pathlib.Path) -> Analyst:
-    """The analyst `config.analysis.analyst` names; the LLM one talks to `config.llm`'s endpoint and caches
-    its replies under `<workdir>/analysis/llm_cache`, the programmatic one reads `env`'s τ² domain."""
-    validate_analysis_config(config.analysis)
-    if config.analysis.analyst == "llm":
-        settings = config.analysis
+def make_analyst(settings: AnalysisSettings, llm: LlmSettings | None, env, workdir: str | pathlib.Path) -> Analyst:
+    """The analyst `settings.analyst` names; the LLM one talks to `llm`'s endpoint and caches its replies under
+    `<workdir>/analysis/llm_cache`, the programmatic one reads `env`'s τ² domain."""
+    if settings.analyst == "llm":
+        if llm is None:
+            raise ValueError("config.analysis.analyst = 'llm' needs the config's `llm` block")
         return LLMAnalyst(
-            ChatClient(config.llm, pathlib.Path(workdir) / "analysis" / "llm_cache"),
+            ChatClient(llm, pathlib.Path(workdir) / "analysis" / "llm_cache"),
             discovery_tokens=settings.discovery_tokens,
             message_chars=settings.message_chars,
             max_candidates=settings.max_candidates,
@@ -132,28 +115,27 @@ def _labellings(analyst: Analyst, trajectories, cards, runs: int, folder: pathli
 def analyze(
     trajectories: Sequence[ScoredTrajectory],
     analyst: Analyst,
-    config: ml_collections.ConfigDict,
+    settings: AnalysisSettings,
     workdir: str | pathlib.Path,
 ) -> dict:
     """Runs (or resumes) stage 1 and returns `capabilities.json`'s content."""
-    validate_analysis_config(config)
     folder = pathlib.Path(workdir) / "analysis"
     if (folder / "capabilities.json").exists():
         return read_json(folder / "capabilities.json")
     cards = _candidates(analyst, trajectories, folder)
-    labellings, dropped = _labellings(analyst, trajectories, cards, config.runs, folder)
+    labellings, dropped = _labellings(analyst, trajectories, cards, settings.runs, folder)
     if not labellings:
         raise RuntimeError(f"every labelling run was dropped: {dropped}")
     full = [to_run(labelling, trajectories, i) for i, labelling in enumerate(labellings)]
     if analyst.deterministic:
-        rng = np.random.default_rng(config.seed)
-        runs = [selection.resample(full[0], rng, i) for i in range(config.runs)]
+        rng = np.random.default_rng(settings.seed)
+        runs = [selection.resample(full[0], rng, i) for i in range(settings.runs)]
     else:
         runs = full
     for i, run in enumerate(runs):
         write_json_atomic(folder / "runs" / f"{i:02d}.json", run.to_json())
-    rows = selection.select(runs, delta=config.delta, coverage=config.coverage, min_runs=config.min_runs)
-    spans = selection.intervals(full, num=config.interval_resamples, seed=config.seed)
+    rows = selection.select(runs, delta=settings.delta, coverage=settings.coverage, min_runs=settings.min_runs)
+    spans = selection.intervals(full, num=settings.interval_resamples, seed=settings.seed)
     by_name = {card.name: card for card in cards}
     for row in rows:
         row.update(
@@ -170,7 +152,7 @@ def analyze(
         "passed": sum(t.success for t in trajectories),
         "runs": len(runs),
         "dropped_labellings": dropped,
-        "settings": config.to_dict(),
+        "settings": dataclasses.asdict(settings),
     }
     (folder / "analysis.md").write_text(report(result), encoding="utf-8")
     write_json_atomic(folder / "capabilities.json", result)

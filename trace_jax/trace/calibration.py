@@ -24,6 +24,7 @@ families named, for a run that targets one kind of work.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pathlib
 import shutil
@@ -35,12 +36,12 @@ from absl import logging
 
 from trace_jax import distributed
 from trace_jax.agent.episodes import jsonable, recorded_episodes, run_marker, same_episodes
-from trace_jax.config_checks import Check, check_config, number, positive_int
-from trace_jax.envs.capability.environment import HINTED_SCAFFOLDS
+from trace_jax.envs.capability.environment import CUT_SHARE, HINTED_SCAFFOLDS
 from trace_jax.envs.hints import hinted_trials
 from trace_jax.evaluation import evaluate
 from trace_jax.files import read_json, write_json_atomic
 from trace_jax.report import pass_at_k
+from trace_jax.settings import number, positive_int, positive_number, setting, share
 
 GROUPS = "groups.json"  # a try's [seeds, samples] rewards and successes and each seed's variant: a small file that
 # lets a walk resume from committed results without the episodes
@@ -82,48 +83,31 @@ GATES = {
 }
 
 
-def calibration_defaults() -> ml_collections.ConfigDict:
-    """The paper's calibration, with half of each group hinted."""
-    from trace_jax.envs.capability.environment import CUT_SHARE
+@dataclasses.dataclass(frozen=True)
+class CalibrationSettings:
+    """The `calibration` block: the paper's calibration, with half of each group hinted."""
 
-    return ml_collections.ConfigDict(
-        {
-            "seeds": 20,
-            "samples": 8,
-            "temperature": 1.0,
-            "gates": "paper",  # or "released_code", or "none" (`GATES`)
-            "hint_share": 0.5,  # of each task's samples played with its hint (training's rollout.hint_share)
-            "start_difficulty": 0,
-            "min_step": 0.5,  # the finest difficulty step between levels (0.5: one mix of two levels; 1: none)
-            "policy": True,  # τ²'s retail policy in the system prompt, as the target has it
-            "cut_share": CUT_SHARE,  # what an episode cut at a limit keeps of its reward (the environment's docstring)
-            # "capability/family" entries: the only families walked of the capabilities they name (others: all)
-            "families": (),
-            # a calibration workdir (`launch.calibrate`'s) whose tries a walk takes where they played the same episodes
-            "resume_from": "",
-        }
+    seeds: int = setting(20, "an int >= 1", positive_int)  # tasks of a try
+    samples: int = setting(8, "an int >= 2 (a group needs two)", lambda v: positive_int(v) and v >= 2)
+    temperature: float = setting(1.0, "a number > 0 (groups need sampling)", positive_number)
+    gates: str = setting("paper", " or ".join(f'"{g}"' for g in GATES), lambda v: v in GATES)  # `GATES`
+    # of each task's samples played with its hint (training's rollout.hint_share)
+    hint_share: float = setting(0.5, "a number in [0, 1]", share)
+    start_difficulty: int = setting(0, "an int (below 0: a scaffolded level)", lambda v: isinstance(v, int))
+    # the finest difficulty step between levels (0.5: one mix of two levels; 1: none)
+    min_step: float = setting(0.5, "a number in (0, 1]", lambda v: number(v) and 0 < v <= 1)
+    policy: bool = setting(True, "True or False", lambda v: isinstance(v, bool))  # τ²'s retail policy in the prompt
+    # what an episode cut at a limit keeps of its reward (`trace_jax.envs.capability.environment`)
+    cut_share: float = setting(CUT_SHARE, "a number in [0, 1]", share)
+    # "capability/family" entries: the only families walked of the capabilities they name (others: all)
+    families: tuple[str, ...] = setting(
+        (),
+        'a tuple of built-in capability families, from the "capability/family" names of '
+        "trace_jax.envs.capability.CAPABILITIES",
+        lambda v: isinstance(v, tuple) and all(e in _family_names() for e in v),
     )
-
-
-def _checks(config: ml_collections.ConfigDict) -> list[Check]:
-    share = (lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]")
-    return [
-        ("calibration.seeds", positive_int, "an int >= 1"),
-        ("calibration.samples", lambda v: positive_int(v) and v >= 2, "an int >= 2 (a group needs two)"),
-        ("calibration.temperature", lambda v: number(v) and v > 0, "a number > 0 (groups need sampling)"),
-        ("calibration.gates", lambda v: v in GATES, " or ".join(f'"{g}"' for g in GATES)),
-        ("calibration.hint_share", *share),
-        ("calibration.start_difficulty", lambda v: isinstance(v, int), "an int (below 0: a scaffolded level)"),
-        ("calibration.min_step", lambda v: number(v) and 0 < v <= 1, "a number in (0, 1]"),
-        ("calibration.policy", lambda v: isinstance(v, bool), "True or False"),
-        ("calibration.cut_share", *share),
-        ("calibration.resume_from", lambda v: isinstance(v, str), 'a folder, or "" for none'),
-        (
-            "calibration.families",
-            lambda v: isinstance(v, (tuple, list)) and all(e in _family_names() for e in v),
-            f"a tuple of built-in capability families, from {list(_family_names())}",
-        ),
-    ]
+    # a calibration workdir (`launch.calibrate`'s) whose tries a walk takes where they played the same episodes
+    resume_from: str = setting("", 'a folder, or "" for none', lambda v: isinstance(v, str))
 
 
 def _family_names() -> tuple[str, ...]:
@@ -133,19 +117,14 @@ def _family_names() -> tuple[str, ...]:
     return tuple(f"{c.name}/{f}" for c in CAPABILITIES.values() for f in c.families)
 
 
-def selected_families(capability: str, families: tuple[str, ...], config: ml_collections.ConfigDict) -> tuple:
+def selected_families(capability: str, families: tuple[str, ...], config: CalibrationSettings) -> tuple:
     """The families of `capability` (its `families`) to walk: those `config.families` names for it, in the
     capability's order, or all of them where it names none."""
     named = {e.split("/", 1)[1] for e in config.families if e.split("/", 1)[0] == capability}
     return tuple(f for f in families if f in named) if named else tuple(families)
 
 
-def validate_calibration_config(config: ml_collections.ConfigDict) -> None:
-    """Fails at start naming the key that is missing or wrong (`config` is the `calibration` block)."""
-    check_config(ml_collections.ConfigDict({"calibration": config}), _checks(config))
-
-
-def gates(config: ml_collections.ConfigDict) -> dict:
+def gates(config: CalibrationSettings) -> dict:
     """The gate values `config.gates` names."""
     return GATES[config.gates]
 
@@ -189,7 +168,7 @@ def level_stats(rewards: np.ndarray, successes: np.ndarray, variants: list[str],
     return stats
 
 
-def gate_failures(stats: dict, config: ml_collections.ConfigDict) -> list[str]:
+def gate_failures(stats: dict, config: CalibrationSettings) -> list[str]:
     """Why `stats` fail the gates (empty: they pass); a level of several variants fails where any variant does."""
     if "variants" in stats:
         return [
@@ -217,13 +196,13 @@ def gate_failures(stats: dict, config: ml_collections.ConfigDict) -> list[str]:
 Measure = Callable[[float], tuple[np.ndarray, np.ndarray, list[str]]]
 
 
-def _side(mean: float, config: ml_collections.ConfigDict) -> int:
+def _side(mean: float, config: CalibrationSettings) -> int:
     """+1 where a mean says harder (too easy), -1 easier (too hard), 0 where it is inside the gates."""
     g = gates(config)
     return 1 if mean > g["max_mean"] else -1 if mean < g["min_mean"] else 0
 
 
-def next_difficulty(tries: list[dict], config: ml_collections.ConfigDict, bounds: tuple[int, int]) -> float | None:
+def next_difficulty(tries: list[dict], config: CalibrationSettings, bounds: tuple[int, int]) -> float | None:
     """Where the walk goes after its last try: a level further the way its mean points (within `bounds`, the most
     scaffolded and the top level), or, where a try lies within that level the other side of the gates, halfway to
     the nearest such try (while that half is >= `min_step`); None where it may not move (the gates failed on
@@ -241,7 +220,7 @@ def next_difficulty(tries: list[dict], config: ml_collections.ConfigDict, bounds
     return last["difficulty"] + half
 
 
-def _drop_reason(tries: list[dict], config: ml_collections.ConfigDict, bounds: tuple[int, int]) -> str:
+def _drop_reason(tries: list[dict], config: CalibrationSettings, bounds: tuple[int, int]) -> str:
     """Why the walk ended without a pass, from its last try."""
     last = tries[-1]
     where = {
@@ -254,7 +233,7 @@ def _drop_reason(tries: list[dict], config: ml_collections.ConfigDict, bounds: t
     return f"{where}: " + "; ".join(last["failures"]) + f" at difficulty {last['difficulty']}"
 
 
-def calibrate(measure: Measure, config: ml_collections.ConfigDict, bounds: tuple[int, int]) -> dict:
+def calibrate(measure: Measure, config: CalibrationSettings, bounds: tuple[int, int]) -> dict:
     """Walks the difficulty knob from `start_difficulty` (`next_difficulty`) until the gates pass or it may not
     move; returns every try and the difficulty chosen (None: the environment is dropped, with the reason)."""
     tries, difficulty = [], min(max(config.start_difficulty, bounds[0]), bounds[1])
@@ -275,7 +254,7 @@ def walk_bounds(scaffolds: tuple[str, ...], max_difficulty: int, hint_share: flo
     return -len(usable), max_difficulty
 
 
-def calibration_feedback(result: dict, config: ml_collections.ConfigDict) -> str:
+def calibration_feedback(result: dict, config: CalibrationSettings) -> str:
     """Why an environment could not be calibrated, in words for the LLM that wrote it (what to change)."""
     g = gates(config)
     lines = [
@@ -308,7 +287,7 @@ def calibration_feedback(result: dict, config: ml_collections.ConfigDict) -> str
 def environment_config(
     capability: str,
     difficulty: float,
-    config: ml_collections.ConfigDict,
+    config: CalibrationSettings,
     scenarios: str | None = None,
     variant: str | None = None,
 ) -> dict:
@@ -346,7 +325,7 @@ def calibrate_capability(
     capability: str,
     bounds: tuple[int, int],
     base_eval: ml_collections.ConfigDict,
-    config: ml_collections.ConfigDict,
+    config: CalibrationSettings,
     folder: pathlib.Path,
     agent: str = "model",
     scenarios: str | None = None,
@@ -358,7 +337,6 @@ def calibrate_capability(
     difficulty's episodes go to `folder/difficulty_<d>/` with their groups' rewards (`GROUPS`, read back instead of
     playing the try again), and the result to `folder/calibration.json` (read back when it exists and was walked
     between the same bounds): the tries, and `env`, the environment config to train on (None: dropped)."""
-    validate_calibration_config(config)
     if families:
         return _calibrate_families(capability, bounds, base_eval, config, folder, agent, families)
     return _calibrate_walk(capability, bounds, base_eval, config, folder, agent, scenarios)
@@ -367,7 +345,7 @@ def calibrate_capability(
 def calibrate_builtin(
     name: str,
     base_eval: ml_collections.ConfigDict,
-    config: ml_collections.ConfigDict,
+    config: CalibrationSettings,
     folder: pathlib.Path,
     agent: str = "model",
 ) -> dict:
@@ -385,7 +363,7 @@ def _calibrate_walk(
     capability: str,
     bounds: tuple[int, int],
     base_eval: ml_collections.ConfigDict,
-    config: ml_collections.ConfigDict,
+    config: CalibrationSettings,
     folder: pathlib.Path,
     agent: str,
     scenarios: str | None = None,
@@ -434,7 +412,7 @@ def _calibrate_families(
     capability: str,
     bounds: tuple[int, int],
     base_eval: ml_collections.ConfigDict,
-    config: ml_collections.ConfigDict,
+    config: CalibrationSettings,
     folder: pathlib.Path,
     agent: str,
     families: tuple[str, ...],

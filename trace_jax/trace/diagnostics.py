@@ -10,6 +10,7 @@ adapter alone (the evaluation job: resumable, episodes kept under `diagnostics/<
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from collections import defaultdict
 
@@ -17,28 +18,20 @@ import ml_collections
 import numpy as np
 
 from trace_jax.agent.episodes import recorded_episodes
-from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.evaluation import evaluate
 from trace_jax.report import pass_at_k
+from trace_jax.settings import number, positive_int, setting
 
 
-def diagnostics_defaults() -> ml_collections.ConfigDict:
-    """k = 8 samples at temperature 1 on 8 tickets of each targeted family (samples 0: off)."""
-    return ml_collections.ConfigDict(dict(samples=8, per_family=8, temperature=1.0, min_share=0.1))
+@dataclasses.dataclass(frozen=True)
+class DiagnosticsSettings:
+    """The `diagnostics` block: k = `samples` samples at `temperature` on the first `per_family` held-out tickets
+    of each family holding at least `min_share` of a capability's lacking failures (samples 0: no diagnostics)."""
 
-
-def diagnostics_checks() -> list[Check]:
-    return [
-        ("diagnostics.samples", lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0: no diagnostics)"),
-        ("diagnostics.per_family", lambda v: v is None or positive_int(v), "None (all) or a positive int"),
-        ("diagnostics.temperature", lambda v: number(v) and v > 0, "a number > 0 (samples must differ)"),
-        ("diagnostics.min_share", lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]"),
-    ]
-
-
-def validate_diagnostics_config(config: ml_collections.ConfigDict) -> None:
-    """Fails at start naming the key that is missing or wrong (`config` is the `diagnostics` block)."""
-    check_config(ml_collections.ConfigDict({"diagnostics": config}), diagnostics_checks())
+    samples: int = setting(8, "an int >= 0 (0: no diagnostics)", lambda v: isinstance(v, int) and v >= 0)
+    per_family: int | None = setting(8, "None (all) or a positive int", lambda v: v is None or positive_int(v))
+    temperature: float = setting(1.0, "a number > 0 (samples must differ)", lambda v: number(v) and v > 0)
+    min_share: float = setting(0.1, "a number in [0, 1]", lambda v: number(v) and 0 <= v <= 1)
 
 
 def targeted_families(lacking: dict[str, int], min_share: float) -> list[str]:
@@ -48,13 +41,13 @@ def targeted_families(lacking: dict[str, int], min_share: float) -> list[str]:
 
 
 def sampled_evaluation(
-    heldout: ml_collections.ConfigDict, config: ml_collections.ConfigDict, families: list[str]
+    heldout: ml_collections.ConfigDict, settings: DiagnosticsSettings, families: list[str]
 ) -> ml_collections.ConfigDict:
-    """The held-out evaluation `heldout` (an evaluation job's config) on `families`, sampled `config.samples`
-    times a ticket at `config.temperature`."""
+    """The held-out evaluation `heldout` (an evaluation job's config) on `families`, sampled `settings.samples`
+    times a ticket at `settings.temperature`."""
     run = ml_collections.ConfigDict(heldout.to_dict())
-    run.update(families=tuple(families), per_family=config.per_family, trials=config.samples)
-    run.rollout.temperature = config.temperature
+    run.update(families=tuple(families), per_family=settings.per_family, trials=settings.samples)
+    run.rollout.temperature = settings.temperature
     return run
 
 
@@ -82,7 +75,7 @@ def pass_rates(records: list[dict], k: int) -> dict:
 
 def run_diagnostics(
     heldout: ml_collections.ConfigDict,
-    config: ml_collections.ConfigDict,
+    settings: DiagnosticsSettings,
     lacking: dict[str, dict[str, int]],
     adapters: dict[str, str],
     folder: pathlib.Path,
@@ -90,24 +83,23 @@ def run_diagnostics(
     """Per adapter (capability -> PEFT folder): its targeted families and the base agent's and the adapter's
     pass rates there (`heldout`: the pipeline's held-out evaluation of the base agent; `lacking`: per capability,
     its lacking failures by family)."""
-    validate_diagnostics_config(config)
-    if not config.samples:
+    if not settings.samples:
         return {}
     results = {}
     for name, adapter in adapters.items():
-        families = targeted_families(lacking.get(name, {}), config.min_share)
+        families = targeted_families(lacking.get(name, {}), settings.min_share)
         if not families:
             results[name] = {"families": [], "reason": "no failed analysis trajectory lacks it"}
             continue
         base_dirs = sorted(p for p in folder.glob("*/base") if p.is_dir())  # the same tickets under no adapter
         played = {}
         for system, path in (("base", ""), ("adapter", adapter)):
-            run = sampled_evaluation(heldout, config, families)
+            run = sampled_evaluation(heldout, settings, families)
             run.adapter = path
             workdir = folder / name / system
             evaluate(run, workdir, reuse=base_dirs if system == "base" else ())
-            played[system] = pass_rates(recorded_episodes(workdir / "episodes.jsonl"), config.samples)
-        results[name] = {"families": families, "samples": config.samples, **played}
+            played[system] = pass_rates(recorded_episodes(workdir / "episodes.jsonl"), settings.samples)
+        results[name] = {"families": families, "samples": settings.samples, **played}
     return results
 
 

@@ -25,15 +25,14 @@ import pathlib
 import re
 from collections.abc import Callable, Sequence
 
-import ml_collections
 from absl import logging
 
-from trace_jax.config_checks import Check, check_config, number, positive_int
 from trace_jax.envs.capability import authoring
 from trace_jax.envs.capability.domains import world_domain
 from trace_jax.envs.capability.sandbox import Checks, ExportedEnvironment, Limits, ValidationReport, validate_module
 from trace_jax.files import read_json, write_json_atomic
 from trace_jax.llm.client import ChatClient
+from trace_jax.settings import non_negative_int, positive_int, positive_number, setting, share
 from trace_jax.trace.analyst import CapabilityCard
 
 _CODE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -77,41 +76,23 @@ NO_CODE = "The reply held no ```python code block with the module."
 Judge = Callable[[int, ValidationReport, pathlib.Path], str | None]
 
 
-def env_writer_defaults() -> ml_collections.ConfigDict:
-    """The writer's settings (the paper's released code regenerates up to 5 times)."""
-    return ml_collections.ConfigDict(
-        {
-            "max_attempts": 5,  # modules asked for per capability, each told the previous one's failure
-            "seeds": 100,  # validation seeds at each difficulty
-            "min_gold_success": 0.95,  # share of seeds (at each difficulty) where the gold solution must score 1.0
-            "max_empty_reward": 0.1,  # most mean reward of the agent that does nothing
-            "timeout_s": 600.0,  # the sandbox's wall clock for one validation (with the export)
-            "cpu_s": 300.0,  # the module's CPU seconds in the sandbox
-            "memory_mb": 2048,  # the module's memory in the sandbox, on top of the sandbox's own
-            "export_tasks": 200,  # train and held-out tasks exported per difficulty
-            "max_evidence": 5,  # evidence lines shown per capability
-        }
-    )
+@dataclasses.dataclass(frozen=True)
+class EnvWriterSettings:
+    """The `env_writer` block (the paper's released code regenerates up to 5 times)."""
 
-
-def _checks() -> list[Check]:
-    share = (lambda v: number(v) and 0 <= v <= 1, "a number in [0, 1]")
-    return [
-        ("env_writer.max_attempts", positive_int, "an int >= 1"),
-        ("env_writer.seeds", positive_int, "an int >= 1"),
-        ("env_writer.min_gold_success", *share),
-        ("env_writer.max_empty_reward", *share),
-        ("env_writer.timeout_s", lambda v: number(v) and v > 0, "a number of seconds > 0"),
-        ("env_writer.cpu_s", lambda v: number(v) and v > 0, "a number of seconds > 0"),
-        ("env_writer.memory_mb", positive_int, "an int >= 1 (MB)"),
-        ("env_writer.export_tasks", positive_int, "an int >= 1"),
-        ("env_writer.max_evidence", lambda v: isinstance(v, int) and v >= 0, "an int >= 0"),
-    ]
-
-
-def validate_env_writer_config(config: ml_collections.ConfigDict) -> None:
-    """Fails at start naming the key that is missing or wrong (`config` is the `env_writer` block)."""
-    check_config(ml_collections.ConfigDict({"env_writer": config}), _checks())
+    # modules asked for per capability, each told the previous one's failure
+    max_attempts: int = setting(5, "an int >= 1", positive_int)
+    seeds: int = setting(100, "an int >= 1", positive_int)  # validation seeds at each difficulty
+    # share of seeds (at each difficulty) where the gold solution must score 1.0
+    min_gold_success: float = setting(0.95, "a number in [0, 1]", share)
+    max_empty_reward: float = setting(0.1, "a number in [0, 1]", share)  # most mean reward of the do-nothing agent
+    # the sandbox's wall clock for one validation (with the export)
+    timeout_s: float = setting(600.0, "a number of seconds > 0", positive_number)
+    cpu_s: float = setting(300.0, "a number of seconds > 0", positive_number)  # the module's CPU seconds in the sandbox
+    # the module's memory in the sandbox, on top of the sandbox's own
+    memory_mb: int = setting(2048, "an int >= 1 (MB)", positive_int)
+    export_tasks: int = setting(200, "an int >= 1", positive_int)  # train and held-out tasks exported per difficulty
+    max_evidence: int = setting(5, "an int >= 0", non_negative_int)  # evidence lines shown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +154,7 @@ def _attempt(
     i: int,
     name: str,
     domain: str,
-    config: ml_collections.ConfigDict,
+    settings: EnvWriterSettings,
     checks: Checks,
 ) -> ValidationReport:
     """Attempt `i`'s report: read back when this very module was validated before, else from the sandbox."""
@@ -186,7 +167,7 @@ def _attempt(
         report = ValidationReport.failed(NO_CODE, checks)
     else:
         source_path.write_text(source, encoding="utf-8")
-        limits = Limits(timeout_s=config.timeout_s, cpu_s=config.cpu_s, memory_mb=config.memory_mb)
+        limits = Limits(timeout_s=settings.timeout_s, cpu_s=settings.cpu_s, memory_mb=settings.memory_mb)
         report = validate_module(
             source,
             name=name,
@@ -194,7 +175,7 @@ def _attempt(
             checks=checks,
             limits=limits,
             export=folder / "scenarios.json",
-            export_tasks=config.export_tasks,
+            export_tasks=settings.export_tasks,
         )
     write_json_atomic(report_path, report.to_json())
     return report
@@ -205,14 +186,13 @@ def write_environment(
     evidence: Sequence[str],
     client: ChatClient,
     folder: str | pathlib.Path,
-    config: ml_collections.ConfigDict,
+    settings: EnvWriterSettings,
     judge: Judge | None = None,
     domain: str = "retail",
 ) -> Synthesis:
     """Asks `client` for `card`'s environment module in τ²'s `domain` until one passes validation (and
-    `judge`, when given) or `config.max_attempts` attempts have failed (`config`: the `env_writer` block);
+    `judge`, when given) or `settings.max_attempts` attempts have failed (`settings`: the `env_writer` block);
     writes everything under `folder` (see the module docstring) and resumes from it."""
-    validate_env_writer_config(config)
     folder = pathlib.Path(folder)
     summary_path = folder / "synthesis.json"
     if summary_path.exists():
@@ -222,15 +202,15 @@ def write_environment(
             return done
     folder.mkdir(parents=True, exist_ok=True)
     checks = Checks(
-        seeds=config.seeds, min_gold_success=config.min_gold_success, max_empty_reward=config.max_empty_reward
+        seeds=settings.seeds, min_gold_success=settings.min_gold_success, max_empty_reward=settings.max_empty_reward
     )
     stats_before = dict(client.stats)
-    messages = prompt(card, evidence[: config.max_evidence], domain)
+    messages = prompt(card, evidence[: settings.max_evidence], domain)
     reports: list[ValidationReport] = []
-    for i in range(1, config.max_attempts + 1):
+    for i in range(1, settings.max_attempts + 1):
         reply = client.complete(messages)
         source = extract_code(reply)
-        report = _attempt(source, folder, i, card.name, domain, config, checks)
+        report = _attempt(source, folder, i, card.name, domain, settings, checks)
         if report.passed and judge is not None:
             verdict = judge(i, report, folder / "scenarios.json")
             if verdict:
@@ -241,7 +221,7 @@ def write_environment(
             "env writer %s: attempt %d/%d %s",
             card.name,
             i,
-            config.max_attempts,
+            settings.max_attempts,
             "passed" if report.passed else "failed: " + report.failure_report().replace("\n", " | ")[:300],
         )
         if report.passed:

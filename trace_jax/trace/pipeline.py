@@ -26,6 +26,7 @@ the report run on process 0 (docs/multihost.md). Layout:
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import threading
 import time
@@ -38,7 +39,6 @@ from absl import logging
 
 from trace_jax import distributed
 from trace_jax.agent.episodes import Routes, check_base_run, recorded_episodes
-from trace_jax.config_checks import Check, check_config, positive_int
 from trace_jax.envs import make_environment
 from trace_jax.envs.base import Environment, Gold, TaskSpec
 from trace_jax.envs.capability import CAPABILITIES
@@ -48,22 +48,23 @@ from trace_jax.envs.capability.sandbox import ValidationReport
 from trace_jax.evaluation import evaluate, evaluate_together
 from trace_jax.evaluation import validate_config as validate_evaluation_config
 from trace_jax.files import read_json, write_json_atomic
-from trace_jax.llm.client import ChatClient, validate_llm_config
+from trace_jax.llm.client import ChatClient, LlmSettings
 from trace_jax.lora import NO_ADAPTER
 from trace_jax.models.model import load_model
 from trace_jax.rl import trainer as grpo
-from trace_jax.trace.analysis import analyze, make_analyst, validate_analysis_config
+from trace_jax.settings import from_config, non_negative_int, nonempty_str, positive_int, setting
+from trace_jax.trace.analysis import AnalysisSettings, analyze, make_analyst
 from trace_jax.trace.analyst import CapabilityCard
 from trace_jax.trace.calibration import (
+    CalibrationSettings,
     calibrate_builtin,
     calibrate_capability,
     calibration_feedback,
     environment_config,
-    validate_calibration_config,
     walk_bounds,
 )
-from trace_jax.trace.diagnostics import run_diagnostics, validate_diagnostics_config
-from trace_jax.trace.env_writer import validate_env_writer_config, write_environment
+from trace_jax.trace.diagnostics import DiagnosticsSettings, run_diagnostics
+from trace_jax.trace.env_writer import EnvWriterSettings, write_environment
 from trace_jax.trace.routing import CALIBRATIONS, RouteOption, Router
 from trace_jax.trace.trace_report import oracle_routes, write_report
 from trace_jax.trace.trajectories import compact, from_record, load_trajectories
@@ -74,54 +75,94 @@ CLOCK_EVERY_S = 30.0  # how often a running stage's wall time is saved: a kill l
 SOURCES = ("builtin", "auto", "llm")  # environments.source: built-in generators only, built-in else written, written
 
 
-def _checks() -> list[Check]:
-    return [
-        ("target.analysis_split", lambda v: isinstance(v, str) and bool(v), "a split of the target environment"),
-        ("target.analysis_tasks", positive_int, "a positive int"),
-        ("target.heldout_split", lambda v: isinstance(v, str) and bool(v), "a split of the target environment"),
-        ("target.heldout_tasks", positive_int, "a positive int"),
-        ("target.base_run", lambda v: isinstance(v, str), '"" or the workdir of the base held-out evaluation'),
-        ("routing.max_messages", positive_int, "a positive int"),
-        ("routing.batch_size", positive_int, "a positive int"),
-        ("routing.calibration", lambda v: v in CALIBRATIONS, " or ".join(f'"{c}"' for c in CALIBRATIONS)),
-        ("final.per_adapter", lambda v: isinstance(v, bool), "True (each adapter alone too: the oracle) or False"),
-        ("environments.source", lambda v: v in SOURCES, " or ".join(f'"{s}"' for s in SOURCES)),
-        ("environments.max_trained", lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0: all selected)"),
-    ]
+@dataclasses.dataclass(frozen=True)
+class TargetSettings:
+    """The `target` block's tasks (its `env` and `rollout` are the evaluation job's: `heldout_evaluation`)."""
+
+    analysis_split: str = setting("train", "a split of the target environment", nonempty_str)
+    analysis_tasks: int = setting(140, "a positive int", positive_int)
+    heldout_split: str = setting("heldout", "a split of the target environment", nonempty_str)
+    heldout_tasks: int = setting(200, "a positive int", positive_int)
+    base_run: str = setting("", '"" or the workdir of the base held-out evaluation', lambda v: isinstance(v, str))
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Fails at start naming the first wrong key, in any stage's block."""
-    check_config(config, _checks())
+@dataclasses.dataclass(frozen=True)
+class RoutingSettings:
+    """The `routing` block: the router's input and how its label scores are calibrated (`trace.routing`)."""
+
+    max_messages: int = setting(10, "a positive int", positive_int)
+    batch_size: int = setting(8, "a positive int", positive_int)
+    calibration: str = setting("batch", " or ".join(f'"{c}"' for c in CALIBRATIONS), lambda v: v in CALIBRATIONS)
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalSettings:
+    """The `final` block."""
+
+    per_adapter: bool = setting(
+        True, "True (each adapter alone too: the oracle) or False", lambda v: isinstance(v, bool)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvironmentsSettings:
+    """The `environments` block: where capability environments come from, and how many are trained."""
+
+    source: str = setting("builtin", " or ".join(f'"{s}"' for s in SOURCES), lambda v: v in SOURCES)
+    max_trained: int = setting(2, "an int >= 0 (0: all selected)", non_negative_int)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    """The blocks every pipeline config holds, read by `from_config`."""
+
+    target: TargetSettings
+    analysis: AnalysisSettings
+    calibration: CalibrationSettings
+    routing: RoutingSettings
+    final: FinalSettings
+    diagnostics: DiagnosticsSettings
+    environments: EnvironmentsSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSettings(_Blocks):
+    """A pipeline config's typed blocks, which the stages' libraries take; `env_writer` is None when environments
+    are only built in, `llm` None until something asks the LLM (`Pipeline.llm`)."""
+
+    env_writer: EnvWriterSettings | None = None
+    llm: LlmSettings | None = None
+
+
+def validate_config(config: ml_collections.ConfigDict) -> PipelineSettings:
+    """The config's typed blocks; fails at start naming the first wrong key, in any stage's block."""
+    blocks = from_config(_Blocks, config, "")
     try:
         validate_evaluation_config(heldout_evaluation(config))
     except ValueError as error:  # the evaluation's env and rollout blocks are the pipeline's target.*
         message = str(error).replace("config.rollout.", "config.target.rollout.")
         message = message.replace("config.tensor", "config.training.mesh.tensor")
         raise ValueError(message.replace("config.env.", "config.target.env.")) from None
-    validate_analysis_config(config.analysis)
-    validate_calibration_config(config.calibration)
-    validate_diagnostics_config(config.diagnostics)
-    grpo.validate_config(training_config(config, {"env": environment_config("tool_calling", 0, config.calibration)}))
-    if config.calibration.hint_share != config.training.rollout.hint_share:
+    grpo.validate_config(training_config(config, {"env": environment_config("tool_calling", 0, blocks.calibration)}))
+    if blocks.calibration.hint_share != config.training.rollout.hint_share:
         raise ValueError(
-            f"config.calibration.hint_share = {config.calibration.hint_share} is invalid: calibration "
+            f"config.calibration.hint_share = {blocks.calibration.hint_share} is invalid: calibration "
             "must hint the share of each group that training does, config.training.rollout.hint_share = "
             f"{config.training.rollout.hint_share}"
         )
-    if config.environments.source != "builtin":
-        validate_env_writer_config(config.env_writer)
-    writes = config.environments.source == "llm" or (
-        config.environments.source == "auto" and config.analysis.analyst == "llm"
-    )
+    source, analyst = blocks.environments.source, blocks.analysis.analyst
+    writes = source == "llm" or (source == "auto" and analyst == "llm")
     if writes and jax.process_count() > 1:  # the writer's sandbox and the calibrations it asks for run in one process
         raise ValueError(
-            f"config.environments.source = {config.environments.source!r} with the "
-            f"{config.analysis.analyst} analyst may have the LLM write environments, which a run of "
-            'several processes does not do: set it to "builtin" or run as one process'
+            f"config.environments.source = {source!r} with the {analyst} analyst may have the LLM write "
+            'environments, which a run of several processes does not do: set it to "builtin" or run as one process'
         )
-    if config.analysis.analyst == "llm" or config.environments.source == "llm":  # "auto": checked if it writes
-        validate_llm_config(config.llm)
+    return PipelineSettings(
+        **{f.name: getattr(blocks, f.name) for f in dataclasses.fields(blocks)},
+        env_writer=None if source == "builtin" else from_config(EnvWriterSettings, config.env_writer, "env_writer"),
+        # "auto": checked once it writes
+        llm=from_config(LlmSettings, config.llm, "llm") if "llm" in (analyst, source) else None,
+    )
 
 
 def _evaluation_config(
@@ -271,17 +312,22 @@ def evaluate_alone(config: ml_collections.ConfigDict, workdir: pathlib.Path, ada
 
 
 def route_tasks(
-    config: ml_collections.ConfigDict, target: Environment, tasks: list[TaskSpec], options: list[RouteOption]
+    model: str,
+    dtype: str,
+    routing: RoutingSettings,
+    target: Environment,
+    tasks: list[TaskSpec],
+    options: list[RouteOption],
 ) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """Stage 4's router (the base model, `config.routing`'s settings) over `options`: each task's adapter index
+    """Stage 4's router (the base `model`, `routing`'s settings) over `options`: each task's adapter index
     (NO_ADAPTER: the base model), the label weights and the calibration's offsets, from the task's opening
     messages."""
     router = Router(
-        load_model(config.model, config.dtype),
+        load_model(model, dtype),
         options,
-        max_messages=config.routing.max_messages,
-        batch_size=config.routing.batch_size,
-        calibration=config.routing.calibration,
+        max_messages=routing.max_messages,
+        batch_size=routing.batch_size,
+        calibration=routing.calibration,
         log_every_s=30.0,
     )
     return router.route([target.episode(t).reset() for t in tasks])
@@ -307,14 +353,15 @@ class Pipeline:
     """One TRACE run in `workdir` (see the module docstring)."""
 
     def __init__(self, config: ml_collections.ConfigDict, workdir: str | pathlib.Path):
-        validate_config(config)
+        self.settings = validate_config(config)
         self.config, self.workdir = config, pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._stages = Stages(self.workdir, STAGES)
         self.stages = self._stages.done
         self.target = make_environment(config.target.env)
-        if config.target.base_run:  # now, not after the analysis split's episodes
-            check_base_run(pathlib.Path(config.target.base_run), heldout_evaluation(config), "target.base_run")
+        base_run = self.settings.target.base_run
+        if base_run:  # now, not after the analysis split's episodes
+            check_base_run(pathlib.Path(base_run), heldout_evaluation(config), "target.base_run")
 
     def run(self) -> dict:
         """Runs (or resumes) every stage; returns the summary also written to summary.json."""
@@ -349,7 +396,7 @@ class Pipeline:
     def _base(self) -> dict:
         """The base agent on the analysis split and, unless `target.base_run` names that run, on the held-out
         split, both in one batch."""
-        target = self.config.target
+        target = self.settings.target
         runs = [(analysis_evaluation(self.config), self.workdir / "base_analysis")]
         heldout_dir = pathlib.Path(target.base_run) if target.base_run else self.workdir / "heldout" / "base"
         if not target.base_run:
@@ -366,7 +413,10 @@ class Pipeline:
         records = recorded_episodes(self.workdir / "base_analysis" / "episodes.jsonl")
         trajectories = load_trajectories(records, self.target)
         result = analyze(
-            trajectories, make_analyst(self.config, self.target, self.workdir), self.config.analysis, self.workdir
+            trajectories,
+            make_analyst(self.settings.analysis, self.settings.llm, self.target, self.workdir),
+            self.settings.analysis,
+            self.workdir,
         )
         return {"selected": result["selected"], "failed": result["failed"], "passed": result["passed"]}
 
@@ -374,7 +424,7 @@ class Pipeline:
         """Calibrates the selected capabilities' environments, built-in or written by the LLM as
         `environments.source` says (episodes cut as training cuts them), until `environments.max_trained` pass."""
         base = calibration_evaluation(self.config)
-        source = self.config.environments.source
+        source = self.settings.environments.source
         domain = target_domain(self.config.target.env)
 
         def calibrate(name: str) -> dict:
@@ -387,42 +437,42 @@ class Pipeline:
             if source == "llm" or (source == "auto" and not builtin):
                 return self._written(name, folder, base, domain)
             if builtin:
-                return {**calibrate_builtin(name, base, self.config.calibration, folder), "folder": str(folder)}
+                return {**calibrate_builtin(name, base, self.settings.calibration, folder), "folder": str(folder)}
             return _dropped(
                 f"no built-in {domain} generator for this capability (environments.source = 'auto' writes one)"
             )
 
-        return calibrate_in_order(selected, self.config.environments.max_trained, calibrate)
+        return calibrate_in_order(selected, self.settings.environments.max_trained, calibrate)
 
     def _written(self, name: str, folder: pathlib.Path, base: ml_collections.ConfigDict, domain: str) -> dict:
         """The LLM-written environment of capability `name` in τ²'s `domain` (from its analysis card and
         evidence), calibrated:
         a module that passes validation but not calibration is asked for again with the calibration's verdict."""
-        validate_llm_config(self.config.llm)
         card = self._cards()[name]
         evidence = [e["evidence"] for e in card.get("examples", [])]
-        client = ChatClient(self.config.llm, self.workdir / "environments" / "llm_cache")
+        llm = self.settings.llm or from_config(LlmSettings, self.config.llm, "llm")  # "auto" writes: checked now
+        client = ChatClient(llm, self.workdir / "environments" / "llm_cache")
         written = folder / "written"
 
         def calibrated(attempt: int, report: ValidationReport, scenarios: pathlib.Path) -> dict:
             at = written / f"calibration_{attempt}"
-            bounds = walk_bounds(SCAFFOLDS, len(report.gold_success) - 1, self.config.calibration.hint_share)
+            bounds = walk_bounds(SCAFFOLDS, len(report.gold_success) - 1, self.settings.calibration.hint_share)
             return {
-                **calibrate_capability(name, bounds, base, self.config.calibration, at, scenarios=str(scenarios)),
+                **calibrate_capability(name, bounds, base, self.settings.calibration, at, scenarios=str(scenarios)),
                 "scenarios": str(scenarios),
                 "folder": str(at),
             }
 
         def judge(attempt: int, report: ValidationReport, scenarios: pathlib.Path) -> str | None:
             result = calibrated(attempt, report, scenarios)
-            return None if result["calibrated"] else calibration_feedback(result, self.config.calibration)
+            return None if result["calibrated"] else calibration_feedback(result, self.settings.calibration)
 
         synthesis = write_environment(
             CapabilityCard(name, card["description"], card["lacking"]),
             evidence,
             client,
             written,
-            self.config.env_writer,
+            self.settings.env_writer,
             judge=judge,
             domain=domain,
         )
@@ -442,12 +492,14 @@ class Pipeline:
 
     def _routing(self, adapters: dict) -> dict:
         """Each held-out task's adapter index (among `adapters`, in order), from the router."""
-        tasks = self.target.tasks(self.config.target.heldout_split, self.config.target.heldout_tasks)
+        tasks = self.target.tasks(self.settings.target.heldout_split, self.settings.target.heldout_tasks)
         if not adapters:
             return {"by_task": {t.task_id: NO_ADAPTER for t in tasks}, "labels": ["general_service"], "weights": {}}
         cards = self._cards()
         options = [RouteOption(name, cards[name]["description"], self._example(name)) for name in adapters]
-        indices, weights, offsets = route_tasks(self.config, self.target, tasks, options)
+        indices, weights, offsets = route_tasks(
+            self.config.model, self.config.dtype, self.settings.routing, self.target, tasks, options
+        )
         return {
             "by_task": {t.task_id: i for t, i in zip(tasks, indices)},
             "labels": ["general_service", *adapters],
@@ -455,8 +507,8 @@ class Pipeline:
             "examples": {o.name: o.example for o in options},
             # what a server needs to route one conversation as this stage did (trace_jax/serve/models.py)
             "router": {
-                "max_messages": self.config.routing.max_messages,
-                "calibration": self.config.routing.calibration,
+                "max_messages": self.settings.routing.max_messages,
+                "calibration": self.settings.routing.calibration,
                 "offsets": [float(o) for o in offsets],
             },
         }
@@ -482,13 +534,13 @@ class Pipeline:
         the base agent's (`trace_jax.trace.diagnostics`)."""
         lacking = {c["name"]: c.get("lacking_families", {}) for c in self._cards().values()}
         return run_diagnostics(
-            heldout_evaluation(self.config), self.config.diagnostics, lacking, adapters, self.workdir / "diagnostics"
+            heldout_evaluation(self.config), self.settings.diagnostics, lacking, adapters, self.workdir / "diagnostics"
         )
 
     def _final(self, adapters: dict, routing: dict) -> dict:
         """The routed held-out evaluation and, with `final.per_adapter`, each adapter alone (the oracle's input),
         played first: the routed run then takes every episode from them and the base agent's."""
-        alone = evaluate_alone(self.config, self.workdir, adapters) if self.config.final.per_adapter else {}
+        alone = evaluate_alone(self.config, self.workdir, adapters) if self.settings.final.per_adapter else {}
         folders = tuple(adapters.values())
         routes = Routes(folders, routing["by_task"]) if folders else None
         reuse = heldout_runs(self.workdir, self.stages["base"]["result"]["heldout_dir"])
@@ -502,7 +554,7 @@ class Pipeline:
             oracle_routes(
                 self.workdir, self.stages["base"]["result"]["heldout_dir"], list(adapters), routing["by_task"]
             )
-            if self.config.final.per_adapter and adapters
+            if self.settings.final.per_adapter and adapters
             else None
         )
         return {"success": runs, "oracle": oracle}

@@ -1,0 +1,138 @@
+"""Typed settings: frozen dataclasses built once from an ml_collections config block at a job's edge.
+
+Jobs keep ml_collections config files and absl flags; the library functions a block configures take its settings
+class instead of the untyped dict. Each field declares what its value must be (`setting`), and a class's
+`__post_init__` checks values that depend on each other (raising `Invalid`), so `from_config` validates a block
+in one place and a failure names the user's key (`config.calibration.samples`), whichever job holds the block.
+The field defaults are the block's defaults: `defaults(cls)` is the ConfigDict a config file starts from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import ml_collections
+
+T = TypeVar("T")
+Check = tuple[str, Callable[[Any], bool], str]  # (dotted key, predicate, what the value must be): `check_config`
+
+
+class Invalid(ValueError):
+    """A value wrong given the others, raised by a settings class's `__post_init__`: the field and what it must be."""
+
+    def __init__(self, field: str, must_be: str):
+        super().__init__(f"{field} is invalid; it must be {must_be}")
+        self.field, self.must_be = field, must_be
+
+
+def setting(default: Any, must_be: str, check: Callable[[Any], bool]) -> Any:
+    """A settings field: its default, what its value must be (said in errors) and the predicate that says so."""
+    return dataclasses.field(default=default, metadata={"must_be": must_be, "check": check})
+
+
+def positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def nonempty_str(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def non_negative_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def positive_number(value: Any) -> bool:
+    return number(value) and value > 0
+
+
+def share(value: Any) -> bool:
+    """A number in [0, 1]."""
+    return number(value) and 0 <= value <= 1
+
+
+def from_config(cls: type[T], block: ml_collections.ConfigDict | dict, key: str) -> T:
+    """`cls` built from the config block `block` at dotted `key` ("" for the config itself; nested settings classes
+    from its sub-blocks):
+    every field must be present and valid, else ValueError naming `config.<key>.<field>` and what it must be.
+    Keys the class does not declare are left to whoever reads them."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for field in dataclasses.fields(cls):
+        name = f"config.{_dotted(key, field.name)}"
+        if not _has(block, field.name):
+            raise ValueError(f"{name} is missing; it must be {_must_be(cls, field)}")
+        value = block[field.name]
+        if dataclasses.is_dataclass(hints[field.name]):
+            value = from_config(hints[field.name], value, _dotted(key, field.name))
+        elif isinstance(value, list):
+            value = tuple(value)
+        if "check" in field.metadata and not field.metadata["check"](value):
+            raise ValueError(f"{name} = {value!r} is invalid; it must be {field.metadata['must_be']}")
+        values[field.name] = value
+    try:
+        return cls(**values)
+    except Invalid as error:
+        raise ValueError(
+            f"config.{_dotted(key, error.field)} = {values[error.field]!r} is invalid; it must be {error.must_be}"
+        ) from None
+
+
+def defaults(cls: type) -> ml_collections.ConfigDict:
+    """The config block of `cls`'s defaults (a nested settings class's block within), for a config file to start
+    from and override; a field whose default is None is a typed placeholder, which a flag such as
+    `--config.x.y=3` can set."""
+    hints = typing.get_type_hints(cls)
+    block = {}
+    for field in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[field.name]):
+            block[field.name] = defaults(hints[field.name])
+        elif field.default is None:
+            block[field.name] = ml_collections.config_dict.placeholder(_optional_type(hints[field.name]))
+        else:
+            block[field.name] = field.default
+    return ml_collections.ConfigDict(block)
+
+
+def _optional_type(hint: Any) -> type:
+    """`int` of `int | None`."""
+    kinds = [k for k in typing.get_args(hint) if k is not type(None)]
+    if len(kinds) != 1:
+        raise TypeError(f"a field defaulting to None must be typed `<type> | None`, not {hint}")
+    return kinds[0]
+
+
+def _dotted(key: str, name: str) -> str:
+    return f"{key}.{name}" if key else name
+
+
+def _has(block: Any, name: str) -> bool:
+    try:
+        return name in block
+    except TypeError:
+        return False
+
+
+def _must_be(cls: type, field: dataclasses.Field) -> str:
+    return field.metadata.get("must_be") or f"a {cls.__name__}.{field.name} block"
+
+
+def check_config(config: ml_collections.ConfigDict, checks: Sequence[Check]) -> None:
+    """Raises ValueError naming the first missing or invalid key of `checks`: the evaluation and training jobs'
+    configs, which their libraries read as ConfigDicts."""
+    for key, ok, expected in checks:
+        node = config
+        try:
+            for part in key.split("."):
+                node = node[part]
+        except (KeyError, AttributeError):
+            raise ValueError(f"config.{key} is missing; it must be {expected}") from None
+        if not ok(node):
+            raise ValueError(f"config.{key} = {node!r} is invalid; it must be {expected}")
