@@ -12,6 +12,7 @@ it."""
 import importlib
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -594,6 +595,31 @@ def test_every_pipeline_config_validates_or_names_the_key_a_user_must_set(name):
     config.calibration.samples = 2
     config.target.rollout.top_p = 0.0
     with pytest.raises(ValueError, match=r"config.target.rollout.top_p = 0.0 is invalid"):
+        validate_config(config)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("target.env.name", "nope"),
+        ("target.rollout.max_turns", 0),
+        ("training.rollout.group_size", 1),
+        ("training.lora.rank", 0),
+        ("training.mesh.tensor", 3),
+        ("routing.calibration", "platt"),
+        ("diagnostics.temperature", 0.0),
+    ],
+)
+def test_a_bad_value_in_any_block_of_the_pipeline_fails_naming_the_users_key(key, value):
+    """The evaluations and the training job read configs the pipeline composes from its blocks; their errors
+    still name the key the user wrote."""
+    config = importlib.import_module("configs.trace_embedded").get_config()
+    *path, last = key.split(".")
+    node = config
+    for part in path:
+        node = node[part]
+    node[last] = value
+    with pytest.raises(ValueError, match=rf"^config\.{re.escape(key)} = {re.escape(repr(value))} is invalid"):
         validate_config(config)
 
 

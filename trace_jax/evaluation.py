@@ -12,10 +12,12 @@ stops after the agent's next text turn.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import ml_collections
@@ -38,64 +40,71 @@ from trace_jax.envs.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.files import write_json_atomic
 from trace_jax.models.model import DTYPES, load_model
 from trace_jax.sampling import Sampler
-from trace_jax.settings import Check, check_config, number, positive_int
+from trace_jax.settings import Invalid, from_config, nonempty_str, number, positive_int, setting, share
 from trace_jax.sharding import ShardingPlan, make_mesh
 
 AGENTS = ("model", "gold", "noop")
 
 
-def _checks() -> list[Check]:
-    """(config key, predicate, what it must be) for every setting the job reads."""
-    return [
-        ("model", lambda v: isinstance(v, str) and bool(v), "an embedded model name or an HF checkpoint folder"),
-        ("dtype", lambda v: v in DTYPES, f"one of {sorted(DTYPES)}"),
-        ("adapter", lambda v: isinstance(v, str), '"" (no adapter) or a PEFT adapter folder'),
-        ("seed", lambda v: isinstance(v, int), "an int"),
-        ("env.name", lambda v: v in ENVIRONMENTS, f"one of {sorted(ENVIRONMENTS)}"),
-        ("split", lambda v: isinstance(v, str) and bool(v), "a split name of the environment"),
-        ("num_tasks", lambda v: v is None or positive_int(v), "None (all tasks) or a positive int"),
-        ("trials", positive_int, "a positive int (episodes per task, for pass^k)"),
-        ("rollout.batch_size", lambda v: positive_int(v) and v >= 2, "an int >= 2 (agent and user rows)"),
-        ("rollout.max_turns", positive_int, "a positive int"),
-        ("rollout.max_tokens_per_turn", positive_int, "a positive int"),
-        ("rollout.max_errors", lambda v: isinstance(v, int) and v >= 0, "an int >= 0"),
-        ("rollout.temperature", lambda v: number(v) and v >= 0, ">= 0 (0 is greedy)"),
-        ("rollout.top_p", lambda v: number(v) and 0 < v <= 1, "in (0, 1]"),
-        ("rollout.user_temperature", lambda v: number(v) and v >= 0, ">= 0"),
-        ("log_every_s", lambda v: number(v) and v >= 0, ">= 0"),
-    ]
+@dataclasses.dataclass(frozen=True)
+class EvaluationSettings:
+    """An evaluation job's config, typed (its `env` block is the environment's: `trace_jax.envs`)."""
+
+    rollout: RolloutConfig
+    model: str = setting("", "an embedded model name or an HF checkpoint folder", nonempty_str)
+    dtype: str = setting("float32", f"one of {sorted(DTYPES)}", lambda v: v in DTYPES)
+    adapter: str = setting("", '"" (no adapter) or a PEFT adapter folder', lambda v: isinstance(v, str))
+    seed: int = setting(0, "an int", lambda v: isinstance(v, int))
+    env: dict | None = setting(None, "an environment block (`trace_jax.envs`)", lambda v: isinstance(v, dict))
+    split: str = setting("", "a split name of the environment", nonempty_str)
+    num_tasks: int | None = setting(None, "None (all tasks) or a positive int", lambda v: v is None or positive_int(v))
+    trials: int = setting(1, "a positive int (episodes per task, for pass^k)", positive_int)
+    log_every_s: float = setting(30.0, ">= 0", lambda v: number(v) and v >= 0)
+    families: tuple[str, ...] = setting(
+        (),
+        "a tuple of family names (empty: all)",
+        lambda v: isinstance(v, tuple) and all(isinstance(f, str) for f in v),
+        optional=True,
+    )
+    per_family: int | None = setting(
+        None, "None (all) or a positive int", lambda v: v is None or positive_int(v), optional=True
+    )
+    # calibration plays hinted trials as training does
+    hint_share: float = setting(
+        0.0,
+        "a number in [0, 1]: the share of each task's trials played with the task's hint (0: none)",
+        share,
+        optional=True,
+    )
+    # > 1: the sampler's weights sharded over that many of this process's devices (`sampler_plan`)
+    tensor: int = setting(1, "a positive int that divides this process's devices", positive_int, optional=True)
+
+    def __post_init__(self):
+        if jax.local_device_count() % self.tensor:
+            raise Invalid("tensor", f"a positive int that divides this process's {jax.local_device_count()} devices")
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Fails at start, naming the key, on a missing or invalid setting."""
-    check_config(config, _checks())
-    families, per_family = config.get("families", ()), config.get("per_family")
-    if not (isinstance(families, (tuple, list)) and all(isinstance(f, str) for f in families)):
-        raise ValueError(f"config.families = {families!r} is invalid; it must be a tuple of family names (empty: all)")
-    if per_family is not None and not positive_int(per_family):
-        raise ValueError(f"config.per_family = {per_family!r} is invalid; it must be None (all) or a positive int")
-    share = config.get("hint_share", 0.0)  # optional: calibration plays hinted trials as training does
-    if not (number(share) and 0 <= share <= 1):
-        raise ValueError(
-            f"config.hint_share = {share!r} is invalid; it must be a number in [0, 1]: the share of "
-            "each task's trials played with the task's hint (0: none)"
-        )
-    tensor, devices = config.get("tensor", 1), jax.local_device_count()
-    if not positive_int(tensor) or devices % tensor:
-        raise ValueError(
-            f"config.tensor = {tensor!r} is invalid; it must be a positive int that divides this "
-            f"process's {devices} devices"
-        )
+def validate_config(config: ml_collections.ConfigDict) -> EvaluationSettings:
+    """The config, typed; fails at start, naming the key, on a missing or invalid setting."""
+    settings = from_config(EvaluationSettings, config, "")
+    check_environment(settings.env, "env")
+    return settings
 
 
-def sampler_plan(config: ml_collections.ConfigDict) -> ShardingPlan | None:
-    """Where the sampler holds the model: with `config.tensor` > 1 (optional key), its weights sharded over that
-    many of this process's devices and its rows over the rest (a model one device cannot hold); else one device."""
-    tensor = config.get("tensor", 1)
+def check_environment(block: Any, key: str) -> None:
+    """Fails naming `config.<key>.name` unless the environment block `block` names a known environment."""
+    name = block.get("name")
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"config.{key}.name = {name!r} is invalid; it must be one of {sorted(ENVIRONMENTS)}")
+
+
+def sampler_plan(tensor: int) -> ShardingPlan | None:
+    """Where the sampler holds the model: with `tensor` > 1, its weights sharded over that many of this process's
+    devices and its rows over the rest (a model one device cannot hold); else one device."""
     return ShardingPlan(make_mesh(data=-1, tensor=tensor, devices=jax.local_devices())) if tensor > 1 else None
 
 
-def _adapter_of(config: ml_collections.ConfigDict, agent: str, routes: Routes | None) -> Callable[[str], int]:
+def _adapter_of(config: EvaluationSettings, agent: str, routes: Routes | None) -> Callable[[str], int]:
     """Each task's adapter index in the engine `_engine` builds."""
     if agent != "model":
         return lambda task_id: lora.NO_ADAPTER
@@ -104,9 +113,9 @@ def _adapter_of(config: ml_collections.ConfigDict, agent: str, routes: Routes | 
     return lambda task_id: 0 if config.adapter else lora.NO_ADAPTER
 
 
-def _engine(config: ml_collections.ConfigDict, env, agent: str, routes: Routes | None) -> RolloutEngine:
+def _engine(config: EvaluationSettings, env, agent: str, routes: Routes | None) -> RolloutEngine:
     """The rollout engine for `agent` (with `routes`, every routed adapter stacked in their order)."""
-    rollout = RolloutConfig(**config.rollout.to_dict())
+    rollout = config.rollout
     if agent != "model":
         gold = agent == "gold"
         scripted, user = (GoldAgent() if gold else NoopAgent()), ScriptedUser(user_actions=gold)
@@ -114,7 +123,7 @@ def _engine(config: ml_collections.ConfigDict, env, agent: str, routes: Routes |
     model = load_model(config.model, config.dtype)
     folders = routes.adapters if routes else (config.adapter,) if config.adapter else ()
     adapters = lora.stack_adapters([lora.load_peft(f, model.cfg) for f in folders]) if folders else None
-    plan = sampler_plan(config)
+    plan = sampler_plan(config.tensor)
     params, adapters = plan.shard_params((model.params, adapters)) if plan else (model.params, adapters)
     sampler = Sampler(model.cfg, params, adapters=adapters, plan=plan, detokenize=model.tokenizer.decode)
     return RolloutEngine(env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=model.tokenizer, config=rollout)
@@ -133,10 +142,10 @@ def evaluate(
     return evaluate_together([(config, workdir)], agent=agent, routes=routes, reuse=reuse)[0]
 
 
-def _of_families(tasks: list, config: ml_collections.ConfigDict):
+def _of_families(tasks: list, config: EvaluationSettings):
     """`tasks` of the families `config.families` names (every task when empty), the first `config.per_family`
     of each."""
-    families, per_family = config.get("families", ()), config.get("per_family")
+    families, per_family = config.families, config.per_family
     taken: Counter = Counter()
     for task in tasks:
         if (not families or task.family in families) and (per_family is None or taken[task.family] < per_family):
@@ -157,11 +166,13 @@ def evaluate_together(
     writes its workdir, resumes and reuses as `evaluate` does); returns their summaries."""
     if agent not in AGENTS:
         raise ValueError(f"agent {agent!r} is invalid; it must be one of {', '.join(AGENTS)}")
-    config = runs[0][0]
-    for other, _ in runs:
-        validate_config(other)
+    settings = [validate_config(run) for run, _ in runs]
+    config = settings[0]
+    for other in settings:
         mismatch = sorted(
-            k for k in set(config) | set(other) if k not in TOGETHER_KEYS and other.get(k) != config.get(k)
+            f.name
+            for f in dataclasses.fields(other)
+            if f.name not in TOGETHER_KEYS and getattr(other, f.name) != getattr(config, f.name)
         )
         if mismatch:
             raise ValueError(f"evaluations played together differ only in {TOGETHER_KEYS}, not in {mismatch}")
@@ -169,15 +180,15 @@ def evaluate_together(
         raise ValueError("config.adapter must be '' when the tasks are routed among adapters")
     start = time.monotonic()
     workdirs = [pathlib.Path(workdir) for _, workdir in runs]
-    env = make_environment(config.env)
+    env = make_environment(ml_collections.ConfigDict(config.env))
     adapter_of = _adapter_of(config, agent, routes)
     plays = []
-    for (run, _), workdir in zip(runs, workdirs):
+    for (block, _), run, workdir in zip(runs, settings, workdirs):
         workdir.mkdir(parents=True, exist_ok=True)
-        marker = run_marker(run, agent, routes)
+        marker = run_marker(block, agent, routes)
         keep_episodes_of_same_run(workdir, marker)
         # A task's trials adjacent: the later ones find its opening held by a row (`Session` copies it).
-        hinted = hinted_trials(run.get("hint_share", 0.0), run.trials)
+        hinted = hinted_trials(run.hint_share, run.trials)
         specs = [
             EpisodeSpec(task, trial, adapter_of(task.task_id), hint=trial < hinted and offers_hint(env, task))
             for task in _of_families(env.tasks(run.split, run.num_tasks), run)

@@ -28,9 +28,10 @@ class Invalid(ValueError):
         self.field, self.must_be = field, must_be
 
 
-def setting(default: Any, must_be: str, check: Callable[[Any], bool]) -> Any:
-    """A settings field: its default, what its value must be (said in errors) and the predicate that says so."""
-    return dataclasses.field(default=default, metadata={"must_be": must_be, "check": check})
+def setting(default: Any, must_be: str, check: Callable[[Any], bool], *, optional: bool = False) -> Any:
+    """A settings field: its default, what its value must be (said in errors) and the predicate that says so;
+    an `optional` key may be left out of the block (its default then holds)."""
+    return dataclasses.field(default=default, metadata={"must_be": must_be, "check": check, "optional": optional})
 
 
 def positive_int(value: Any) -> bool:
@@ -59,29 +60,34 @@ def share(value: Any) -> bool:
 
 
 def from_config(cls: type[T], block: ml_collections.ConfigDict | dict, key: str) -> T:
-    """`cls` built from the config block `block` at dotted `key` ("" for the config itself; nested settings classes
-    from its sub-blocks):
-    every field must be present and valid, else ValueError naming `config.<key>.<field>` and what it must be.
+    """`cls` built from the config block `block` at dotted `key` ("" for the config itself), nested settings classes
+    from its sub-blocks, lists as tuples and other sub-blocks as dicts. Every field must be present (unless
+    optional) and valid, else ValueError naming `config.<key>.<field>`, the value written and what it must be.
     Keys the class does not declare are left to whoever reads them."""
     hints = typing.get_type_hints(cls)
     values = {}
     for field in dataclasses.fields(cls):
         name = f"config.{_dotted(key, field.name)}"
         if not _has(block, field.name):
+            if field.metadata.get("optional"):
+                continue
             raise ValueError(f"{name} is missing; it must be {_must_be(cls, field)}")
-        value = block[field.name]
+        value = written = block[field.name]
         if dataclasses.is_dataclass(hints[field.name]):
             value = from_config(hints[field.name], value, _dotted(key, field.name))
         elif isinstance(value, list):
             value = tuple(value)
+        elif isinstance(value, ml_collections.ConfigDict):  # a block no settings class types: read as a dict
+            value = value.to_dict()
         if "check" in field.metadata and not field.metadata["check"](value):
-            raise ValueError(f"{name} = {value!r} is invalid; it must be {field.metadata['must_be']}")
+            raise ValueError(f"{name} = {written!r} is invalid; it must be {field.metadata['must_be']}")
         values[field.name] = value
     try:
         return cls(**values)
     except Invalid as error:
+        value = values.get(error.field, cls.__dataclass_fields__[error.field].default)
         raise ValueError(
-            f"config.{_dotted(key, error.field)} = {values[error.field]!r} is invalid; it must be {error.must_be}"
+            f"config.{_dotted(key, error.field)} = {value!r} is invalid; it must be {error.must_be}"
         ) from None
 
 

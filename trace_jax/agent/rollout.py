@@ -40,6 +40,7 @@ from trace_jax.agent.chat_codec import ChatCodec
 from trace_jax.envs import base
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.sampling import FINISH_CONTEXT, FINISH_LENGTH, Completion, Sampler, Session
+from trace_jax.settings import non_negative_int, number, positive_int, setting
 from trace_jax.tool_calls import parse_assistant_output
 
 MODEL = "model"  # the speaker value meaning "sample this speaker with the model"
@@ -55,16 +56,18 @@ class Scripted(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """Limits and sampling settings of a rollout."""
+    """Limits and sampling settings of a rollout (an evaluation's `rollout` block: `trace_jax.settings`)."""
 
-    batch_size: int = 16  # sampler rows (an episode with a model user takes two; fewer when fewer episodes
-    # fill them: `session_rows`); also caps live episodes
-    max_turns: int = 30  # agent turns per episode
-    max_tokens_per_turn: int = 512
-    max_errors: int = 10  # error observations (malformed calls, failed tools) per episode
-    temperature: float = 1.0
-    top_p: float = 1.0
-    user_temperature: float = 0.0
+    # sampler rows (an episode with a model user takes two; fewer when fewer episodes fill them: `session_rows`);
+    # also caps live episodes
+    batch_size: int = setting(16, "an int >= 2 (agent and user rows)", lambda v: positive_int(v) and v >= 2)
+    max_turns: int = setting(30, "a positive int", positive_int)  # agent turns per episode
+    max_tokens_per_turn: int = setting(512, "a positive int", positive_int)
+    # error observations (malformed calls, failed tools) per episode
+    max_errors: int = setting(10, "an int >= 0", non_negative_int)
+    temperature: float = setting(1.0, ">= 0 (0 is greedy)", lambda v: number(v) and v >= 0)
+    top_p: float = setting(1.0, "in (0, 1]", lambda v: number(v) and 0 < v <= 1)
+    user_temperature: float = setting(0.0, ">= 0", lambda v: number(v) and v >= 0)
 
 
 @dataclasses.dataclass(frozen=True)

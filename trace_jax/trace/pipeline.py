@@ -39,13 +39,14 @@ from absl import logging
 
 from trace_jax import distributed
 from trace_jax.agent.episodes import Routes, check_base_run, recorded_episodes
+from trace_jax.agent.rollout import RolloutConfig
 from trace_jax.envs import make_environment
 from trace_jax.envs.base import Environment, Gold, TaskSpec
 from trace_jax.envs.capability import CAPABILITIES
 from trace_jax.envs.capability.domains import DOMAINS
 from trace_jax.envs.capability.environment import SCAFFOLDS
 from trace_jax.envs.capability.sandbox import ValidationReport
-from trace_jax.evaluation import evaluate, evaluate_together
+from trace_jax.evaluation import check_environment, evaluate, evaluate_together
 from trace_jax.evaluation import validate_config as validate_evaluation_config
 from trace_jax.files import read_json, write_json_atomic
 from trace_jax.llm.client import ChatClient, LlmSettings
@@ -137,13 +138,22 @@ class PipelineSettings(_Blocks):
 def validate_config(config: ml_collections.ConfigDict) -> PipelineSettings:
     """The config's typed blocks; fails at start naming the first wrong key, in any stage's block."""
     blocks = from_config(_Blocks, config, "")
+    # The evaluations' env, rollout and tensor are the pipeline's target.env, target.rollout, training.mesh.tensor.
+    check_environment(config.target.env, "target.env")
+    from_config(RolloutConfig, config.target.rollout, "target.rollout")
+    tensor, devices = config.training.mesh.tensor, jax.local_device_count()
+    if not positive_int(tensor) or devices % tensor:
+        raise ValueError(
+            f"config.training.mesh.tensor = {tensor!r} is invalid; it must be a positive int that divides this "
+            f"process's {devices} devices"
+        )
+    validate_evaluation_config(heldout_evaluation(config))
     try:
-        validate_evaluation_config(heldout_evaluation(config))
-    except ValueError as error:  # the evaluation's env and rollout blocks are the pipeline's target.*
-        message = str(error).replace("config.rollout.", "config.target.rollout.")
-        message = message.replace("config.tensor", "config.training.mesh.tensor")
-        raise ValueError(message.replace("config.env.", "config.target.env.")) from None
-    grpo.validate_config(training_config(config, {"env": environment_config("tool_calling", 0, blocks.calibration)}))
+        grpo.validate_config(
+            training_config(config, {"env": environment_config("tool_calling", 0, blocks.calibration)})
+        )
+    except ValueError as error:  # the training job's config is the `training` block (its env is made here)
+        raise ValueError(str(error).replace("config.", "config.training.", 1)) from None
     if blocks.calibration.hint_share != config.training.rollout.hint_share:
         raise ValueError(
             f"config.calibration.hint_share = {blocks.calibration.hint_share} is invalid: calibration "
