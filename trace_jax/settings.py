@@ -1,7 +1,8 @@
 """Typed settings: frozen dataclasses built once from an ml_collections config block at a job's edge.
 
-Jobs keep ml_collections config files and absl flags; the library functions a block configures take its settings
-class instead of the untyped dict. Each field declares what its value must be (`setting`), and a class's
+Jobs keep ml_collections config files and absl flags; a job builds the settings of its blocks once at start, and
+the library functions a block configures take its settings class instead of the untyped dict (the GRPO and SFT
+jobs check theirs and read the ConfigDict inside). Each field declares what its value must be (`setting`), and a class's
 `__post_init__` checks values that depend on each other (raising `Invalid`), so `from_config` validates a block
 in one place and a failure names the user's key (`config.calibration.samples`), whichever job holds the block.
 The field defaults are the block's defaults: `defaults(cls)` is the ConfigDict a config file starts from.
@@ -11,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import ml_collections
 
 T = TypeVar("T")
-Check = tuple[str, Callable[[Any], bool], str]  # (dotted key, predicate, what the value must be): `check_config`
+REQUIRED = dataclasses.MISSING  # a `setting` default: the key has no default (its config file sets it)
 
 
 class Invalid(ValueError):
@@ -129,16 +130,3 @@ def _has(block: Any, name: str) -> bool:
 def _must_be(cls: type, field: dataclasses.Field) -> str:
     return field.metadata.get("must_be") or f"a {cls.__name__}.{field.name} block"
 
-
-def check_config(config: ml_collections.ConfigDict, checks: Sequence[Check]) -> None:
-    """Raises ValueError naming the first missing or invalid key of `checks`: the evaluation and training jobs'
-    configs, which their libraries read as ConfigDicts."""
-    for key, ok, expected in checks:
-        node = config
-        try:
-            for part in key.split("."):
-                node = node[part]
-        except (KeyError, AttributeError):
-            raise ValueError(f"config.{key} is missing; it must be {expected}") from None
-        if not ok(node):
-            raise ValueError(f"config.{key} = {node!r} is invalid; it must be {expected}")

@@ -1,4 +1,4 @@
-"""What the adapter-training jobs (GRPO, SFT) share: their common config checks, the model on its
+"""What the adapter-training jobs (GRPO, SFT) share: the settings every one's config holds, the model on its
 mesh, one LoRA adapter with its optimizer state (fresh or restored from the workdir), and the
 end of a run (PEFT export of the adapter)."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+from typing import Any
 
 import jax
 import ml_collections
@@ -16,42 +17,78 @@ from trace_jax import distributed, lora
 from trace_jax.models.model import DTYPES, Model, load_model
 from trace_jax.rl.checkpoint import Checkpointer, TrainState
 from trace_jax.rl.learner import make_optimizer
-from trace_jax.settings import Check, number, positive_int
+from trace_jax.settings import (
+    REQUIRED,
+    non_negative_int,
+    nonempty_str,
+    number,
+    positive_int,
+    positive_number,
+    setting,
+)
 from trace_jax.sharding import ShardingPlan, make_mesh
 
 ADAPTER = 0  # the one adapter a job trains
 
 
-def common_checks() -> list[Check]:
-    """(config key, predicate, what it must be) for the settings every training job reads."""
-    return [
-        ("model", lambda v: isinstance(v, str) and bool(v), "an embedded model name or an HF checkpoint folder"),
-        ("dtype", lambda v: v in DTYPES, f"one of {sorted(DTYPES)}"),
-        ("seed", lambda v: isinstance(v, int), "an int"),
-        ("lora.rank", positive_int, "a positive int"),
-        ("lora.alpha", lambda v: number(v) and v > 0, "> 0"),
-        (
-            "lora.targets",
-            lambda v: set(v) <= set(lora.ALL_TARGETS) | {t[:-5] for t in lora.ALL_TARGETS},
-            f"names from {list(lora.ALL_TARGETS)}",
-        ),
-        (
-            "lora.first_layer",
-            lambda v: isinstance(v, int) and v >= 0,
-            "an int >= 0 (layers below it get no adapter and run forward only in the learner)",
-        ),
-        ("optimizer.lr", lambda v: number(v) and v > 0, "> 0"),
-        ("optimizer.weight_decay", lambda v: number(v) and v >= 0, ">= 0"),
-        ("optimizer.clip_norm", lambda v: number(v) and v > 0, "> 0"),
-        ("train.micro_batch_tokens", positive_int, "a positive int (tokens per micro-batch, padding included)"),
-        ("train.remat", lambda v: isinstance(v, bool), "a bool"),
-        ("train.checkpoint_every", positive_int, "a positive int"),
-        ("train.keep_checkpoints", positive_int, "a positive int"),
-        ("mesh.data", lambda v: isinstance(v, int) and (v == -1 or v >= 1), "-1 (all devices left) or >= 1"),
-        ("mesh.fsdp", positive_int, "a positive int"),
-        ("mesh.tensor", positive_int, "a positive int"),
-        ("log_every_s", lambda v: number(v) and v >= 0, ">= 0"),
-    ]
+def _known_targets(value: Any) -> bool:
+    return isinstance(value, tuple) and set(value) <= set(lora.ALL_TARGETS) | {t[:-5] for t in lora.ALL_TARGETS}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraSettings:
+    """The `lora` block: the adapter a job trains."""
+
+    rank: int = setting(REQUIRED, "a positive int", positive_int)
+    alpha: float = setting(REQUIRED, "> 0", positive_number)
+    targets: tuple[str, ...] = setting(REQUIRED, f"names from {list(lora.ALL_TARGETS)}", _known_targets)
+    first_layer: int = setting(
+        REQUIRED, "an int >= 0 (layers below it get no adapter and run forward only in the learner)", non_negative_int
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerSettings:
+    """The `optimizer` block (AdamW with gradient clipping: `rl.learner.make_optimizer`)."""
+
+    lr: float = setting(REQUIRED, "> 0", positive_number)
+    weight_decay: float = setting(REQUIRED, ">= 0", lambda v: number(v) and v >= 0)
+    clip_norm: float = setting(REQUIRED, "> 0", positive_number)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshSettings:
+    """The `mesh` block: the learner's device mesh (`sharding.make_mesh`)."""
+
+    data: int = setting(REQUIRED, "-1 (all devices left) or >= 1", lambda v: isinstance(v, int) and (v == -1 or v >= 1))
+    fsdp: int = setting(REQUIRED, "a positive int", positive_int)
+    tensor: int = setting(REQUIRED, "a positive int", positive_int)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainSettings:
+    """The `train` block's keys every training job reads."""
+
+    micro_batch_tokens: int = setting(
+        REQUIRED, "a positive int (tokens per micro-batch, padding included)", positive_int
+    )
+    remat: bool = setting(REQUIRED, "a bool", lambda v: isinstance(v, bool))
+    checkpoint_every: int = setting(REQUIRED, "a positive int", positive_int)
+    keep_checkpoints: int = setting(REQUIRED, "a positive int", positive_int)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobSettings:
+    """What every training job's config holds; each job's settings class adds its own blocks."""
+
+    model: str = setting(REQUIRED, "an embedded model name or an HF checkpoint folder", nonempty_str)
+    dtype: str = setting(REQUIRED, f"one of {sorted(DTYPES)}", lambda v: v in DTYPES)
+    seed: int = setting(REQUIRED, "an int", lambda v: isinstance(v, int))
+    lora: LoraSettings
+    optimizer: OptimizerSettings
+    train: TrainSettings
+    mesh: MeshSettings
+    log_every_s: float = setting(REQUIRED, ">= 0", lambda v: number(v) and v >= 0)
 
 
 @dataclasses.dataclass

@@ -36,27 +36,52 @@ from trace_jax.models.loading import save_hf_checkpoint
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, learned_tokens, pack_sequences, padded_tokens
 from trace_jax.rl.checkpoint import TrainState
-from trace_jax.rl.job import ADAPTER, common_checks, export_adapter, start_run
+from trace_jax.rl.job import ADAPTER, JobSettings, TrainSettings, export_adapter, start_run
 from trace_jax.rl.learner import frozen_inputs, make_train_step
 from trace_jax.rl.learner_batch import LearnerBatch
-from trace_jax.settings import Check, check_config, positive_int
+from trace_jax.settings import REQUIRED, from_config, nonempty_str, positive_int, setting
 
 
-def _checks() -> list[Check]:
-    return common_checks() + [
-        ("env.name", lambda v: v in ENVIRONMENTS, f"one of {sorted(ENVIRONMENTS)}"),
-        ("env.split", lambda v: isinstance(v, str) and bool(v), "the split the gold trajectories come from"),
-        ("data.num_tasks", positive_int, "a positive int (gold trajectories to clone)"),
-        ("data.trajectories_per_step", positive_int, "a positive int"),
-        ("data.max_turns", positive_int, "a positive int (the gold agent's turns per episode)"),
-        ("train.steps", positive_int, "a positive int"),
-        ("export.merged", lambda v: isinstance(v, bool), "a bool (also write the merged HF folder)"),
-    ]
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SftEnvSettings:
+    """The `env` block's keys the job checks (the rest are the environment's)."""
+
+    name: str = setting(REQUIRED, f"one of {sorted(ENVIRONMENTS)}", lambda v: v in ENVIRONMENTS)
+    split: str = setting(REQUIRED, "the split the gold trajectories come from", nonempty_str)
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Fails at start, naming the key, on a missing or invalid setting."""
-    check_config(config, _checks())
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SftDataSettings:
+    """The `data` block: the gold trajectories cloned."""
+
+    num_tasks: int = setting(REQUIRED, "a positive int (gold trajectories to clone)", positive_int)
+    trajectories_per_step: int = setting(REQUIRED, "a positive int", positive_int)
+    max_turns: int = setting(REQUIRED, "a positive int (the gold agent's turns per episode)", positive_int)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SftTrainSettings(TrainSettings):
+    steps: int = setting(REQUIRED, "a positive int", positive_int)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SftExportSettings:
+    merged: bool = setting(REQUIRED, "a bool (also write the merged HF folder)", lambda v: isinstance(v, bool))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SftSettings(JobSettings):
+    """The SFT job's config, typed."""
+
+    env: SftEnvSettings
+    data: SftDataSettings
+    train: SftTrainSettings
+    export: SftExportSettings
+
+
+def validate_config(config: ml_collections.ConfigDict) -> SftSettings:
+    """The config, typed; fails at start, naming the key, on a missing or invalid setting."""
+    return from_config(SftSettings, config, "")
 
 
 def gold_trajectories(env, tokenizer: ChatTokenizer, tasks, max_turns: int) -> list[Trajectory]:

@@ -53,6 +53,7 @@ import math
 import pathlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import ml_collections
@@ -68,134 +69,202 @@ from trace_jax.rl.batching import pack_sequences, padded_tokens
 from trace_jax.rl.checkpoint import TrainState
 from trace_jax.rl.curriculum import CurriculumConfig, env_parts
 from trace_jax.rl.environment_rollouts import EnvironmentRollouts, hinted_per_group
-from trace_jax.rl.job import ADAPTER, common_checks, export_adapter, start_run
+from trace_jax.rl.job import ADAPTER, JobSettings, TrainSettings, export_adapter, start_run
 from trace_jax.rl.learner import make_rescore_fn, make_train_step
 from trace_jax.rl.losses import AGGREGATIONS, LossConfig
 from trace_jax.rl.resampling import sample_informative
 from trace_jax.rl.single_turn import TaskSetRollouts
 from trace_jax.runtime import bound_memory_maps, peak_memory_gb, release_freed_memory
 from trace_jax.sampling import Sampler
-from trace_jax.settings import Check, check_config, number, positive_int
+from trace_jax.settings import (
+    REQUIRED,
+    from_config,
+    non_negative_int,
+    nonempty_str,
+    number,
+    positive_int,
+    positive_number,
+    setting,
+    share,
+)
 from trace_jax.tasks import TASK_SETS
 
 
-def _checks(config: ml_collections.ConfigDict) -> list[Check]:
-    """(config key, predicate, what it must be) for every setting the job reads."""
-    in_unit = lambda v: number(v) and 0.0 < v <= 1.0
-    checks = common_checks() + [
-        ("rollout.tasks_per_step", positive_int, "a positive int"),
-        ("rollout.group_size", lambda v: positive_int(v) and v >= 2, "an int >= 2 (advantages compare a group)"),
-        (
-            "rollout.temperature",
-            lambda v: number(v) and v > 0,
-            "> 0 (the learner trains the policy at this temperature)",
-        ),
-        (
-            "rollout.top_p",
-            lambda v: v == 1.0,
-            "1.0: the sampler's logprobs serve as the old policy's, and truncation would make them differ",
-        ),
-        ("rollout.batch_size", positive_int, "a positive int (rows sampled at once)"),
-        ("rollout.min_shared_prefix", lambda v: v is None or (isinstance(v, int) and v >= 1), "None or an int >= 1"),
-        ("advantage", lambda v: v in ADVANTAGE_ESTIMATORS, f"one of {sorted(ADVANTAGE_ESTIMATORS)}"),
-        ("loss.aggregation", lambda v: v in AGGREGATIONS, f"one of {sorted(AGGREGATIONS)}"),
-        ("loss.eps_low", lambda v: number(v) and 0 <= v < 1, "in [0, 1)"),
-        ("loss.eps_high", in_unit, "in (0, 1]"),
-        ("loss.kl_coef", lambda v: number(v) and v >= 0, ">= 0"),
-        ("train.steps", lambda v: v is None or positive_int(v), "None (use train.rollout_budget) or a positive int"),
-        (
-            "train.rollout_budget",
-            lambda v: v is None or positive_int(v),
-            "None (use train.steps) or a positive int (training episodes in all)",
-        ),
-        (
-            "train.updates_per_step",
-            positive_int,
-            "a positive int (optimizer updates a step, each on its share of the step's micro-batches)",
-        ),
-        (
-            "train.snapshot_fractions",
-            lambda v: isinstance(v, tuple | list) and all(number(f) and 0 < f < 1 for f in v),
-            "a tuple of fractions in (0, 1): the adapter is also exported at these shares of the steps (may be ())",
-        ),
-        ("eval.num_tasks", lambda v: isinstance(v, int) and v >= 0, "an int >= 0 (0: no held-out evaluation)"),
-        ("eval.every", positive_int, "a positive int"),
-        ("eval.batch_size", positive_int, "a positive int"),
-    ]
-    if "env" in config:
-        return checks + [
-            ("env.name", lambda v: v in ENVIRONMENTS, f"one of {sorted(ENVIRONMENTS)}"),
-            ("env.split", lambda v: isinstance(v, str) and bool(v), "the environment's training split"),
-            ("eval.split", lambda v: isinstance(v, str) and bool(v), "the environment's held-out split"),
-            (
-                "eval.base_run",
-                lambda v: isinstance(v, str),
-                "\"\" (play the base agent's held-out episodes) or an evaluation job's workdir to read them from",
-            ),
-            ("rollout.max_turns", positive_int, "a positive int"),
-            ("rollout.max_tokens_per_turn", positive_int, "a positive int"),
-            ("rollout.max_errors", lambda v: isinstance(v, int) and v >= 0, "an int >= 0"),
-            (
-                "rollout.train_tasks",
-                lambda v: v is None or positive_int(v),
-                "None (the next tasks of the split every step) or a positive int (the steps cycle through the "
-                "split's first train_tasks tasks)",
-            ),
-            (
-                "rollout.hint_share",
-                lambda v: number(v) and 0.0 <= v <= 1.0,
-                "a number in [0, 1]: the share of each group's episodes played with the environment's hint (0: none)",
-            ),
-            (
-                "loss.tis_cap",
-                lambda v: v is None or (number(v) and v >= 1.0),
-                "None (hinted rows learned as on-policy ones) or a number >= 1: the cap of a hinted token's "
-                "importance weight (an unhinted token's is 1)",
-            ),
-        ]
-    return checks + [
-        ("task", lambda v: v in TASK_SETS, f"one of {sorted(TASK_SETS)} (or give config.env instead)"),
-        ("rollout.max_new_tokens", positive_int, "a positive int"),
-        (
-            "eval.splits",
-            lambda v: isinstance(v, (tuple, list)) and len(v) >= 1 and all(isinstance(x, str) for x in v),
-            "a non-empty tuple of the task set's held-out split names",
-        ),
-        ("eval.max_new_tokens", positive_int, "a positive int"),
-    ]
+def _fractions(value: Any) -> bool:
+    return isinstance(value, tuple) and all(number(f) and 0 < f < 1 for f in value)
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Fails at start, naming the key, on a missing or invalid setting."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GrpoTrainSettings(TrainSettings):
+    steps: int | None = setting(
+        REQUIRED, "None (use train.rollout_budget) or a positive int", lambda v: v is None or positive_int(v)
+    )
+    rollout_budget: int | None = setting(
+        REQUIRED,
+        "None (use train.steps) or a positive int (training episodes in all)",
+        lambda v: v is None or positive_int(v),
+    )
+    updates_per_step: int = setting(
+        REQUIRED,
+        "a positive int (optimizer updates a step, each on its share of the step's micro-batches)",
+        positive_int,
+    )
+    snapshot_fractions: tuple[float, ...] = setting(
+        REQUIRED,
+        "a tuple of fractions in (0, 1): the adapter is also exported at these shares of the steps (may be ())",
+        _fractions,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GrpoRolloutSettings:
+    """The `rollout` block's keys of either kind of job."""
+
+    tasks_per_step: int = setting(REQUIRED, "a positive int", positive_int)
+    group_size: int = setting(
+        REQUIRED, "an int >= 2 (advantages compare a group)", lambda v: positive_int(v) and v >= 2
+    )
+    temperature: float = setting(REQUIRED, "> 0 (the learner trains the policy at this temperature)", positive_number)
+    top_p: float = setting(
+        REQUIRED,
+        "1.0: the sampler's logprobs serve as the old policy's, and truncation would make them differ",
+        lambda v: v == 1.0,
+    )
+    batch_size: int = setting(REQUIRED, "a positive int (rows sampled at once)", positive_int)
+    min_shared_prefix: int | None = setting(
+        REQUIRED, "None or an int >= 1", lambda v: v is None or (isinstance(v, int) and v >= 1)
+    )
+    resamples: int = setting(
+        0, "an int >= 0: rounds of re-sampling a step's constant groups (0: none)", non_negative_int, optional=True
+    )
+    min_informative: float = setting(
+        0.5, "a number in [0, 1]: the share of varying groups re-sampling stops at", share, optional=True
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EpisodeRolloutSettings(GrpoRolloutSettings):
+    """An environment job's `rollout` block: its episodes' limits and hints."""
+
+    max_turns: int = setting(REQUIRED, "a positive int", positive_int)
+    max_tokens_per_turn: int = setting(REQUIRED, "a positive int", positive_int)
+    max_errors: int = setting(REQUIRED, "an int >= 0", non_negative_int)
+    train_tasks: int | None = setting(
+        REQUIRED,
+        "None (the next tasks of the split every step) or a positive int (the steps cycle through the split's "
+        "first train_tasks tasks)",
+        lambda v: v is None or positive_int(v),
+    )
+    hint_share: float = setting(
+        REQUIRED,
+        "a number in [0, 1]: the share of each group's episodes played with the environment's hint (0: none)",
+        share,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompletionRolloutSettings(GrpoRolloutSettings):
+    """A task-set job's `rollout` block."""
+
+    max_new_tokens: int = setting(REQUIRED, "a positive int", positive_int)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GrpoLossSettings:
+    aggregation: str = setting(REQUIRED, f"one of {sorted(AGGREGATIONS)}", lambda v: v in AGGREGATIONS)
+    eps_low: float = setting(REQUIRED, "in [0, 1)", lambda v: number(v) and 0 <= v < 1)
+    eps_high: float = setting(REQUIRED, "in (0, 1]", lambda v: number(v) and 0.0 < v <= 1.0)
+    kl_coef: float = setting(REQUIRED, ">= 0", lambda v: number(v) and v >= 0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EpisodeLossSettings(GrpoLossSettings):
+    tis_cap: float | None = setting(
+        REQUIRED,
+        "None (hinted rows learned as on-policy ones) or a number >= 1: the cap of a hinted token's importance "
+        "weight (an unhinted token's is 1)",
+        lambda v: v is None or (number(v) and v >= 1.0),
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GrpoEvalSettings:
+    num_tasks: int = setting(REQUIRED, "an int >= 0 (0: no held-out evaluation)", non_negative_int)
+    every: int = setting(REQUIRED, "a positive int", positive_int)
+    batch_size: int = setting(REQUIRED, "a positive int", positive_int)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EpisodeEvalSettings(GrpoEvalSettings):
+    split: str = setting(REQUIRED, "the environment's held-out split", nonempty_str)
+    base_run: str = setting(
+        REQUIRED,
+        "\"\" (play the base agent's held-out episodes) or an evaluation job's workdir to read them from",
+        lambda v: isinstance(v, str),
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompletionEvalSettings(GrpoEvalSettings):
+    splits: tuple[str, ...] = setting(
+        REQUIRED,
+        "a non-empty tuple of the task set's held-out split names",
+        lambda v: isinstance(v, tuple) and len(v) >= 1 and all(isinstance(x, str) for x in v),
+    )
+    max_new_tokens: int = setting(REQUIRED, "a positive int", positive_int)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingEnvSettings:
+    """The `env` block's keys the job checks (the rest are the environment's)."""
+
+    name: str = setting(REQUIRED, f"one of {sorted(ENVIRONMENTS)}", lambda v: v in ENVIRONMENTS)
+    split: str = setting(REQUIRED, "the environment's training split", nonempty_str)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GrpoSettings(JobSettings):
+    """What a GRPO job's config holds, either kind."""
+
+    train: GrpoTrainSettings
+    advantage: str = setting(REQUIRED, f"one of {sorted(ADVANTAGE_ESTIMATORS)}", lambda v: v in ADVANTAGE_ESTIMATORS)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EpisodeGrpoSettings(GrpoSettings):
+    """GRPO on an environment's episodes (`config.env`)."""
+
+    env: TrainingEnvSettings
+    eval: EpisodeEvalSettings
+    rollout: EpisodeRolloutSettings
+    loss: EpisodeLossSettings
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompletionGrpoSettings(GrpoSettings):
+    """GRPO on a task set's single-turn completions (`config.task`)."""
+
+    task: str = setting(REQUIRED, f"one of {sorted(TASK_SETS)} (or give config.env instead)", lambda v: v in TASK_SETS)
+    rollout: CompletionRolloutSettings
+    loss: GrpoLossSettings
+    eval: CompletionEvalSettings
+
+
+def validate_config(config: ml_collections.ConfigDict) -> GrpoSettings:
+    """The config, typed; fails at start, naming the key, on a missing or invalid setting."""
     if ("env" in config) == ("task" in config):
         raise ValueError(
             "config needs exactly one of config.task (a single-turn task set) and config.env (an environment)"
         )
-    check_config(config, _checks(config))
-    if (config.train.steps is None) == (config.train.rollout_budget is None):
+    settings = from_config(EpisodeGrpoSettings if "env" in config else CompletionGrpoSettings, config, "")
+    if (settings.train.steps is None) == (settings.train.rollout_budget is None):
         raise ValueError("config.train.steps and config.train.rollout_budget: set exactly one (the other None)")
     if _hints(config):
         _check_hints(config)
-    optional = [
-        (
-            "rollout.resamples",
-            config.rollout.get("resamples", 0),
-            lambda v: isinstance(v, int) and v >= 0,
-            "an int >= 0: rounds of re-sampling a step's constant groups (0: none)",
-        ),
-        (
-            "rollout.min_informative",
-            config.rollout.get("min_informative", 0.5),
-            lambda v: number(v) and 0 <= v <= 1,
-            "a number in [0, 1]: the share of varying groups re-sampling stops at",
-        ),
-    ]
-    for key, value, ok, expected in optional:
-        if not ok(value):
-            raise ValueError(f"config.{key} = {value!r} is invalid; it must be {expected}")
     curriculum = CurriculumConfig(**config.get("curriculum", {}))  # optional; names its key when wrong
     if curriculum.patience:
         env_parts(config.env)
+    return settings
 
 
 def _hints(config: ml_collections.ConfigDict) -> bool:
