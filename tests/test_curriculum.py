@@ -49,17 +49,18 @@ def test_the_rollout_source_climbs_rebuilds_its_training_tasks_and_keeps_its_hel
     from configs import grpo_env_tiny
     from trace_jax.rl.batching import StepRollouts
     from trace_jax.rl.environment_rollouts import EnvironmentRollouts
+    from trace_jax.rl.trainer import validate_config
 
     config = grpo_env_tiny.get_config()
     config.env.update(capability="tool_calling", difficulty=-1, variant="return")
     config.curriculum = ml_collections.ConfigDict(dict(patience=1, upper=0.6))
-    source = EnvironmentRollouts(config, tokenizer=None, num_train_tasks=4, workdir=tmp_path)
+    source = EnvironmentRollouts(validate_config(config), tokenizer=None, num_train_tasks=4, workdir=tmp_path)
     heldout = list(source.heldout)
     tasks = source.train_tasks[:2]
     done = StepRollouts([], None, None, {}, [{"task_id": t.task_id, "reward": 1.0} for t in tasks])
     assert source.follow(done) == {"curriculum/level_0": 0.0}
     assert all("/0/return/" in t.task_id for t in source.train_tasks) and source.heldout == heldout
     assert source.follow(done) == {"curriculum/level_0": 0.0}  # at the family's top level
-    resumed = EnvironmentRollouts(config, tokenizer=None, num_train_tasks=4, workdir=tmp_path)
+    resumed = EnvironmentRollouts(validate_config(config), tokenizer=None, num_train_tasks=4, workdir=tmp_path)
     resumed.restore({"curriculum": source.curriculum_state})
     assert [t.task_id for t in resumed.train_tasks] == [t.task_id for t in source.train_tasks]

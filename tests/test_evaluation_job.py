@@ -107,6 +107,7 @@ def test_grpo_reads_the_base_agents_episodes_from_an_evaluation_run(tmp_path, sm
     from configs import grpo_target_embedded
     from trace_jax import lora
     from trace_jax.rl.environment_rollouts import EnvironmentRollouts
+    from trace_jax.rl.trainer import validate_config as grpo_settings
     from trace_jax.sampling import Sampler
 
     evaluation = embedded_retail.get_config()
@@ -118,13 +119,13 @@ def test_grpo_reads_the_base_agents_episodes_from_an_evaluation_run(tmp_path, sm
     config.model = evaluation.model
     config.eval.num_tasks, config.eval.base_run, config.log_every_s = 3, str(base), 0.0
     with pytest.raises(ValueError, match="config.eval.base_run: its run has agent = 'gold'"):
-        EnvironmentRollouts(config, smollm2.tokenizer, 4, tmp_path)
+        EnvironmentRollouts(grpo_settings(config), smollm2.tokenizer, 4, tmp_path)
     # The gold run's episodes stand in for a model evaluation's (the same files; playing the model here is slow).
     (base / "run.json").write_text(json.dumps({**run_marker(evaluation, "model"), "weights": "another model"}))
     with pytest.raises(ValueError, match="its run has weights = 'another model'"):
-        EnvironmentRollouts(config, smollm2.tokenizer, 4, tmp_path)
+        EnvironmentRollouts(grpo_settings(config), smollm2.tokenizer, 4, tmp_path)
     (base / "run.json").write_text(json.dumps(run_marker(evaluation, "model")))
-    rollouts = EnvironmentRollouts(config, smollm2.tokenizer, 4, tmp_path)
+    rollouts = EnvironmentRollouts(grpo_settings(config), smollm2.tokenizer, 4, tmp_path)
     sampler = Sampler(smollm2.cfg, smollm2.params, detokenize=smollm2.tokenizer.decode)
     metrics = rollouts.evaluate(sampler, lora.NO_ADAPTER, 0)
     seeded = [json.loads(line) for line in (tmp_path / "eval" / "step_0.jsonl").read_text().splitlines()]
@@ -140,7 +141,7 @@ def test_grpo_reads_the_base_agents_episodes_from_an_evaluation_run(tmp_path, sm
         section, name = key.split(".")
         changed[section][name] = value
         with pytest.raises(ValueError, match=message):
-            EnvironmentRollouts(changed, smollm2.tokenizer, 4, tmp_path)
+            EnvironmentRollouts(grpo_settings(changed), smollm2.tokenizer, 4, tmp_path)
 
 
 def test_a_sampler_sharded_over_devices_plays_the_episodes_of_one_device(tmp_path, tiny_chat_model):

@@ -106,7 +106,7 @@ def test_the_hinted_row_is_the_unhinted_rendering_of_the_same_turns(tokenizer, t
     """The gold agent plays each task with and without the hint (the same turns): the hinted episode's learner
     row is the unhinted episode's ids and loss mask exactly, and its sampler logprobs (here made up, one value
     per position) are the hinted ones moved to the new positions."""
-    rollouts = EnvironmentRollouts(_config("multi_step", 1), tokenizer, 1, tmp_path)
+    rollouts = EnvironmentRollouts(validate_config(_config("multi_step", 1)), tokenizer, 1, tmp_path)
     env = rollouts.env
     engine = RolloutEngine(
         env,
@@ -163,7 +163,7 @@ def test_sampled_hinted_rows_carry_the_hinted_logprobs_and_rescore_to_the_unhint
     the sampler's as sampler_logp, while the unhinted row keeps old = sampler logprobs bit for bit."""
     model, adapters = tiny_smollm2
     config = _config(group_size=2, batch_size=2, max_turns=1, max_tokens_per_turn=8, temperature=1.0)
-    rollouts = EnvironmentRollouts(config, model.tokenizer, 1, tmp_path)
+    rollouts = EnvironmentRollouts(validate_config(config), model.tokenizer, 1, tmp_path)
     sampler = Sampler(model.cfg, model.params, adapters=adapters, detokenize=model.tokenizer.decode)
     step = rollouts.sample(sampler, 0, jax.random.key(1), 0)
     hinted, plain = step.sequences
@@ -277,7 +277,7 @@ def test_a_share_on_an_environment_without_hints_fails_at_start(tokenizer, tmp_p
             "of config.env (name = 'tau2') offers no hints"
         ),
     ):
-        EnvironmentRollouts(config, tokenizer, 4, tmp_path)
+        EnvironmentRollouts(validate_config(config), tokenizer, 4, tmp_path)
 
 
 def test_the_targets_tickets_offer_hints_naming_each_gold_call_and_its_arguments_sources():
@@ -297,5 +297,5 @@ def test_the_targets_tickets_offer_hints_naming_each_gold_call_and_its_arguments
 
 def test_only_a_job_with_hints_weighs_its_tokens():
     """Without hints the loss is today's (no importance weight); with them it is capped at loss.tis_cap."""
-    assert _loss_config(_config(hint_share=0.0)).tis_cap is None
-    assert _loss_config(_config()).tis_cap == grpo_target_embedded.get_config().loss.tis_cap == TIS_CAP
+    assert _loss_config(validate_config(_config(hint_share=0.0))).tis_cap is None
+    assert _loss_config(validate_config(_config())).tis_cap == grpo_target_embedded.get_config().loss.tis_cap == TIS_CAP

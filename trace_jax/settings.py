@@ -1,8 +1,7 @@
 """Typed settings: frozen dataclasses built once from an ml_collections config block at a job's edge.
 
 Jobs keep ml_collections config files and absl flags; a job builds the settings of its blocks once at start, and
-the library functions a block configures take its settings class instead of the untyped dict (the GRPO and SFT
-jobs check theirs and read the ConfigDict inside). Each field declares what its value must be (`setting`), and a class's
+the library functions a block configures take its settings class instead of the untyped dict. Each field declares what its value must be (`setting`), and a class's
 `__post_init__` checks values that depend on each other (raising `Invalid`), so `from_config` validates a block
 in one place and a failure names the user's key (`config.calibration.samples`), whichever job holds the block.
 The field defaults are the block's defaults: `defaults(cls)` is the ConfigDict a config file starts from.
@@ -129,4 +128,3 @@ def _has(block: Any, name: str) -> bool:
 
 def _must_be(cls: type, field: dataclasses.Field) -> str:
     return field.metadata.get("must_be") or f"a {cls.__name__}.{field.name} block"
-

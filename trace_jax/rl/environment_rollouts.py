@@ -44,7 +44,8 @@ from trace_jax.envs.base import TaskSpec
 from trace_jax.envs.hints import hinted_trials, offers_hint
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, StepRollouts
-from trace_jax.rl.curriculum import CurriculumConfig, climb, env_parts, start_state, with_levels
+from trace_jax.rl.curriculum import climb, env_parts, start_state, with_levels
+from trace_jax.rl.grpo_settings import EpisodeGrpoSettings
 from trace_jax.sampling import Sampler
 
 
@@ -113,29 +114,35 @@ class EnvironmentRollouts:
     """Training episodes and held-out evaluations of one environment, played by the sampler's model."""
 
     def __init__(
-        self, config: ml_collections.ConfigDict, tokenizer: ChatTokenizer, num_train_tasks: int, workdir: pathlib.Path
+        self,
+        config: EpisodeGrpoSettings,
+        tokenizer: ChatTokenizer,
+        num_train_tasks: int,
+        workdir: pathlib.Path,
     ):
         self.config, self.tokenizer, self.workdir = config, tokenizer, workdir
-        self.env = make_environment(config.env)
+        self.env = make_environment(config.env_config)
         self.hinted_per_group = hinted_per_group(config.rollout)
         if self.hinted_per_group and not hasattr(self.env, "hint_for"):
             raise ValueError(
                 f"config.rollout.hint_share = {config.rollout.hint_share} is invalid here: the "
-                f"environment of config.env (name = {config.env.name!r}) offers no hints (the "
+                f"environment of config.env (name = {config.env['name']!r}) offers no hints (the "
                 "capability environments do); set it to 0.0"
             )
         self.num_train_tasks = num_train_tasks
         self.eval_env = self.env  # the held-out tasks stay the starting level's while a curriculum climbs
         self.heldout = self.env.tasks(config.eval.split, config.eval.num_tasks)
         self._set_train_tasks()
-        self.curriculum = CurriculumConfig(**config.get("curriculum", {}))
+        self.curriculum = config.curriculum
         self.curriculum_state, self._tops = None, []
         if self.curriculum.patience:
-            parts = env_parts(config.env)
+            parts = env_parts(config.env_config)
             self.curriculum_state = start_state([p["difficulty"] for p in parts])
             built = [make_environment(ml_collections.ConfigDict(p)) for p in parts]
             self._tops = [0 if e.variant is not None else e.capability.max_difficulty for e in built]
-        limits = {k: config.rollout[k] for k in ("batch_size", "max_turns", "max_tokens_per_turn", "max_errors")}
+        limits = {
+            k: getattr(config.rollout, k) for k in ("batch_size", "max_turns", "max_tokens_per_turn", "max_errors")
+        }
         self.train_rollout = RolloutConfig(**limits, temperature=config.rollout.temperature, top_p=config.rollout.top_p)
         self.eval_rollout = dataclasses.replace(
             self.train_rollout, batch_size=config.eval.batch_size, temperature=0.0, top_p=1.0
@@ -153,7 +160,7 @@ class EnvironmentRollouts:
                 dtype=config.dtype,
                 adapter="",
                 seed=config.seed,
-                env={k: v for k, v in config.env.to_dict().items() if k != "split"},  # the training split is not played
+                env={k: v for k, v in config.env.items() if k != "split"},  # the training split is not played
                 split=config.eval.split,
                 num_tasks=config.eval.num_tasks,
                 trials=1,
@@ -174,9 +181,10 @@ class EnvironmentRollouts:
     def _set_train_tasks(self) -> None:
         """The training tasks of the current environment, `num_train_tasks` of them (a finite set cycles)."""
         pool, num = self.config.rollout.train_tasks, self.num_train_tasks
-        available = self.env.tasks(self.config.env.split, num if pool is None else min(pool, num))
+        split = self.config.env["split"]
+        available = self.env.tasks(split, num if pool is None else min(pool, num))
         if not available:
-            raise ValueError(f"config.env.split = {self.config.env.split!r} has no tasks")
+            raise ValueError(f"config.env.split = {split!r} has no tasks")
         self.train_tasks = [available[i % len(available)] for i in range(num)]
 
     def restore(self, cursor: dict) -> None:
@@ -186,7 +194,7 @@ class EnvironmentRollouts:
 
     def _move_to(self, state: dict) -> None:
         if state["levels"] != self.curriculum_state["levels"]:
-            self.env = make_environment(with_levels(self.config.env, state["levels"]))
+            self.env = make_environment(with_levels(self.config.env_config, state["levels"]))
             self._set_train_tasks()
         self.curriculum_state = state
 

@@ -28,8 +28,9 @@ from absl import logging
 
 from trace_jax import distributed, lora
 from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine, Trajectory
-from trace_jax.envs import ENVIRONMENTS, make_environment
+from trace_jax.envs import make_environment
 from trace_jax.envs.scripted import GoldAgent, ScriptedUser
+from trace_jax.evaluation import check_environment
 from trace_jax.files import write_json_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
 from trace_jax.models.loading import save_hf_checkpoint
@@ -40,14 +41,6 @@ from trace_jax.rl.job import ADAPTER, JobSettings, TrainSettings, export_adapter
 from trace_jax.rl.learner import frozen_inputs, make_train_step
 from trace_jax.rl.learner_batch import LearnerBatch
 from trace_jax.settings import REQUIRED, from_config, nonempty_str, positive_int, setting
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SftEnvSettings:
-    """The `env` block's keys the job checks (the rest are the environment's)."""
-
-    name: str = setting(REQUIRED, f"one of {sorted(ENVIRONMENTS)}", lambda v: v in ENVIRONMENTS)
-    split: str = setting(REQUIRED, "the split the gold trajectories come from", nonempty_str)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,7 +66,7 @@ class SftExportSettings:
 class SftSettings(JobSettings):
     """The SFT job's config, typed."""
 
-    env: SftEnvSettings
+    env: dict = setting(REQUIRED, "an environment block (`trace_jax.envs`)", lambda v: isinstance(v, dict))
     data: SftDataSettings
     train: SftTrainSettings
     export: SftExportSettings
@@ -81,7 +74,14 @@ class SftSettings(JobSettings):
 
 def validate_config(config: ml_collections.ConfigDict) -> SftSettings:
     """The config, typed; fails at start, naming the key, on a missing or invalid setting."""
-    return from_config(SftSettings, config, "")
+    settings = from_config(SftSettings, config, "")
+    check_environment(settings.env, "env")
+    if not nonempty_str(settings.env.get("split")):
+        raise ValueError(
+            f"config.env.split = {settings.env.get('split')!r} is invalid; it must be the split the gold "
+            "trajectories come from"
+        )
+    return settings
 
 
 def gold_trajectories(env, tokenizer: ChatTokenizer, tasks, max_turns: int) -> list[Trajectory]:
@@ -145,19 +145,21 @@ class FrozenStreams:
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
     """Runs (or resumes) the job in `workdir`; returns the summary also written to summary.json."""
-    validate_config(config)
+    settings = validate_config(config)
     start_time = time.monotonic()
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    run = start_run(config, workdir, cursor={})
+    run = start_run(settings, workdir, cursor={})
     tokenizer = run.model.tokenizer
-    env = make_environment(config.env)
+    env = make_environment(ml_collections.ConfigDict(settings.env))
     played = gold_trajectories(
-        env, tokenizer, env.tasks(config.env.split, config.data.num_tasks), config.data.max_turns
+        env, tokenizer, env.tasks(settings.env["split"], settings.data.num_tasks), settings.data.max_turns
     )
     kept = [t for t in played if t.outcome.success]
     if not kept:
-        raise ValueError(f"no gold episode of {config.env.name}/{config.env.split} succeeded: nothing to clone")
+        raise ValueError(
+            f"no gold episode of {settings.env['name']}/{settings.env['split']} succeeded: nothing to clone"
+        )
     logging.info(
         "cloning %d gold trajectories (%d of %d played succeeded), %d agent tokens",
         len(kept),
@@ -171,35 +173,35 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         None,
         run.optimizer,
         plan=run.plan,
-        remat=config.train.remat,
+        remat=settings.train.remat,
         objective="sft",
-        frozen_layers=config.lora.first_layer,
+        frozen_layers=settings.lora.first_layer,
     )
     streams = None
-    if config.lora.first_layer and run.state.step < config.train.steps:
+    if settings.lora.first_layer and run.state.step < settings.train.steps:
         t0 = time.monotonic()
         streams = FrozenStreams(
             run,
             sequences,
-            config.lora.first_layer,
-            config.train.micro_batch_tokens,
+            settings.lora.first_layer,
+            settings.train.micro_batch_tokens,
             tokenizer.pad_token_id,
-            config.train.remat,
+            settings.train.remat,
         )
         logging.info(
-            "streams entering layer %d computed once in %.1f s", config.lora.first_layer, time.monotonic() - t0
+            "streams entering layer %d computed once in %.1f s", settings.lora.first_layer, time.monotonic() - t0
         )
     writer = MetricsWriter(workdir)
-    progress = Progress(config.train.steps, start=run.state.step, every_s=config.log_every_s)
+    progress = Progress(settings.train.steps, start=run.state.step, every_s=settings.log_every_s)
     state = run.state
     weights, opt_state = state.adapter_weights, state.opt_state
     metrics = {}
-    for step in range(state.step, config.train.steps):
+    for step in range(state.step, settings.train.steps):
         t0 = time.monotonic()
-        items = step_items(len(sequences), config.data.trajectories_per_step, config.seed, step)
+        items = step_items(len(sequences), settings.data.trajectories_per_step, settings.seed, step)
         batch = pack_sequences(
             [sequences[i] for i in items],
-            token_budget=config.train.micro_batch_tokens,
+            token_budget=settings.train.micro_batch_tokens,
             row_multiple=run.row_multiple,
             pad_id=tokenizer.pad_token_id,
             prefix_length=streams.prefix_length if streams else None,
@@ -220,13 +222,13 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
             step=step + 1, adapter_weights=weights, scale=state.scale, opt_state=opt_state, rng=state.rng, cursor={}
         )
         writer.write(step + 1, metrics)  # before the checkpoint, as the GRPO job does
-        run.checkpointer.save(state, force=step + 1 == config.train.steps)
+        run.checkpointer.save(state, force=step + 1 == settings.train.steps)
         progress.update(step + 1, f"loss {metrics['learner/loss']:.4f}")
     run.checkpointer.close()
     writer.close()
     run.state = state
     export_adapter(run, workdir / "adapter")
-    if config.export.merged and distributed.is_main():
+    if settings.export.merged and distributed.is_main():
         merged = lora.merge(run.model.params, jax.device_get(run.sampler_adapters()), ADAPTER)
         save_hf_checkpoint(merged, run.model.path, workdir / "merged", run.model.cfg)
     summary = {

@@ -53,7 +53,6 @@ import math
 import pathlib
 import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import ml_collections
@@ -61,193 +60,26 @@ import numpy as np
 from absl import logging
 
 from trace_jax import distributed, lora
-from trace_jax.envs import ENVIRONMENTS
+from trace_jax.evaluation import check_environment
 from trace_jax.files import read_json, write_json_atomic, write_jsonl_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
-from trace_jax.rl.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
+from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batching import pack_sequences, padded_tokens
 from trace_jax.rl.checkpoint import TrainState
-from trace_jax.rl.curriculum import CurriculumConfig, env_parts
+from trace_jax.rl.curriculum import env_parts
 from trace_jax.rl.environment_rollouts import EnvironmentRollouts, hinted_per_group
-from trace_jax.rl.job import ADAPTER, JobSettings, TrainSettings, export_adapter, start_run
+from trace_jax.rl.grpo_settings import CompletionGrpoSettings, EpisodeGrpoSettings, GrpoSettings
+from trace_jax.rl.job import ADAPTER, export_adapter, start_run
 from trace_jax.rl.learner import make_rescore_fn, make_train_step
-from trace_jax.rl.losses import AGGREGATIONS, LossConfig
+from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.resampling import sample_informative
 from trace_jax.rl.single_turn import TaskSetRollouts
 from trace_jax.runtime import bound_memory_maps, peak_memory_gb, release_freed_memory
 from trace_jax.sampling import Sampler
 from trace_jax.settings import (
-    REQUIRED,
     from_config,
-    non_negative_int,
     nonempty_str,
-    number,
-    positive_int,
-    positive_number,
-    setting,
-    share,
 )
-from trace_jax.tasks import TASK_SETS
-
-
-def _fractions(value: Any) -> bool:
-    return isinstance(value, tuple) and all(number(f) and 0 < f < 1 for f in value)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GrpoTrainSettings(TrainSettings):
-    steps: int | None = setting(
-        REQUIRED, "None (use train.rollout_budget) or a positive int", lambda v: v is None or positive_int(v)
-    )
-    rollout_budget: int | None = setting(
-        REQUIRED,
-        "None (use train.steps) or a positive int (training episodes in all)",
-        lambda v: v is None or positive_int(v),
-    )
-    updates_per_step: int = setting(
-        REQUIRED,
-        "a positive int (optimizer updates a step, each on its share of the step's micro-batches)",
-        positive_int,
-    )
-    snapshot_fractions: tuple[float, ...] = setting(
-        REQUIRED,
-        "a tuple of fractions in (0, 1): the adapter is also exported at these shares of the steps (may be ())",
-        _fractions,
-    )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GrpoRolloutSettings:
-    """The `rollout` block's keys of either kind of job."""
-
-    tasks_per_step: int = setting(REQUIRED, "a positive int", positive_int)
-    group_size: int = setting(
-        REQUIRED, "an int >= 2 (advantages compare a group)", lambda v: positive_int(v) and v >= 2
-    )
-    temperature: float = setting(REQUIRED, "> 0 (the learner trains the policy at this temperature)", positive_number)
-    top_p: float = setting(
-        REQUIRED,
-        "1.0: the sampler's logprobs serve as the old policy's, and truncation would make them differ",
-        lambda v: v == 1.0,
-    )
-    batch_size: int = setting(REQUIRED, "a positive int (rows sampled at once)", positive_int)
-    min_shared_prefix: int | None = setting(
-        REQUIRED, "None or an int >= 1", lambda v: v is None or (isinstance(v, int) and v >= 1)
-    )
-    resamples: int = setting(
-        0, "an int >= 0: rounds of re-sampling a step's constant groups (0: none)", non_negative_int, optional=True
-    )
-    min_informative: float = setting(
-        0.5, "a number in [0, 1]: the share of varying groups re-sampling stops at", share, optional=True
-    )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EpisodeRolloutSettings(GrpoRolloutSettings):
-    """An environment job's `rollout` block: its episodes' limits and hints."""
-
-    max_turns: int = setting(REQUIRED, "a positive int", positive_int)
-    max_tokens_per_turn: int = setting(REQUIRED, "a positive int", positive_int)
-    max_errors: int = setting(REQUIRED, "an int >= 0", non_negative_int)
-    train_tasks: int | None = setting(
-        REQUIRED,
-        "None (the next tasks of the split every step) or a positive int (the steps cycle through the split's "
-        "first train_tasks tasks)",
-        lambda v: v is None or positive_int(v),
-    )
-    hint_share: float = setting(
-        REQUIRED,
-        "a number in [0, 1]: the share of each group's episodes played with the environment's hint (0: none)",
-        share,
-    )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CompletionRolloutSettings(GrpoRolloutSettings):
-    """A task-set job's `rollout` block."""
-
-    max_new_tokens: int = setting(REQUIRED, "a positive int", positive_int)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GrpoLossSettings:
-    aggregation: str = setting(REQUIRED, f"one of {sorted(AGGREGATIONS)}", lambda v: v in AGGREGATIONS)
-    eps_low: float = setting(REQUIRED, "in [0, 1)", lambda v: number(v) and 0 <= v < 1)
-    eps_high: float = setting(REQUIRED, "in (0, 1]", lambda v: number(v) and 0.0 < v <= 1.0)
-    kl_coef: float = setting(REQUIRED, ">= 0", lambda v: number(v) and v >= 0)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EpisodeLossSettings(GrpoLossSettings):
-    tis_cap: float | None = setting(
-        REQUIRED,
-        "None (hinted rows learned as on-policy ones) or a number >= 1: the cap of a hinted token's importance "
-        "weight (an unhinted token's is 1)",
-        lambda v: v is None or (number(v) and v >= 1.0),
-    )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GrpoEvalSettings:
-    num_tasks: int = setting(REQUIRED, "an int >= 0 (0: no held-out evaluation)", non_negative_int)
-    every: int = setting(REQUIRED, "a positive int", positive_int)
-    batch_size: int = setting(REQUIRED, "a positive int", positive_int)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EpisodeEvalSettings(GrpoEvalSettings):
-    split: str = setting(REQUIRED, "the environment's held-out split", nonempty_str)
-    base_run: str = setting(
-        REQUIRED,
-        "\"\" (play the base agent's held-out episodes) or an evaluation job's workdir to read them from",
-        lambda v: isinstance(v, str),
-    )
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CompletionEvalSettings(GrpoEvalSettings):
-    splits: tuple[str, ...] = setting(
-        REQUIRED,
-        "a non-empty tuple of the task set's held-out split names",
-        lambda v: isinstance(v, tuple) and len(v) >= 1 and all(isinstance(x, str) for x in v),
-    )
-    max_new_tokens: int = setting(REQUIRED, "a positive int", positive_int)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainingEnvSettings:
-    """The `env` block's keys the job checks (the rest are the environment's)."""
-
-    name: str = setting(REQUIRED, f"one of {sorted(ENVIRONMENTS)}", lambda v: v in ENVIRONMENTS)
-    split: str = setting(REQUIRED, "the environment's training split", nonempty_str)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GrpoSettings(JobSettings):
-    """What a GRPO job's config holds, either kind."""
-
-    train: GrpoTrainSettings
-    advantage: str = setting(REQUIRED, f"one of {sorted(ADVANTAGE_ESTIMATORS)}", lambda v: v in ADVANTAGE_ESTIMATORS)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EpisodeGrpoSettings(GrpoSettings):
-    """GRPO on an environment's episodes (`config.env`)."""
-
-    env: TrainingEnvSettings
-    eval: EpisodeEvalSettings
-    rollout: EpisodeRolloutSettings
-    loss: EpisodeLossSettings
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class CompletionGrpoSettings(GrpoSettings):
-    """GRPO on a task set's single-turn completions (`config.task`)."""
-
-    task: str = setting(REQUIRED, f"one of {sorted(TASK_SETS)} (or give config.env instead)", lambda v: v in TASK_SETS)
-    rollout: CompletionRolloutSettings
-    loss: GrpoLossSettings
-    eval: CompletionEvalSettings
 
 
 def validate_config(config: ml_collections.ConfigDict) -> GrpoSettings:
@@ -256,54 +88,56 @@ def validate_config(config: ml_collections.ConfigDict) -> GrpoSettings:
         raise ValueError(
             "config needs exactly one of config.task (a single-turn task set) and config.env (an environment)"
         )
-    settings = from_config(EpisodeGrpoSettings if "env" in config else CompletionGrpoSettings, config, "")
+    if "task" in config:
+        settings = from_config(CompletionGrpoSettings, config, "")
+    else:
+        check_environment(config.env, "env")
+        if not nonempty_str(config.env.get("split")):
+            raise ValueError(
+                f"config.env.split = {config.env.get('split')!r} is invalid; it must be the environment's training "
+                "split"
+            )
+        settings = from_config(EpisodeGrpoSettings, config, "")
     if (settings.train.steps is None) == (settings.train.rollout_budget is None):
         raise ValueError("config.train.steps and config.train.rollout_budget: set exactly one (the other None)")
-    if _hints(config):
-        _check_hints(config)
-    curriculum = CurriculumConfig(**config.get("curriculum", {}))  # optional; names its key when wrong
-    if curriculum.patience:
-        env_parts(config.env)
+    if _hints(settings):
+        _check_hints(settings)
+    if isinstance(settings, EpisodeGrpoSettings) and settings.curriculum.patience:
+        env_parts(settings.env_config)
     return settings
 
 
-def _hints(config: ml_collections.ConfigDict) -> bool:
+def _hints(settings: GrpoSettings) -> bool:
     """Whether the job plays some episodes with the environment's hint."""
-    return "env" in config and config.rollout.hint_share > 0
+    return isinstance(settings, EpisodeGrpoSettings) and settings.rollout.hint_share > 0
 
 
-def _check_hints(config: ml_collections.ConfigDict) -> None:
+def _check_hints(settings: EpisodeGrpoSettings) -> None:
     """A share of hinted episodes must make at least one a group."""
-    share = config.rollout.hint_share
-    if not hinted_per_group(config.rollout):
+    rollout = settings.rollout
+    if not hinted_per_group(rollout):
         raise ValueError(
-            f"config.rollout.hint_share = {share} is invalid: it hints no episode of a group of "
-            f"{config.rollout.group_size} (rounded); set it to 0.0 or at least "
-            f"{0.5 / config.rollout.group_size:g}"
+            f"config.rollout.hint_share = {rollout.hint_share} is invalid: it hints no episode of a group of "
+            f"{rollout.group_size} (rounded); set it to 0.0 or at least {0.5 / rollout.group_size:g}"
         )
 
 
-def _resamples(config: ml_collections.ConfigDict) -> int:
-    """Rounds of re-sampling a step's constant groups (`trace_jax.rl.resampling`; 0: none)."""
-    return config.rollout.get("resamples", 0)
-
-
-def _episodes(state: TrainState, config: ml_collections.ConfigDict) -> int:
+def _episodes(state: TrainState, settings: GrpoSettings) -> int:
     """Episodes played up to the checkpointed step, re-sampled ones included."""
-    default = state.step * config.rollout.tasks_per_step * config.rollout.group_size  # a run without re-sampling
+    default = state.step * settings.rollout.tasks_per_step * settings.rollout.group_size  # a run without re-sampling
     return int(state.cursor.get("episodes", default))
 
 
-def budget_spent(config: ml_collections.ConfigDict, episodes: int) -> bool:
+def budget_spent(settings: GrpoSettings, episodes: int) -> bool:
     """Whether `episodes` played reach `train.rollout_budget` (never with a fixed `train.steps`)."""
-    return config.train.rollout_budget is not None and episodes >= config.train.rollout_budget
+    return settings.train.rollout_budget is not None and episodes >= settings.train.rollout_budget
 
 
-def num_steps(config: ml_collections.ConfigDict) -> int:
+def num_steps(settings: GrpoSettings) -> int:
     """`train.steps`, or the steps `train.rollout_budget` episodes make (the last step may overshoot it)."""
-    if config.train.steps is not None:
-        return config.train.steps
-    return math.ceil(config.train.rollout_budget / (config.rollout.tasks_per_step * config.rollout.group_size))
+    if settings.train.steps is not None:
+        return settings.train.steps
+    return math.ceil(settings.train.rollout_budget / (settings.rollout.tasks_per_step * settings.rollout.group_size))
 
 
 def snapshot_step(fraction: float, steps: int) -> int:
@@ -311,21 +145,21 @@ def snapshot_step(fraction: float, steps: int) -> int:
     return math.floor(fraction * steps + 0.5)
 
 
-def _snapshot_steps(config: ml_collections.ConfigDict, steps: int) -> set[int]:
+def _snapshot_steps(settings: GrpoSettings, steps: int) -> set[int]:
     """The steps, strictly inside the run, at which the adapter is exported to snapshots/step_<k>."""
-    return {k for k in (snapshot_step(f, steps) for f in config.train.snapshot_fractions) if 0 < k < steps}
+    return {k for k in (snapshot_step(f, steps) for f in settings.train.snapshot_fractions) if 0 < k < steps}
 
 
-def _loss_config(config: ml_collections.ConfigDict) -> LossConfig:
+def _loss_config(settings: GrpoSettings) -> LossConfig:
     """The policy loss; with hints and `loss.tis_cap`, truncated importance sampling (the module docstring)."""
-    max_len = config.rollout.max_new_tokens if "task" in config else None
+    max_len = settings.rollout.max_new_tokens if isinstance(settings, CompletionGrpoSettings) else None
     return LossConfig(
-        aggregation=config.loss.aggregation,
-        eps_low=config.loss.eps_low,
-        eps_high=config.loss.eps_high,
-        kl_coef=config.loss.kl_coef,
+        aggregation=settings.loss.aggregation,
+        eps_low=settings.loss.eps_low,
+        eps_high=settings.loss.eps_high,
+        kl_coef=settings.loss.kl_coef,
         max_len=max_len,
-        tis_cap=config.loss.tis_cap if _hints(config) else None,
+        tis_cap=settings.loss.tis_cap if _hints(settings) else None,
     )
 
 
@@ -340,10 +174,10 @@ def _base_eval(workdir: pathlib.Path, evaluate: Callable[[int, int], dict[str, f
     return metrics
 
 
-def _eval_due(step: int, config: ml_collections.ConfigDict) -> bool:
+def _eval_due(step: int, settings: GrpoSettings) -> bool:
     """Whether the adapter after `step` is evaluated: every `eval.every` steps and at the end (never
     with `eval.num_tasks` 0)."""
-    return config.eval.num_tasks > 0 and (step % config.eval.every == 0 or step == num_steps(config))
+    return settings.eval.num_tasks > 0 and (step % settings.eval.every == 0 or step == num_steps(settings))
 
 
 def _resumed_eval(
@@ -351,13 +185,13 @@ def _resumed_eval(
     step: int,
     evaluate: Callable[[int, int], dict[str, float]],
     writer: MetricsWriter,
-    config: ml_collections.ConfigDict,
+    settings: GrpoSettings,
     last: bool,
 ) -> dict[str, float] | None:
     """The held-out metrics of the checkpointed `step` a run resumes from (`last`: the run's last, its budget
     spent): read back when logged, and evaluated now when a kill interrupted that evaluation (an environment's
     resumes from its episodes)."""
-    if not (_eval_due(step, config) or (last and config.eval.num_tasks > 0)):
+    if not (_eval_due(step, settings) or (last and settings.eval.num_tasks > 0)):
         return None
     logged = {k: v for k, v in logged_scalars(workdir, step).items() if k.startswith("eval/")}
     if "eval/reward" in logged:
@@ -369,21 +203,22 @@ def _resumed_eval(
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, float]:
     """Runs (or resumes) the job in `workdir`; returns the summary also written to summary.json."""
-    validate_config(config)
+    settings = validate_config(config)
+    episodes = isinstance(settings, EpisodeGrpoSettings)
     start_time = time.monotonic()
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    run = start_run(config, workdir, cursor={"next_task": 0})
+    run = start_run(settings, workdir, cursor={"next_task": 0})
     tokenizer = run.model.tokenizer
-    steps = num_steps(config)
-    num_train_tasks = steps * config.rollout.tasks_per_step * (1 + _resamples(config))  # room for re-sampling
+    steps = num_steps(settings)
+    num_train_tasks = steps * settings.rollout.tasks_per_step * (1 + settings.rollout.resamples)  # room for re-sampling
     source = (
-        EnvironmentRollouts(config, tokenizer, num_train_tasks, workdir)
-        if "env" in config
-        else TaskSetRollouts(config, tokenizer, num_train_tasks)
+        EnvironmentRollouts(settings, tokenizer, num_train_tasks, workdir)
+        if episodes
+        else TaskSetRollouts(settings, tokenizer, num_train_tasks)
     )
     state = run.state
-    if "env" in config:
+    if episodes:
         source.restore(state.cursor)
     elapsed = lambda: state.cursor.get("elapsed_s", 0.0) + time.monotonic() - start_time
     sampler = Sampler(
@@ -392,31 +227,31 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         adapters=run.sampler_adapters(),
         plan=run.sampler_plan,
         detokenize=tokenizer.decode,
-        min_shared_prefix=config.rollout.min_shared_prefix,
+        min_shared_prefix=settings.rollout.min_shared_prefix,
     )
     evaluate = lambda adapter_idx, step: source.evaluate(sampler, adapter_idx, step)
     writer = MetricsWriter(workdir)
-    base = _base_eval(workdir, evaluate) if config.eval.num_tasks else None
+    base = _base_eval(workdir, evaluate) if settings.eval.num_tasks else None
     if base is not None:
         logging.info("base held-out reward %.3f", base["eval/reward"])
         if state.step == 0:
             writer.write(0, base)
-    loss_cfg = _loss_config(config)
+    loss_cfg = _loss_config(settings)
     train_step = make_train_step(
         run.model.cfg,
         loss_cfg,
         run.optimizer,
         plan=run.plan,
-        remat=config.train.remat,
-        temperature=config.rollout.temperature,
-        frozen_layers=config.lora.first_layer,
-        updates=config.train.updates_per_step,
+        remat=settings.train.remat,
+        temperature=settings.rollout.temperature,
+        frozen_layers=settings.lora.first_layer,
+        updates=settings.train.updates_per_step,
     )
     rescore = (
         make_rescore_fn(
-            run.model.cfg, loss_cfg, plan=run.plan, remat=config.train.remat, temperature=config.rollout.temperature
+            run.model.cfg, loss_cfg, plan=run.plan, remat=settings.train.remat, temperature=settings.rollout.temperature
         )
-        if _hints(config)
+        if _hints(settings)
         else None
     )
 
@@ -424,14 +259,14 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         base
         if state.step == 0
         else _resumed_eval(
-            workdir, state.step, evaluate, writer, config, budget_spent(config, _episodes(state, config))
+            workdir, state.step, evaluate, writer, settings, budget_spent(settings, _episodes(state, settings))
         )
     )
-    progress = Progress(steps, start=state.step, every_s=config.log_every_s)
-    snapshots = _snapshot_steps(config, steps)
+    progress = Progress(steps, start=state.step, every_s=settings.log_every_s)
+    snapshots = _snapshot_steps(settings, steps)
     weights, opt_state = state.adapter_weights, state.opt_state
     for step in range(state.step, steps):
-        if budget_spent(config, _episodes(state, config)):  # a run that re-sampled spent it before its last step
+        if budget_spent(settings, _episodes(state, settings)):  # a run that re-sampled spent it before its last step
             break
         t0 = time.monotonic()
         cursor = state.cursor["next_task"]
@@ -444,12 +279,12 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
             num_tasks=num,
         )
         rollouts, tasks_used, played = sample_informative(
-            draw, config.rollout.tasks_per_step, _resamples(config), config.rollout.get("min_informative", 0.5)
+            draw, settings.rollout.tasks_per_step, settings.rollout.resamples, settings.rollout.min_informative
         )
-        climbed = source.follow(rollouts) if "env" in config else {}  # the curriculum, after the step's rollouts
+        climbed = source.follow(rollouts) if episodes else {}  # the curriculum, after the step's rollouts
         release_freed_memory()  # the rollouts' freed arenas, before the learner's (see runtime.py)
         t_sampled = time.monotonic()
-        advantages, keep, advantage_stats = compute_advantages(config.advantage, rollouts.rewards, rollouts.group_ids)
+        advantages, keep, advantage_stats = compute_advantages(settings.advantage, rollouts.rewards, rollouts.group_ids)
         metrics = {**rollouts.metrics, **climbed, **{f"advantage/{k}": v for k, v in advantage_stats.items()}}
         kept = [
             dataclasses.replace(rollouts.sequences[i], advantage=float(advantages[i]))
@@ -459,9 +294,9 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         if kept:  # a batch of only constant-reward groups carries no signal: no update
             batch = pack_sequences(
                 kept,
-                token_budget=config.train.micro_batch_tokens,
+                token_budget=settings.train.micro_batch_tokens,
                 row_multiple=run.row_multiple,
-                min_shared_prefix=config.rollout.min_shared_prefix,
+                min_shared_prefix=settings.rollout.min_shared_prefix,
                 pad_id=tokenizer.pad_token_id,
             )
             batch = dataclasses.replace(batch, dropped_fraction=float(advantage_stats["dropped_fraction"]))
@@ -494,7 +329,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
             rng=state.rng,
             cursor={
                 "next_task": cursor + tasks_used,
-                "episodes": _episodes(state, config) + played,
+                "episodes": _episodes(state, settings) + played,
                 **({"curriculum": source.curriculum_state} if getattr(source, "curriculum_state", None) else {}),
                 "elapsed_s": round(elapsed(), 1),
             },
@@ -507,10 +342,10 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
         # The step's metrics before its checkpoint, so a kill never loses them (one between the two makes the
         # resumed run log the step again, the same), and before the evaluation, which a kill may interrupt.
         writer.write(step + 1, metrics)
-        last = step + 1 == steps or budget_spent(config, _episodes(state, config))
+        last = step + 1 == steps or budget_spent(settings, _episodes(state, settings))
         run.checkpointer.save(state, force=last)
         held_out = ""
-        if _eval_due(step + 1, config) or (last and config.eval.num_tasks > 0):
+        if _eval_due(step + 1, settings) or (last and settings.eval.num_tasks > 0):
             latest_eval = evaluate(ADAPTER, step + 1)
             writer.write(step + 1, latest_eval)
             held_out = f"  held-out {latest_eval['eval/reward']:.3f}"
@@ -524,7 +359,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dic
     summary = {
         **(source.summary(base, latest_eval) if base is not None else {}),
         "steps": int(state.step),
-        "rollouts": _episodes(state, config),
+        "rollouts": _episodes(state, settings),
         "seconds": round(elapsed(), 1),
     }  # over every process of the run, less work lost to a kill
     distributed.on_main(lambda: write_json_atomic(workdir / "summary.json", summary))
