@@ -40,7 +40,18 @@ from trace_jax.envs.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.files import write_json_atomic
 from trace_jax.models.model import DTYPES, load_model
 from trace_jax.sampling import Sampler
-from trace_jax.settings import Invalid, from_config, nonempty_str, number, positive_int, setting, share
+from trace_jax.settings import (
+    Invalid,
+    from_config,
+    is_int,
+    is_str,
+    none_or,
+    nonempty_str,
+    number,
+    positive_int,
+    setting,
+    share,
+)
 from trace_jax.sharding import ShardingPlan, make_mesh
 
 AGENTS = ("model", "gold", "noop")
@@ -53,11 +64,11 @@ class EvaluationSettings:
     rollout: RolloutConfig
     model: str = setting("", "an embedded model name or an HF checkpoint folder", nonempty_str)
     dtype: str = setting("float32", f"one of {sorted(DTYPES)}", lambda v: v in DTYPES)
-    adapter: str = setting("", '"" (no adapter) or a PEFT adapter folder', lambda v: isinstance(v, str))
-    seed: int = setting(0, "an int", lambda v: isinstance(v, int))
+    adapter: str = setting("", '"" (no adapter) or a PEFT adapter folder', is_str)
+    seed: int = setting(0, "an int", is_int)
     env: dict | None = setting(None, "an environment block (`trace_jax.envs`)", lambda v: isinstance(v, dict))
     split: str = setting("", "a split name of the environment", nonempty_str)
-    num_tasks: int | None = setting(None, "None (all tasks) or a positive int", lambda v: v is None or positive_int(v))
+    num_tasks: int | None = setting(None, "None (all tasks) or a positive int", none_or(positive_int))
     trials: int = setting(1, "a positive int (episodes per task, for pass^k)", positive_int)
     log_every_s: float = setting(30.0, ">= 0", lambda v: number(v) and v >= 0)
     families: tuple[str, ...] = setting(
@@ -66,9 +77,7 @@ class EvaluationSettings:
         lambda v: isinstance(v, tuple) and all(isinstance(f, str) for f in v),
         optional=True,
     )
-    per_family: int | None = setting(
-        None, "None (all) or a positive int", lambda v: v is None or positive_int(v), optional=True
-    )
+    per_family: int | None = setting(None, "None (all) or a positive int", none_or(positive_int), optional=True)
     # calibration plays hinted trials as training does
     hint_share: float = setting(
         0.0,

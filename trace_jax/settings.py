@@ -1,9 +1,10 @@
 """Typed settings: frozen dataclasses built once from an ml_collections config block at a job's edge.
 
 Jobs keep ml_collections config files and absl flags; a job builds the settings of its blocks once at start, and
-the library functions a block configures take its settings class instead of the untyped dict. Each field declares what its value must be (`setting`), and a class's
-`__post_init__` checks values that depend on each other (raising `Invalid`), so `from_config` validates a block
-in one place and a failure names the user's key (`config.calibration.samples`), whichever job holds the block.
+the library functions a block configures take its settings class instead of the untyped dict. Each field declares
+what its value must be (`setting`), and a class's `__post_init__` checks values that depend on each other (raising
+`Invalid`), so `from_config` validates a block in one place and a failure names the user's key
+(`config.calibration.samples`), whichever job holds the block.
 The field defaults are the block's defaults: `defaults(cls)` is the ConfigDict a config file starts from.
 """
 
@@ -40,6 +41,23 @@ def positive_int(value: Any) -> bool:
 
 def number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def none_or(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """`check`, with None also accepted (a key whose None means "not set": all tasks, the other key's value)."""
+    return lambda value: value is None or check(value)
+
+
+def is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_str(value: Any) -> bool:
+    return isinstance(value, str)
 
 
 def nonempty_str(value: Any) -> bool:

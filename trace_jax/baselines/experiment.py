@@ -48,7 +48,7 @@ from trace_jax.files import read_json, write_json_atomic
 from trace_jax.metrics import MetricsWriter, logged_lines
 from trace_jax.report import paired, summarize
 from trace_jax.rl import trainer as grpo
-from trace_jax.settings import from_config, nonempty_str, positive_int, setting
+from trace_jax.settings import from_config, is_str, none_or, nonempty_str, positive_int, setting
 from trace_jax.trace.pipeline import (
     Pipeline,
     PipelineSettings,
@@ -82,7 +82,7 @@ class OracleSettings:
     """The `oracle` block: the analysis tasks oracle routing is chosen on."""
 
     num_tasks: int | None = setting(
-        None, "None (all of TRACE's analysis tasks) or a positive int", lambda v: v is None or positive_int(v)
+        None, "None (all of TRACE's analysis tasks) or a positive int", none_or(positive_int)
     )
 
 
@@ -93,10 +93,8 @@ class ExperimentSettings:
     grpo_target: GrpoTargetSettings
     oracle: OracleSettings
     gepa: GepaSettings
-    trace_run: str = setting("", '"" (run the pipeline here) or a TRACE run\'s workdir', lambda v: isinstance(v, str))
-    budget: int | None = setting(
-        None, "None (TRACE's own rollouts) or a positive int", lambda v: v is None or positive_int(v)
-    )
+    trace_run: str = setting("", '"" (run the pipeline here) or a TRACE run\'s workdir', is_str)
+    budget: int | None = setting(None, "None (TRACE's own rollouts) or a positive int", none_or(positive_int))
     arms: tuple[str, ...] = setting(ARMS, f"a subset of {ARMS}", lambda v: isinstance(v, tuple) and set(v) <= set(ARMS))
 
 

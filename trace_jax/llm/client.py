@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import openai
 
 from trace_jax.files import read_json, write_json_atomic
-from trace_jax.settings import non_negative_int, nonempty_str, number, positive_int, positive_number, setting
+from trace_jax.settings import is_str, non_negative_int, nonempty_str, number, positive_int, positive_number, setting
 
 T = TypeVar("T")
 
@@ -34,7 +34,7 @@ class LlmSettings:
 
     model: str = setting("", "a model name: set --config.llm.model=...", nonempty_str)
     # "" = $OPENAI_BASE_URL, else the openai default
-    base_url: str = setting("", "a URL, or '' for $OPENAI_BASE_URL / the openai default", lambda v: isinstance(v, str))
+    base_url: str = setting("", "a URL, or '' for $OPENAI_BASE_URL / the openai default", is_str)
     # the NAME of the env var holding the key ("unused" when it is unset)
     api_key_env: str = setting("OPENAI_API_KEY", "the name of the env var holding the API key", nonempty_str)
     temperature: float = setting(1.0, "a number >= 0", lambda v: number(v) and v >= 0)

@@ -15,6 +15,7 @@ from trace_jax.rl.losses import AGGREGATIONS
 from trace_jax.settings import (
     REQUIRED,
     non_negative_int,
+    none_or,
     nonempty_str,
     number,
     positive_int,
@@ -31,13 +32,11 @@ def _fractions(value: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GrpoTrainSettings(TrainSettings):
-    steps: int | None = setting(
-        REQUIRED, "None (use train.rollout_budget) or a positive int", lambda v: v is None or positive_int(v)
-    )
+    steps: int | None = setting(REQUIRED, "None (use train.rollout_budget) or a positive int", none_or(positive_int))
     rollout_budget: int | None = setting(
         REQUIRED,
         "None (use train.steps) or a positive int (training episodes in all)",
-        lambda v: v is None or positive_int(v),
+        none_or(positive_int),
     )
     updates_per_step: int = setting(
         REQUIRED,
@@ -88,7 +87,7 @@ class EpisodeRolloutSettings(GrpoRolloutSettings):
         REQUIRED,
         "None (the next tasks of the split every step) or a positive int (the steps cycle through the split's "
         "first train_tasks tasks)",
-        lambda v: v is None or positive_int(v),
+        none_or(positive_int),
     )
     hint_share: float = setting(
         REQUIRED,

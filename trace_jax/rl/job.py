@@ -19,6 +19,8 @@ from trace_jax.rl.checkpoint import Checkpointer, TrainState
 from trace_jax.rl.learner import make_optimizer
 from trace_jax.settings import (
     REQUIRED,
+    is_bool,
+    is_int,
     non_negative_int,
     nonempty_str,
     number,
@@ -72,7 +74,7 @@ class TrainSettings:
     micro_batch_tokens: int = setting(
         REQUIRED, "a positive int (tokens per micro-batch, padding included)", positive_int
     )
-    remat: bool = setting(REQUIRED, "a bool", lambda v: isinstance(v, bool))
+    remat: bool = setting(REQUIRED, "a bool", is_bool)
     checkpoint_every: int = setting(REQUIRED, "a positive int", positive_int)
     keep_checkpoints: int = setting(REQUIRED, "a positive int", positive_int)
 
@@ -83,7 +85,7 @@ class JobSettings:
 
     model: str = setting(REQUIRED, "an embedded model name or an HF checkpoint folder", nonempty_str)
     dtype: str = setting(REQUIRED, f"one of {sorted(DTYPES)}", lambda v: v in DTYPES)
-    seed: int = setting(REQUIRED, "an int", lambda v: isinstance(v, int))
+    seed: int = setting(REQUIRED, "an int", is_int)
     lora: LoraSettings
     optimizer: OptimizerSettings
     train: TrainSettings

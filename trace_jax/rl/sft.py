@@ -40,7 +40,7 @@ from trace_jax.rl.checkpoint import TrainState
 from trace_jax.rl.job import ADAPTER, JobSettings, TrainSettings, export_adapter, start_run
 from trace_jax.rl.learner import frozen_inputs, make_train_step
 from trace_jax.rl.learner_batch import LearnerBatch
-from trace_jax.settings import REQUIRED, from_config, nonempty_str, positive_int, setting
+from trace_jax.settings import REQUIRED, from_config, is_bool, nonempty_str, positive_int, setting
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,7 +59,7 @@ class SftTrainSettings(TrainSettings):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SftExportSettings:
-    merged: bool = setting(REQUIRED, "a bool (also write the merged HF folder)", lambda v: isinstance(v, bool))
+    merged: bool = setting(REQUIRED, "a bool (also write the merged HF folder)", is_bool)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

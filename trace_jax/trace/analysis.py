@@ -18,7 +18,7 @@ import numpy as np
 
 from trace_jax.files import read_json, write_json_atomic
 from trace_jax.llm.client import ChatClient, LlmSettings
-from trace_jax.settings import Invalid, number, positive_int, setting, share
+from trace_jax.settings import Invalid, is_int, number, positive_int, setting, share
 from trace_jax.trace import selection
 from trace_jax.trace.analyst import (
     LACKING,
@@ -48,7 +48,7 @@ class AnalysisSettings:
     min_runs: int = setting(8, "an int >= 1", positive_int)  # K: runs a capability must pass in
     delta: float = setting(0.2, "a number in [-1, 1]", lambda v: number(v) and -1 <= v <= 1)  # least ER- - ER+
     coverage: float = setting(0.1, "a number in [0, 1]", share)  # least share of failures labelled LACKING
-    seed: int = setting(0, "an int", lambda v: isinstance(v, int))  # bootstrap resamples (runs and intervals)
+    seed: int = setting(0, "an int", is_int)  # bootstrap resamples (runs and intervals)
     interval_resamples: int = setting(1000, "an int >= 1", positive_int)
     # the LLM analyst's (the endpoint is the pipeline's `llm` block): trajectories shown at discovery, in tokens
     discovery_tokens: int = setting(12000, "an int >= 1", positive_int)

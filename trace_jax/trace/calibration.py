@@ -41,7 +41,7 @@ from trace_jax.envs.hints import hinted_trials
 from trace_jax.evaluation import evaluate
 from trace_jax.files import read_json, write_json_atomic
 from trace_jax.report import pass_at_k
-from trace_jax.settings import number, positive_int, positive_number, setting, share
+from trace_jax.settings import is_bool, is_int, is_str, number, positive_int, positive_number, setting, share
 
 GROUPS = "groups.json"  # a try's [seeds, samples] rewards and successes and each seed's variant: a small file that
 # lets a walk resume from committed results without the episodes
@@ -93,10 +93,10 @@ class CalibrationSettings:
     gates: str = setting("paper", " or ".join(f'"{g}"' for g in GATES), lambda v: v in GATES)  # `GATES`
     # of each task's samples played with its hint (training's rollout.hint_share)
     hint_share: float = setting(0.5, "a number in [0, 1]", share)
-    start_difficulty: int = setting(0, "an int (below 0: a scaffolded level)", lambda v: isinstance(v, int))
+    start_difficulty: int = setting(0, "an int (below 0: a scaffolded level)", is_int)
     # the finest difficulty step between levels (0.5: one mix of two levels; 1: none)
     min_step: float = setting(0.5, "a number in (0, 1]", lambda v: number(v) and 0 < v <= 1)
-    policy: bool = setting(True, "True or False", lambda v: isinstance(v, bool))  # τ²'s retail policy in the prompt
+    policy: bool = setting(True, "True or False", is_bool)  # τ²'s retail policy in the prompt
     # what an episode cut at a limit keeps of its reward (`trace_jax.envs.capability.environment`)
     cut_share: float = setting(CUT_SHARE, "a number in [0, 1]", share)
     # "capability/family" entries: the only families walked of the capabilities they name (others: all)
@@ -107,7 +107,7 @@ class CalibrationSettings:
         lambda v: isinstance(v, tuple) and all(e in _family_names() for e in v),
     )
     # a calibration workdir (`launch.calibrate`'s) whose tries a walk takes where they played the same episodes
-    resume_from: str = setting("", 'a folder, or "" for none', lambda v: isinstance(v, str))
+    resume_from: str = setting("", 'a folder, or "" for none', is_str)
 
 
 def _family_names() -> tuple[str, ...]:

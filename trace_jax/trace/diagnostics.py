@@ -20,7 +20,7 @@ import numpy as np
 from trace_jax.agent.episodes import recorded_episodes
 from trace_jax.evaluation import evaluate
 from trace_jax.report import pass_at_k
-from trace_jax.settings import number, positive_int, setting
+from trace_jax.settings import none_or, number, positive_int, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class DiagnosticsSettings:
     of each family holding at least `min_share` of a capability's lacking failures (samples 0: no diagnostics)."""
 
     samples: int = setting(8, "an int >= 0 (0: no diagnostics)", lambda v: isinstance(v, int) and v >= 0)
-    per_family: int | None = setting(8, "None (all) or a positive int", lambda v: v is None or positive_int(v))
+    per_family: int | None = setting(8, "None (all) or a positive int", none_or(positive_int))
     temperature: float = setting(1.0, "a number > 0 (samples must differ)", lambda v: number(v) and v > 0)
     min_share: float = setting(0.1, "a number in [0, 1]", lambda v: number(v) and 0 <= v <= 1)
 

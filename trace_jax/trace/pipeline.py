@@ -53,7 +53,7 @@ from trace_jax.llm.client import ChatClient, LlmSettings
 from trace_jax.lora import NO_ADAPTER
 from trace_jax.models.model import load_model
 from trace_jax.rl import trainer as grpo
-from trace_jax.settings import from_config, non_negative_int, nonempty_str, positive_int, setting
+from trace_jax.settings import from_config, is_bool, is_str, non_negative_int, nonempty_str, positive_int, setting
 from trace_jax.trace.analysis import AnalysisSettings, analyze, make_analyst
 from trace_jax.trace.analyst import CapabilityCard
 from trace_jax.trace.calibration import (
@@ -84,7 +84,7 @@ class TargetSettings:
     analysis_tasks: int = setting(140, "a positive int", positive_int)
     heldout_split: str = setting("heldout", "a split of the target environment", nonempty_str)
     heldout_tasks: int = setting(200, "a positive int", positive_int)
-    base_run: str = setting("", '"" or the workdir of the base held-out evaluation', lambda v: isinstance(v, str))
+    base_run: str = setting("", '"" or the workdir of the base held-out evaluation', is_str)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +100,7 @@ class RoutingSettings:
 class FinalSettings:
     """The `final` block."""
 
-    per_adapter: bool = setting(
-        True, "True (each adapter alone too: the oracle) or False", lambda v: isinstance(v, bool)
-    )
+    per_adapter: bool = setting(True, "True (each adapter alone too: the oracle) or False", is_bool)
 
 
 @dataclasses.dataclass(frozen=True)
