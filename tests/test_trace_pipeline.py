@@ -612,15 +612,20 @@ def test_every_pipeline_config_validates_or_names_the_key_a_user_must_set(name):
 )
 def test_a_bad_value_in_any_block_of_the_pipeline_fails_naming_the_users_key(key, value):
     """The evaluations and the training job read configs the pipeline composes from its blocks; their errors
-    still name the key the user wrote."""
-    config = importlib.import_module("configs.trace_embedded").get_config()
-    *path, last = key.split(".")
-    node = config
-    for part in path:
-        node = node[part]
-    node[last] = value
-    with pytest.raises(ValueError, match=rf"^config\.{re.escape(key)} = {re.escape(repr(value))} is invalid"):
-        validate_config(config)
+    still name the key the user wrote, also where the pipeline's config is the experiment's `trace` block."""
+    for module, prefix, validate in [
+        ("trace_embedded", "", validate_config),
+        ("experiment_embedded", "trace.", validate_experiment_config),
+    ]:
+        config = importlib.import_module(f"configs.{module}").get_config()
+        *path, last = f"{prefix}{key}".split(".")
+        node = config
+        for part in path:
+            node = node[part]
+        node[last] = value
+        written = re.escape(f"config.{prefix}{key} = {value!r}")
+        with pytest.raises(ValueError, match=rf"^{written} is invalid"):
+            validate(config)
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,7 @@ from trace_jax.models.model import DTYPES, load_model
 from trace_jax.sampling import Sampler
 from trace_jax.settings import (
     Invalid,
+    dotted,
     from_config,
     is_int,
     is_str,
@@ -93,10 +94,11 @@ class EvaluationSettings:
             raise Invalid("tensor", f"a positive int that divides this process's {jax.local_device_count()} devices")
 
 
-def validate_config(config: ml_collections.ConfigDict) -> EvaluationSettings:
-    """The config, typed; fails at start, naming the key, on a missing or invalid setting."""
-    settings = from_config(EvaluationSettings, config, "")
-    check_environment(settings.env, "env")
+def validate_config(config: ml_collections.ConfigDict, key: str = "") -> EvaluationSettings:
+    """The config (the block at `key` of a config that holds one), typed; fails at start, naming the key, on a
+    missing or invalid setting."""
+    settings = from_config(EvaluationSettings, config, key)
+    check_environment(settings.env, dotted(key, "env"))
     return settings
 
 

@@ -85,14 +85,14 @@ def from_config(cls: type[T], block: ml_collections.ConfigDict | dict, key: str)
     hints = typing.get_type_hints(cls)
     values = {}
     for field in dataclasses.fields(cls):
-        name = f"config.{_dotted(key, field.name)}"
+        name = f"config.{dotted(key, field.name)}"
         if not _has(block, field.name):
             if field.metadata.get("optional"):
                 continue
             raise ValueError(f"{name} is missing; it must be {_must_be(cls, field)}")
         value = written = block[field.name]
         if dataclasses.is_dataclass(hints[field.name]):
-            value = from_config(hints[field.name], value, _dotted(key, field.name))
+            value = from_config(hints[field.name], value, dotted(key, field.name))
         elif isinstance(value, list):
             value = tuple(value)
         elif isinstance(value, ml_collections.ConfigDict):  # a block no settings class types: read as a dict
@@ -105,7 +105,7 @@ def from_config(cls: type[T], block: ml_collections.ConfigDict | dict, key: str)
     except Invalid as error:
         value = values.get(error.field, cls.__dataclass_fields__[error.field].default)
         raise ValueError(
-            f"config.{_dotted(key, error.field)} = {value!r} is invalid; it must be {error.must_be}"
+            f"config.{dotted(key, error.field)} = {value!r} is invalid; it must be {error.must_be}"
         ) from None
 
 
@@ -133,7 +133,8 @@ def _optional_type(hint: Any) -> type:
     return kinds[0]
 
 
-def _dotted(key: str, name: str) -> str:
+def dotted(key: str, name: str) -> str:
+    """The key `name` of the block at `key` ("" for the config itself), as errors name it after "config."."""
     return f"{key}.{name}" if key else name
 
 

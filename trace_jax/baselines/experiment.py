@@ -101,12 +101,7 @@ class ExperimentSettings:
 def validate_config(config: ml_collections.ConfigDict) -> tuple[ExperimentSettings, PipelineSettings]:
     """The config's typed blocks and its pipeline's; fails at start naming the first wrong key (the pipeline's
     under `trace.`)."""
-    settings = from_config(ExperimentSettings, config, "")
-    try:
-        trace = validate_pipeline_config(config.trace)
-    except ValueError as error:
-        raise ValueError(str(error).replace("config.", "config.trace.", 1)) from None
-    return settings, trace
+    return from_config(ExperimentSettings, config, ""), validate_pipeline_config(config.trace, "trace")
 
 
 class Experiment:

@@ -49,6 +49,7 @@ saves and restores the checkpoints together, and process 0 alone writes the othe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import pathlib
 import time
@@ -77,31 +78,41 @@ from trace_jax.rl.single_turn import TaskSetRollouts
 from trace_jax.runtime import bound_memory_maps, peak_memory_gb, release_freed_memory
 from trace_jax.sampling import Sampler
 from trace_jax.settings import (
+    dotted,
     from_config,
     nonempty_str,
 )
 
 
-def validate_config(config: ml_collections.ConfigDict) -> GrpoSettings:
-    """The config, typed; fails at start, naming the key, on a missing or invalid setting."""
+def validate_config(config: ml_collections.ConfigDict, key: str = "") -> GrpoSettings:
+    """The config (the block at `key` of a config that holds one, as the pipeline's `training`), typed; fails at
+    start, naming the key, on a missing or invalid setting."""
+    at = functools.partial(dotted, key)
     if ("env" in config) == ("task" in config):
         raise ValueError(
-            "config needs exactly one of config.task (a single-turn task set) and config.env (an environment)"
+            f"config needs exactly one of config.{at('task')} (a single-turn task set) and config.{at('env')} (an "
+            "environment)"
         )
     if "task" in config:
-        settings = from_config(CompletionGrpoSettings, config, "")
+        settings = from_config(CompletionGrpoSettings, config, key)
     else:
-        check_environment(config.env, "env")
+        check_environment(config.env, at("env"))
         if not nonempty_str(config.env.get("split")):
             raise ValueError(
-                f"config.env.split = {config.env.get('split')!r} is invalid; it must be the environment's training "
-                "split"
+                f"config.{at('env.split')} = {config.env.get('split')!r} is invalid; it must be the environment's "
+                "training split"
             )
-        settings = from_config(EpisodeGrpoSettings, config, "")
+        settings = from_config(EpisodeGrpoSettings, config, key)
     if (settings.train.steps is None) == (settings.train.rollout_budget is None):
-        raise ValueError("config.train.steps and config.train.rollout_budget: set exactly one (the other None)")
-    if _hints(settings):
-        _check_hints(settings)
+        raise ValueError(
+            f"config.{at('train.steps')} and config.{at('train.rollout_budget')}: set exactly one (the other None)"
+        )
+    rollout = settings.rollout
+    if _hints(settings) and not hinted_per_group(rollout):  # a share of hinted episodes must make one a group
+        raise ValueError(
+            f"config.{at('rollout.hint_share')} = {rollout.hint_share} is invalid: it hints no episode of a group of "
+            f"{rollout.group_size} (rounded); set it to 0.0 or at least {0.5 / rollout.group_size:g}"
+        )
     if isinstance(settings, EpisodeGrpoSettings) and settings.curriculum.patience:
         env_parts(settings.env_config)
     return settings
@@ -110,16 +121,6 @@ def validate_config(config: ml_collections.ConfigDict) -> GrpoSettings:
 def _hints(settings: GrpoSettings) -> bool:
     """Whether the job plays some episodes with the environment's hint."""
     return isinstance(settings, EpisodeGrpoSettings) and settings.rollout.hint_share > 0
-
-
-def _check_hints(settings: EpisodeGrpoSettings) -> None:
-    """A share of hinted episodes must make at least one a group."""
-    rollout = settings.rollout
-    if not hinted_per_group(rollout):
-        raise ValueError(
-            f"config.rollout.hint_share = {rollout.hint_share} is invalid: it hints no episode of a group of "
-            f"{rollout.group_size} (rounded); set it to 0.0 or at least {0.5 / rollout.group_size:g}"
-        )
 
 
 def _episodes(state: TrainState, settings: GrpoSettings) -> int:

@@ -27,6 +27,7 @@ the report run on process 0 (docs/multihost.md). Layout:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import threading
 import time
@@ -53,7 +54,16 @@ from trace_jax.llm.client import ChatClient, LlmSettings
 from trace_jax.lora import NO_ADAPTER
 from trace_jax.models.model import load_model
 from trace_jax.rl import trainer as grpo
-from trace_jax.settings import from_config, is_bool, is_str, non_negative_int, nonempty_str, positive_int, setting
+from trace_jax.settings import (
+    dotted,
+    from_config,
+    is_bool,
+    is_str,
+    non_negative_int,
+    nonempty_str,
+    positive_int,
+    setting,
+)
 from trace_jax.trace.analysis import AnalysisSettings, analyze, make_analyst
 from trace_jax.trace.analyst import CapabilityCard
 from trace_jax.trace.calibration import (
@@ -133,43 +143,42 @@ class PipelineSettings(_Blocks):
     llm: LlmSettings | None = None
 
 
-def validate_config(config: ml_collections.ConfigDict) -> PipelineSettings:
-    """The config's typed blocks; fails at start naming the first wrong key, in any stage's block."""
-    blocks = from_config(_Blocks, config, "")
+def validate_config(config: ml_collections.ConfigDict, key: str = "") -> PipelineSettings:
+    """The config's typed blocks (of the block at `key` of a config that holds one, as the experiment's `trace`);
+    fails at start naming the first wrong key, in any stage's block."""
+    at = functools.partial(dotted, key)
+    blocks = from_config(_Blocks, config, key)
     # The evaluations' env, rollout and tensor are the pipeline's target.env, target.rollout, training.mesh.tensor.
-    check_environment(config.target.env, "target.env")
-    from_config(RolloutConfig, config.target.rollout, "target.rollout")
+    check_environment(config.target.env, at("target.env"))
+    from_config(RolloutConfig, config.target.rollout, at("target.rollout"))
     tensor, devices = config.training.mesh.tensor, jax.local_device_count()
     if not positive_int(tensor) or devices % tensor:
         raise ValueError(
-            f"config.training.mesh.tensor = {tensor!r} is invalid; it must be a positive int that divides this "
-            f"process's {devices} devices"
+            f"config.{at('training.mesh.tensor')} = {tensor!r} is invalid; it must be a positive int that divides "
+            f"this process's {devices} devices"
         )
-    validate_evaluation_config(heldout_evaluation(config))
-    try:
-        grpo.validate_config(
-            training_config(config, {"env": environment_config("tool_calling", 0, blocks.calibration)})
-        )
-    except ValueError as error:  # the training job's config is the `training` block (its env is made here)
-        raise ValueError(str(error).replace("config.", "config.training.", 1)) from None
+    validate_evaluation_config(heldout_evaluation(config), key)
+    # the training job's config is the `training` block, with an env made here
+    env = environment_config("tool_calling", 0, blocks.calibration)
+    grpo.validate_config(training_config(config, {"env": env}), at("training"))
     if blocks.calibration.hint_share != config.training.rollout.hint_share:
         raise ValueError(
-            f"config.calibration.hint_share = {blocks.calibration.hint_share} is invalid: calibration "
-            "must hint the share of each group that training does, config.training.rollout.hint_share = "
+            f"config.{at('calibration.hint_share')} = {blocks.calibration.hint_share} is invalid: calibration "
+            f"must hint the share of each group that training does, config.{at('training.rollout.hint_share')} = "
             f"{config.training.rollout.hint_share}"
         )
     source, analyst = blocks.environments.source, blocks.analysis.analyst
     writes = source == "llm" or (source == "auto" and analyst == "llm")
     if writes and jax.process_count() > 1:  # the writer's sandbox and the calibrations it asks for run in one process
         raise ValueError(
-            f"config.environments.source = {source!r} with the {analyst} analyst may have the LLM write "
+            f"config.{at('environments.source')} = {source!r} with the {analyst} analyst may have the LLM write "
             'environments, which a run of several processes does not do: set it to "builtin" or run as one process'
         )
     return PipelineSettings(
         **{f.name: getattr(blocks, f.name) for f in dataclasses.fields(blocks)},
-        env_writer=None if source == "builtin" else from_config(EnvWriterSettings, config.env_writer, "env_writer"),
+        env_writer=None if source == "builtin" else from_config(EnvWriterSettings, config.env_writer, at("env_writer")),
         # "auto": checked once it writes
-        llm=from_config(LlmSettings, config.llm, "llm") if "llm" in (analyst, source) else None,
+        llm=from_config(LlmSettings, config.llm, at("llm")) if "llm" in (analyst, source) else None,
     )
 
 
