@@ -17,7 +17,6 @@ import pathlib
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import ml_collections
@@ -34,7 +33,7 @@ from trace_jax.agent.episodes import (
     take_reused,
 )
 from trace_jax.agent.rollout import MODEL, EpisodeSpec, RolloutConfig, RolloutEngine
-from trace_jax.envs import ENVIRONMENTS, make_environment
+from trace_jax.envs import check_environment, make_environment
 from trace_jax.envs.hints import hinted_trials, offers_hint
 from trace_jax.envs.scripted import GoldAgent, NoopAgent, ScriptedUser
 from trace_jax.files import write_json_atomic
@@ -100,13 +99,6 @@ def validate_config(config: ml_collections.ConfigDict, key: str = "") -> Evaluat
     settings = from_config(EvaluationSettings, config, key)
     check_environment(settings.env, dotted(key, "env"))
     return settings
-
-
-def check_environment(block: Any, key: str) -> None:
-    """Fails naming `config.<key>.name` unless the environment block `block` names a known environment."""
-    name = block.get("name")
-    if name not in ENVIRONMENTS:
-        raise ValueError(f"config.{key}.name = {name!r} is invalid; it must be one of {sorted(ENVIRONMENTS)}")
 
 
 def sampler_plan(tensor: int) -> ShardingPlan | None:

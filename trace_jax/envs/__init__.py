@@ -8,6 +8,8 @@ environment that needs it is built.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import ml_collections
 
@@ -24,6 +26,13 @@ try:
     logger.disable("tau2")
 except ImportError:  # τ² (which brings loguru) is an optional extra
     pass
+
+
+def check_environment(block: Mapping[str, Any], key: str) -> None:
+    """Fails naming `config.<key>.name` unless the environment block `block` names a known environment."""
+    name = block.get("name")
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"config.{key}.name = {name!r} is invalid; it must be one of {sorted(ENVIRONMENTS)}")
 
 
 def make_environment(config: ml_collections.ConfigDict) -> Environment:

@@ -28,9 +28,8 @@ from absl import logging
 
 from trace_jax import distributed, lora
 from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine, Trajectory
-from trace_jax.envs import make_environment
+from trace_jax.envs import check_environment, make_environment
 from trace_jax.envs.scripted import GoldAgent, ScriptedUser
-from trace_jax.evaluation import check_environment
 from trace_jax.files import write_json_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
 from trace_jax.models.loading import save_hf_checkpoint

@@ -61,7 +61,7 @@ import numpy as np
 from absl import logging
 
 from trace_jax import distributed, lora
-from trace_jax.evaluation import check_environment
+from trace_jax.envs import check_environment
 from trace_jax.files import read_json, write_json_atomic, write_jsonl_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
 from trace_jax.rl.advantages import compute_advantages

@@ -41,13 +41,13 @@ from absl import logging
 from trace_jax import distributed
 from trace_jax.agent.episodes import Routes, check_base_run, recorded_episodes
 from trace_jax.agent.rollout import RolloutConfig
-from trace_jax.envs import make_environment
+from trace_jax.envs import check_environment, make_environment
 from trace_jax.envs.base import Environment, Gold, TaskSpec
 from trace_jax.envs.capability import CAPABILITIES
 from trace_jax.envs.capability.domains import DOMAINS
 from trace_jax.envs.capability.environment import SCAFFOLDS
 from trace_jax.envs.capability.sandbox import ValidationReport
-from trace_jax.evaluation import check_environment, evaluate, evaluate_together
+from trace_jax.evaluation import evaluate, evaluate_together
 from trace_jax.evaluation import validate_config as validate_evaluation_config
 from trace_jax.files import read_json, write_json_atomic
 from trace_jax.llm.client import ChatClient, LlmSettings
