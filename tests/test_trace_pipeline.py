@@ -643,6 +643,9 @@ def test_every_experiment_config_validates_or_names_the_key_a_user_must_set(name
     config.arms = ("grpo_target", "teacher")
     with pytest.raises(ValueError, match=r"config.arms = .* is invalid; it must be a subset of"):
         validate_experiment_config(config)
+    config.arms, config.gepa.reflection, config.trace.llm.model = ("gepa",), "llm", ""
+    with pytest.raises(ValueError, match=r"config.trace.llm.model = '' is invalid"):  # GEPA reflects through it
+        validate_experiment_config(config)
 
 
 def test_a_run_of_several_processes_refuses_llm_written_environments_at_start_naming_the_key(monkeypatch):

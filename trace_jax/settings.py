@@ -36,7 +36,7 @@ def setting(default: Any, must_be: str, check: Callable[[Any], bool], *, optiona
 
 
 def positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return is_int(value) and value >= 1
 
 
 def number(value: Any) -> bool:
@@ -65,7 +65,7 @@ def nonempty_str(value: Any) -> bool:
 
 
 def non_negative_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def positive_number(value: Any) -> bool:

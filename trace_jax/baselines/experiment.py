@@ -45,6 +45,7 @@ from trace_jax.baselines.scaling import plot_scaling, scaling_points, scaling_ta
 from trace_jax.envs import make_environment
 from trace_jax.evaluation import evaluate
 from trace_jax.files import read_json, write_json_atomic
+from trace_jax.llm import LlmSettings
 from trace_jax.metrics import MetricsWriter, logged_lines
 from trace_jax.report import paired, summarize
 from trace_jax.rl import trainer as grpo
@@ -101,7 +102,10 @@ class ExperimentSettings:
 def validate_config(config: ml_collections.ConfigDict) -> tuple[ExperimentSettings, PipelineSettings]:
     """The config's typed blocks and its pipeline's; fails at start naming the first wrong key (the pipeline's
     under `trace.`)."""
-    return from_config(ExperimentSettings, config, ""), validate_pipeline_config(config.trace, "trace")
+    settings, trace = from_config(ExperimentSettings, config, ""), validate_pipeline_config(config.trace, "trace")
+    if settings.gepa.reflection == "llm" and trace.llm is None:  # GEPA reflects through the pipeline's endpoint
+        trace = dataclasses.replace(trace, llm=from_config(LlmSettings, config.trace.llm, "trace.llm"))
+    return settings, trace
 
 
 class Experiment:
@@ -265,7 +269,7 @@ class Experiment:
             heldout_evaluation(self.config.trace),
             rollout,
             self.settings.gepa,
-            self.config.trace.llm,
+            self.trace_settings.llm,
             budget,
             folder,
         )

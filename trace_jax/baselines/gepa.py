@@ -34,7 +34,7 @@ from trace_jax.envs.base import Environment, TaskSpec
 from trace_jax.envs.guided import GuidedEnvironment
 from trace_jax.evaluation import evaluate
 from trace_jax.files import append_jsonl, write_json_atomic, write_jsonl_atomic
-from trace_jax.llm import ChatClient
+from trace_jax.llm import ChatClient, LlmSettings
 from trace_jax.models.model import Model, load_model
 from trace_jax.sampling import Sampler
 from trace_jax.settings import number, positive_int, setting
@@ -277,7 +277,7 @@ def gepa_arm(
     heldout: ml_collections.ConfigDict,
     rollout: RolloutConfig,
     settings: GepaSettings,
-    llm: ml_collections.ConfigDict | None,
+    llm: LlmSettings | None,
     budget: int,
     workdir: str | pathlib.Path,
 ) -> dict:
@@ -312,7 +312,7 @@ def _optimize_each(
     heldout: ml_collections.ConfigDict,
     rollout: RolloutConfig,
     settings: GepaSettings,
-    llm: ml_collections.ConfigDict | None,
+    llm: LlmSettings | None,
     budget: int,
     workdir: pathlib.Path,
 ) -> dict[str, dict]:

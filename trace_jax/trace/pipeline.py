@@ -137,7 +137,8 @@ class _Blocks:
 @dataclasses.dataclass(frozen=True)
 class PipelineSettings(_Blocks):
     """A pipeline config's typed blocks, which the stages' libraries take; `env_writer` is None when environments
-    are only built in, `llm` None until something asks the LLM (`Pipeline.llm`)."""
+    are only built in, `llm` None unless the analyst or the writer is the LLM (`source = "auto"` checks it when it
+    writes)."""
 
     env_writer: EnvWriterSettings | None = None
     llm: LlmSettings | None = None
