@@ -6,6 +6,7 @@ import ml_collections
 import pytest
 
 from trace_jax.rl.curriculum import CurriculumConfig, climb, start_state, with_levels
+from trace_jax.settings import from_config
 
 
 def test_a_part_moves_up_after_patience_steps_above_the_gate_and_stops_at_its_top():
@@ -38,11 +39,18 @@ def test_the_levels_go_into_the_environment_config_and_bad_settings_name_their_k
     assert [p["difficulty"] for p in moved.parts] == [0, -1] and moved.split == "train"
     assert with_levels(ml_collections.ConfigDict(part), [0]).difficulty == 0
     with pytest.raises(ValueError, match="config.curriculum.patience = -1 is invalid"):
-        CurriculumConfig(patience=-1)
-    with pytest.raises(ValueError, match="config.curriculum.upper = 2 is invalid"):
-        CurriculumConfig(patience=1, upper=2)
+        from_config(CurriculumConfig, {"patience": -1}, "curriculum")
+    with pytest.raises(ValueError, match="config.training.curriculum.upper = 2 is invalid"):
+        from_config(CurriculumConfig, {"patience": 1, "upper": 2}, "training.curriculum")
     with pytest.raises(ValueError, match="needs a capability environment"):
         with_levels(ml_collections.ConfigDict(dict(name="embedded_retail")), [0])
+    from configs import grpo_target_embedded
+    from trace_jax.rl.trainer import validate_config
+
+    config = grpo_target_embedded.get_config()  # the embedded retail target: no levels to climb
+    config.curriculum = ml_collections.ConfigDict(dict(patience=1))
+    with pytest.raises(ValueError, match=r"config.curriculum.patience = 1 is invalid; it must be 0 unless config.env"):
+        validate_config(config)
 
 
 def test_the_rollout_source_climbs_rebuilds_its_training_tasks_and_keeps_its_held_out_ones(tmp_path):

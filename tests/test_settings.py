@@ -70,3 +70,11 @@ def test_the_experiments_own_keys_are_named_from_the_config_root():
     }
     with pytest.raises(ValueError, match=r"^config\.arms = \('oracle', 'judge'\) is invalid; it must be a subset"):
         from_config(ExperimentSettings, config, "")
+
+
+def test_a_message_naming_a_flag_names_the_blocks_own_key():
+    from trace_jax.llm import LlmSettings
+
+    for key in ("llm", "trace.llm"):
+        with pytest.raises(ValueError, match=rf"^config\.{key}\.model = '' is invalid; .* --config\.{key}\.model="):
+            from_config(LlmSettings, defaults(LlmSettings), key)

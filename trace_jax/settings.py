@@ -30,8 +30,9 @@ class Invalid(ValueError):
 
 
 def setting(default: Any, must_be: str, check: Callable[[Any], bool], *, optional: bool = False) -> Any:
-    """A settings field: its default, what its value must be (said in errors) and the predicate that says so;
-    an `optional` key may be left out of the block (its default then holds)."""
+    """A settings field: its default, what its value must be (said in errors; "{block}." there stands for the
+    block's key) and the predicate that says so; an `optional` key may be left out of the block (its default then
+    holds)."""
     return dataclasses.field(default=default, metadata={"must_be": must_be, "check": check, "optional": optional})
 
 
@@ -89,7 +90,7 @@ def from_config(cls: type[T], block: ml_collections.ConfigDict | dict, key: str)
         if not _has(block, field.name):
             if field.metadata.get("optional"):
                 continue
-            raise ValueError(f"{name} is missing; it must be {_must_be(cls, field)}")
+            raise ValueError(f"{name} is missing; it must be {_must_be(cls, field, key)}")
         value = written = block[field.name]
         if dataclasses.is_dataclass(hints[field.name]):
             value = from_config(hints[field.name], value, dotted(key, field.name))
@@ -98,7 +99,7 @@ def from_config(cls: type[T], block: ml_collections.ConfigDict | dict, key: str)
         elif isinstance(value, ml_collections.ConfigDict):  # a block no settings class types: read as a dict
             value = value.to_dict()
         if "check" in field.metadata and not field.metadata["check"](value):
-            raise ValueError(f"{name} = {written!r} is invalid; it must be {field.metadata['must_be']}")
+            raise ValueError(f"{name} = {written!r} is invalid; it must be {_must_be(cls, field, key)}")
         values[field.name] = value
     try:
         return cls(**values)
@@ -145,5 +146,7 @@ def _has(block: Any, name: str) -> bool:
         return False
 
 
-def _must_be(cls: type, field: dataclasses.Field) -> str:
-    return field.metadata.get("must_be") or f"a {cls.__name__}.{field.name} block"
+def _must_be(cls: type, field: dataclasses.Field, key: str) -> str:
+    """What `field` must be, its "{block}." standing for the block's key (a message naming a flag)."""
+    text = field.metadata.get("must_be") or f"a {cls.__name__}.{field.name} block"
+    return text.replace("{block}.", f"{key}." if key else "")

@@ -32,7 +32,7 @@ _FENCE = re.compile(r"```(?:json)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 class LlmSettings:
     """The `llm` block: which endpoint and model, sampling, and how hard to retry."""
 
-    model: str = setting("", "a model name: set --config.llm.model=...", nonempty_str)
+    model: str = setting("", "a model name: set --config.{block}.model=...", nonempty_str)
     # "" = $OPENAI_BASE_URL, else the openai default
     base_url: str = setting("", "a URL, or '' for $OPENAI_BASE_URL / the openai default", is_str)
     # the NAME of the env var holding the key ("unused" when it is unset)

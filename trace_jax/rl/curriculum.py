@@ -14,22 +14,16 @@ import dataclasses
 
 import ml_collections
 
+from trace_jax.settings import non_negative_int, setting, share
+
 
 @dataclasses.dataclass(frozen=True)
 class CurriculumConfig:
-    """`patience` steps in a row above `upper` (mean training reward of a part's episodes) move a part up a
-    level; `patience` 0 turns the curriculum off."""
+    """The `curriculum` block: `patience` steps in a row above `upper` (mean training reward of a part's episodes)
+    move a part up a level; `patience` 0 turns the curriculum off."""
 
-    patience: int = 0
-    upper: float = 0.6
-
-    def __post_init__(self):
-        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0:
-            raise ValueError(
-                f"config.curriculum.patience = {self.patience!r} is invalid; it must be an int >= 0 (0: off)"
-            )
-        if not isinstance(self.upper, (int, float)) or not 0 <= self.upper <= 1:
-            raise ValueError(f"config.curriculum.upper = {self.upper!r} is invalid; it must be a number in [0, 1]")
+    patience: int = setting(0, "an int >= 0 (0: off)", non_negative_int, optional=True)
+    upper: float = setting(0.6, "a number in [0, 1]", share, optional=True)
 
 
 def start_state(levels: list[float]) -> dict:

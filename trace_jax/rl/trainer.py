@@ -114,7 +114,14 @@ def validate_config(config: ml_collections.ConfigDict, key: str = "") -> GrpoSet
             f"{rollout.group_size} (rounded); set it to 0.0 or at least {0.5 / rollout.group_size:g}"
         )
     if isinstance(settings, EpisodeGrpoSettings) and settings.curriculum.patience:
-        env_parts(settings.env_config)
+        try:
+            env_parts(settings.env_config)
+        except ValueError:
+            raise ValueError(
+                f"config.{at('curriculum.patience')} = {settings.curriculum.patience} is invalid; it must be 0 "
+                f"unless config.{at('env')} is a capability environment or a mix of them, not "
+                f"{settings.env.get('name')!r}"
+            ) from None
     return settings
 
 
