@@ -82,6 +82,17 @@ def test_complete_json_recovers_from_a_malformed_reply(tmp_path):
     assert "no JSON object or array" in retry[3]["content"] and "property name" in retry[3]["content"]
 
 
+def test_a_reply_nested_too_deeply_is_malformed_and_a_rerun_from_the_cache_recovers_too(tmp_path):
+    deep = "[" * 100_000
+    with pytest.raises(ValueError, match="nested too deeply"):
+        extract_json(deep)
+    with ScriptedLLMServer([deep, GOOD_JSON]) as server:
+        assert make_client(server.base_url, tmp_path).complete_json(MESSAGES, capabilities) == ["lookup", "refund"]
+    again = make_client("http://127.0.0.1:9", tmp_path)  # no server: both replies come from the cache
+    assert again.complete_json(MESSAGES, capabilities) == ["lookup", "refund"]
+    assert again.stats == {"requests": 0, "cache_hits": 2, "malformed": 1, "failed": 0}
+
+
 def test_a_validator_error_is_treated_like_malformed_json(tmp_path):
     with ScriptedLLMServer(['{"capabilities": [1, 2]}', GOOD_JSON]) as server:
         client = make_client(server.base_url, tmp_path)

@@ -55,18 +55,22 @@ class MalformedReply(LLMError):
 
 
 def extract_json(text: str) -> Any:
-    """The JSON value of a reply: the whole reply, a ```json fenced block, or the first {...} / [...] in prose."""
-    for candidate in (text, *(m.group(1) for m in _FENCE.finditer(text))):
-        try:
-            return json.loads(candidate)
-        except json.JSONDecodeError:
-            pass
-    decoder, first_error = json.JSONDecoder(), None
-    for start in (i for i, char in enumerate(text) if char in "{["):
-        try:
-            return decoder.raw_decode(text, start)[0]
-        except json.JSONDecodeError as error:
-            first_error = first_error or error
+    """The JSON value of a reply: the whole reply, a ```json fenced block, or the first {...} / [...] in prose.
+    ValueError when it holds none, also when its JSON nests deeper than the parser's recursion allows."""
+    try:
+        for candidate in (text, *(m.group(1) for m in _FENCE.finditer(text))):
+            try:
+                return json.loads(candidate)
+            except json.JSONDecodeError:
+                pass
+        decoder, first_error = json.JSONDecoder(), None
+        for start in (i for i, char in enumerate(text) if char in "{["):
+            try:
+                return decoder.raw_decode(text, start)[0]
+            except json.JSONDecodeError as error:
+                first_error = first_error or error
+    except RecursionError:
+        raise ValueError("the reply's JSON is nested too deeply to parse") from None
     raise ValueError("the reply holds no JSON object or array" + (f" ({first_error})" if first_error else ""))
 
 
