@@ -1,11 +1,17 @@
 """Text files are UTF-8 whatever the locale: the package names the encoding wherever it opens a text file, and its
-JSON files round-trip non-ASCII text (a user's name, τ²'s domain names) under a locale whose encoding is ASCII."""
+JSON files round-trip non-ASCII text (a user's name, τ²'s domain names) under a locale whose encoding is ASCII; a
+JSON file cut short fails naming itself."""
 
 import ast
 import os
 import pathlib
+import re
 import subprocess
 import sys
+
+import pytest
+
+from trace_jax.files import UnreadableJson, read_json, write_json_atomic
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 OPENERS = {"open", "read_text", "write_text"}  # builtins.open, Path.open, Path.read_text, Path.write_text
@@ -67,3 +73,11 @@ def test_json_files_round_trip_non_ascii_text_under_an_ascii_locale(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "value.json").read_bytes().decode("utf-8").count(USER) == 1
+
+
+def test_a_truncated_workdir_json_fails_naming_the_file_and_what_to_do(tmp_path):
+    path = tmp_path / "stages.json"
+    write_json_atomic(path, {"base": {"seconds": 1.0}})
+    path.write_text(path.read_text(encoding="utf-8")[:-3], encoding="utf-8")  # a copy cut short
+    with pytest.raises(UnreadableJson, match=rf"{re.escape(str(path))} is not valid JSON .* delete it"):
+        read_json(path)

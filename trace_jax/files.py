@@ -23,9 +23,20 @@ def _umask() -> int:
 _NEW_FILE_MODE = 0o666 & ~_umask()
 
 
+class UnreadableJson(ValueError):
+    """A JSON file that does not parse: truncated or corrupt (the writers here never leave one half-written)."""
+
+
 def read_json(path: pathlib.Path) -> Any:
-    """The JSON value in `path`, a UTF-8 file as the writers here write them."""
-    return json.loads(path.read_text(encoding="utf-8"))
+    """The JSON value in `path`, a UTF-8 file as the writers here write them; UnreadableJson, naming the file and
+    what to do, when it does not parse."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise UnreadableJson(
+            f"{path} is not valid JSON ({error}): the file is truncated or corrupt; restore it, or delete it to "
+            "have the job that wrote it write it anew"
+        ) from None
 
 
 def write_json_atomic(path: pathlib.Path, value: Any) -> None:

@@ -17,13 +17,12 @@ selected ones are ranked by mean coverage.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from trace_jax.files import read_json
+from trace_jax.files import UnreadableJson, read_json
 
 LISTS = ("lacking_failed", "present_failed", "na_failed", "lacking_passed", "present_passed", "na_passed")
 
@@ -207,7 +206,7 @@ def load_runs(folder: str | pathlib.Path) -> tuple[list[LabellingRun], list[str]
     for path in sorted(pathlib.Path(folder).glob("*.json")):
         try:
             runs.append(LabellingRun.from_json(read_json(path), source=path.name))
-        except json.JSONDecodeError as error:
+        except UnreadableJson as error:
             dropped.append(f"{path.name}: invalid JSON ({error})")
         except InvalidRun as error:
             dropped.append(str(error))
