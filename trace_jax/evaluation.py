@@ -43,11 +43,12 @@ from trace_jax.settings import (
     Invalid,
     dotted,
     from_config,
+    is_dict,
     is_int,
     is_str,
+    non_negative_number,
     none_or,
     nonempty_str,
-    number,
     positive_int,
     setting,
     share,
@@ -66,11 +67,11 @@ class EvaluationSettings:
     dtype: str = setting("float32", f"one of {sorted(DTYPES)}", lambda v: v in DTYPES)
     adapter: str = setting("", '"" (no adapter) or a PEFT adapter folder', is_str)
     seed: int = setting(0, "an int", is_int)
-    env: dict | None = setting(None, "an environment block (`trace_jax.envs`)", lambda v: isinstance(v, dict))
+    env: dict | None = setting(None, "an environment block (`trace_jax.envs`)", is_dict)
     split: str = setting("", "a split name of the environment", nonempty_str)
     num_tasks: int | None = setting(None, "None (all tasks) or a positive int", none_or(positive_int))
     trials: int = setting(1, "a positive int (episodes per task, for pass^k)", positive_int)
-    log_every_s: float = setting(30.0, ">= 0", lambda v: number(v) and v >= 0)
+    log_every_s: float = setting(30.0, ">= 0", non_negative_number)
     families: tuple[str, ...] = setting(
         (),
         "a tuple of family names (empty: all)",

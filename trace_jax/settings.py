@@ -69,6 +69,14 @@ def non_negative_int(value: Any) -> bool:
     return is_int(value) and value >= 0
 
 
+def non_negative_number(value: Any) -> bool:
+    return number(value) and value >= 0
+
+
+def is_dict(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
 def positive_number(value: Any) -> bool:
     return number(value) and value > 0
 

@@ -40,7 +40,7 @@ from trace_jax.agent.chat_codec import ChatCodec
 from trace_jax.envs import base
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.sampling import FINISH_CONTEXT, FINISH_LENGTH, Completion, Sampler, Session
-from trace_jax.settings import non_negative_int, number, positive_int, setting
+from trace_jax.settings import non_negative_int, non_negative_number, number, positive_int, setting
 from trace_jax.tool_calls import parse_assistant_output
 
 MODEL = "model"  # the speaker value meaning "sample this speaker with the model"
@@ -65,9 +65,9 @@ class RolloutConfig:
     max_tokens_per_turn: int = setting(512, "a positive int", positive_int)
     # error observations (malformed calls, failed tools) per episode
     max_errors: int = setting(10, "an int >= 0", non_negative_int)
-    temperature: float = setting(1.0, ">= 0 (0 is greedy)", lambda v: number(v) and v >= 0)
+    temperature: float = setting(1.0, ">= 0 (0 is greedy)", non_negative_number)
     top_p: float = setting(1.0, "in (0, 1]", lambda v: number(v) and 0 < v <= 1)
-    user_temperature: float = setting(0.0, ">= 0", lambda v: number(v) and v >= 0)
+    user_temperature: float = setting(0.0, ">= 0", non_negative_number)
 
 
 @dataclasses.dataclass(frozen=True)

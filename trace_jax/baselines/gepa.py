@@ -37,7 +37,7 @@ from trace_jax.files import append_jsonl, write_json_atomic, write_jsonl_atomic
 from trace_jax.llm import ChatClient, LlmSettings
 from trace_jax.models.model import Model, load_model
 from trace_jax.sampling import Sampler
-from trace_jax.settings import number, positive_int, setting
+from trace_jax.settings import non_negative_number, positive_int, setting
 from trace_jax.trace.trajectories import compact, failure_reasons, from_record
 
 COMPONENT = "guidance"  # the one text GEPA evolves per capability
@@ -56,11 +56,11 @@ class GepaSettings:
     # "local": the base model reflects; "llm": the config's `llm` endpoint
     reflection: str = setting("local", f"one of {', '.join(REFLECTIONS)}", lambda v: v in REFLECTIONS)
     reflection_max_tokens: int = setting(384, "a positive int", positive_int)  # the local reflection's reply
-    reflection_temperature: float = setting(0.7, "a number >= 0", lambda v: number(v) and v >= 0)
+    reflection_temperature: float = setting(0.7, "a number >= 0", non_negative_number)
     # messages are cut to this many characters in what the reflection LM reads
     message_chars: int = setting(300, "a positive int", positive_int)
     # its episodes' sampling (greedy: the target's held-out evaluation is)
-    temperature: float = setting(0.0, "a number >= 0 (0 is greedy)", lambda v: number(v) and v >= 0)
+    temperature: float = setting(0.0, "a number >= 0 (0 is greedy)", non_negative_number)
 
 
 class EpisodeAdapter:

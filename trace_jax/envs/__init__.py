@@ -28,11 +28,14 @@ except ImportError:  # τ² (which brings loguru) is an optional extra
     pass
 
 
-def check_environment(block: Mapping[str, Any], key: str) -> None:
-    """Fails naming `config.<key>.name` unless the environment block `block` names a known environment."""
+def check_environment(block: Mapping[str, Any], key: str, split: str | None = None) -> None:
+    """Fails naming `config.<key>.name` unless the environment block `block` names a known environment, and, with
+    `split` (what the block's split is for), `config.<key>.split` unless it names one."""
     name = block.get("name")
     if name not in ENVIRONMENTS:
         raise ValueError(f"config.{key}.name = {name!r} is invalid; it must be one of {sorted(ENVIRONMENTS)}")
+    if split is not None and not (isinstance(block.get("split"), str) and block.get("split")):
+        raise ValueError(f"config.{key}.split = {block.get('split')!r} is invalid; it must be {split}")
 
 
 def make_environment(config: ml_collections.ConfigDict) -> Environment:

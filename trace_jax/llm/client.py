@@ -20,7 +20,15 @@ from typing import Any, TypeVar
 import openai
 
 from trace_jax.files import read_json, write_json_atomic
-from trace_jax.settings import is_str, non_negative_int, nonempty_str, number, positive_int, positive_number, setting
+from trace_jax.settings import (
+    is_str,
+    non_negative_int,
+    non_negative_number,
+    nonempty_str,
+    positive_int,
+    positive_number,
+    setting,
+)
 
 T = TypeVar("T")
 
@@ -37,7 +45,7 @@ class LlmSettings:
     base_url: str = setting("", "a URL, or '' for $OPENAI_BASE_URL / the openai default", is_str)
     # the NAME of the env var holding the key ("unused" when it is unset)
     api_key_env: str = setting("OPENAI_API_KEY", "the name of the env var holding the API key", nonempty_str)
-    temperature: float = setting(1.0, "a number >= 0", lambda v: number(v) and v >= 0)
+    temperature: float = setting(1.0, "a number >= 0", non_negative_number)
     max_tokens: int = setting(4096, "an int >= 1", positive_int)
     timeout_s: float = setting(120.0, "a number of seconds > 0", positive_number)
     # transport retries (connection errors, 408/409/429/5xx), done by the openai library

@@ -14,7 +14,9 @@ from trace_jax.rl.job import JobSettings, TrainSettings
 from trace_jax.rl.losses import AGGREGATIONS
 from trace_jax.settings import (
     REQUIRED,
+    is_dict,
     non_negative_int,
+    non_negative_number,
     none_or,
     nonempty_str,
     number,
@@ -108,7 +110,7 @@ class GrpoLossSettings:
     aggregation: str = setting(REQUIRED, f"one of {sorted(AGGREGATIONS)}", lambda v: v in AGGREGATIONS)
     eps_low: float = setting(REQUIRED, "in [0, 1)", lambda v: number(v) and 0 <= v < 1)
     eps_high: float = setting(REQUIRED, "in (0, 1]", lambda v: number(v) and 0.0 < v <= 1.0)
-    kl_coef: float = setting(REQUIRED, ">= 0", lambda v: number(v) and v >= 0)
+    kl_coef: float = setting(REQUIRED, ">= 0", non_negative_number)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -160,7 +162,7 @@ class GrpoSettings(JobSettings):
 class EpisodeGrpoSettings(GrpoSettings):
     """GRPO on an environment's episodes (`config.env`)."""
 
-    env: dict = setting(REQUIRED, "an environment block (`trace_jax.envs`)", lambda v: isinstance(v, dict))
+    env: dict = setting(REQUIRED, "an environment block (`trace_jax.envs`)", is_dict)
     eval: EpisodeEvalSettings
     rollout: EpisodeRolloutSettings
     loss: EpisodeLossSettings

@@ -22,8 +22,8 @@ from trace_jax.settings import (
     is_bool,
     is_int,
     non_negative_int,
+    non_negative_number,
     nonempty_str,
-    number,
     positive_int,
     positive_number,
     setting,
@@ -54,7 +54,7 @@ class OptimizerSettings:
     """The `optimizer` block (AdamW with gradient clipping: `rl.learner.make_optimizer`)."""
 
     lr: float = setting(REQUIRED, "> 0", positive_number)
-    weight_decay: float = setting(REQUIRED, ">= 0", lambda v: number(v) and v >= 0)
+    weight_decay: float = setting(REQUIRED, ">= 0", non_negative_number)
     clip_norm: float = setting(REQUIRED, "> 0", positive_number)
 
 
@@ -90,7 +90,7 @@ class JobSettings:
     optimizer: OptimizerSettings
     train: TrainSettings
     mesh: MeshSettings
-    log_every_s: float = setting(REQUIRED, ">= 0", lambda v: number(v) and v >= 0)
+    log_every_s: float = setting(REQUIRED, ">= 0", non_negative_number)
 
 
 @dataclasses.dataclass

@@ -39,7 +39,7 @@ from trace_jax.rl.checkpoint import TrainState
 from trace_jax.rl.job import ADAPTER, JobSettings, TrainSettings, export_adapter, start_run
 from trace_jax.rl.learner import frozen_inputs, make_train_step
 from trace_jax.rl.learner_batch import LearnerBatch
-from trace_jax.settings import REQUIRED, from_config, is_bool, nonempty_str, positive_int, setting
+from trace_jax.settings import REQUIRED, from_config, is_bool, is_dict, positive_int, setting
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,7 +65,7 @@ class SftExportSettings:
 class SftSettings(JobSettings):
     """The SFT job's config, typed."""
 
-    env: dict = setting(REQUIRED, "an environment block (`trace_jax.envs`)", lambda v: isinstance(v, dict))
+    env: dict = setting(REQUIRED, "an environment block (`trace_jax.envs`)", is_dict)
     data: SftDataSettings
     train: SftTrainSettings
     export: SftExportSettings
@@ -74,12 +74,7 @@ class SftSettings(JobSettings):
 def validate_config(config: ml_collections.ConfigDict) -> SftSettings:
     """The config, typed; fails at start, naming the key, on a missing or invalid setting."""
     settings = from_config(SftSettings, config, "")
-    check_environment(settings.env, "env")
-    if not nonempty_str(settings.env.get("split")):
-        raise ValueError(
-            f"config.env.split = {settings.env.get('split')!r} is invalid; it must be the split the gold "
-            "trajectories come from"
-        )
+    check_environment(settings.env, "env", split="the split the gold trajectories come from")
     return settings
 
 

@@ -80,7 +80,6 @@ from trace_jax.sampling import Sampler
 from trace_jax.settings import (
     dotted,
     from_config,
-    nonempty_str,
 )
 
 
@@ -96,12 +95,7 @@ def validate_config(config: ml_collections.ConfigDict, key: str = "") -> GrpoSet
     if "task" in config:
         settings = from_config(CompletionGrpoSettings, config, key)
     else:
-        check_environment(config.env, at("env"))
-        if not nonempty_str(config.env.get("split")):
-            raise ValueError(
-                f"config.{at('env.split')} = {config.env.get('split')!r} is invalid; it must be the environment's "
-                "training split"
-            )
+        check_environment(config.env, at("env"), split="the environment's training split")
         settings = from_config(EpisodeGrpoSettings, config, key)
     if (settings.train.steps is None) == (settings.train.rollout_budget is None):
         raise ValueError(
