@@ -5,14 +5,15 @@ from __future__ import annotations
 import collections
 import os
 
+import jax
 import pytest
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-pytest.importorskip("tau2")
+import tau2  # noqa: F401 - a missing τ² fails the suite instead of skipping it
 
-from trace_jax.envs import base  # noqa: E402
-from trace_jax.envs.embedded_retail import EmbeddedRetail  # noqa: E402
-from trace_jax.envs.embedded_retail_families import FAMILIES, SPLITS, split_of_user  # noqa: E402
+from trace_jax.envs import base
+from trace_jax.envs.embedded_retail import EmbeddedRetail
+from trace_jax.envs.embedded_retail_families import FAMILIES, SPLITS, split_of_user
 
 # τ²'s evaluator costs about 0.25 s an episode here (DB copies and hashes; about 1 s on CI's machine), so the
 # gold agent plays 8 tasks per family and split (112 in all), the noop and wrong agents the first 7 of them.
@@ -230,7 +231,6 @@ def test_prompt_fits_a_small_model_context(env, tasks):
 
 
 def test_scripted_agents_through_the_rollout_engine(env):
-    jax = pytest.importorskip("jax")
     from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine
     from trace_jax.envs.scripted import GoldAgent, NoopAgent, StoppingUser
 
@@ -246,7 +246,6 @@ def test_gold_turns_are_recorded_as_the_models_tokens(env, smollm2):
     """With a tokenizer, the engine records the gold agent's turns as SFT data: each span of the loss
     mask is one turn's text followed by the end-of-turn token, and the ids decode to the chat
     rendering of the episode, so the clone learns exactly what it will sample."""
-    jax = pytest.importorskip("jax")
     from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine
     from trace_jax.envs.scripted import GoldAgent, StoppingUser
 

@@ -11,19 +11,17 @@ does nothing otherwise, a stand-in for a model that follows its prompt, so that 
 import json
 
 import pytest
+import tau2  # noqa: F401 - a missing τ² fails the suite instead of skipping it
+from scripted_llm_server import ScriptedLLMServer
 
-pytest.importorskip("tau2")
-
-from scripted_llm_server import ScriptedLLMServer  # noqa: E402
-
-from trace_jax.agent.rollout import RolloutConfig, RolloutEngine  # noqa: E402
-from trace_jax.baselines import gepa as gepa_baseline  # noqa: E402
-from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment  # noqa: E402
-from trace_jax.envs.scripted import GoldAgent, ScriptedUser  # noqa: E402
-from trace_jax.llm import ChatClient, LlmSettings  # noqa: E402
-from trace_jax.models.model import load_model  # noqa: E402
-from trace_jax.sampling import Completion, Sampler  # noqa: E402
-from trace_jax.settings import defaults, from_config  # noqa: E402
+from trace_jax.agent.rollout import RolloutConfig, RolloutEngine
+from trace_jax.baselines import gepa as gepa_baseline
+from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment
+from trace_jax.envs.scripted import GoldAgent, ScriptedUser
+from trace_jax.llm import ChatClient, LlmSettings
+from trace_jax.models.model import load_model
+from trace_jax.sampling import Completion, Sampler
+from trace_jax.settings import defaults, from_config
 
 KEY_PHRASE = "Make every call the ticket needs"
 HELPFUL = f"{KEY_PHRASE}, with the exact arguments, then state the outcome."

@@ -12,6 +12,7 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+import peft
 import pytest
 import torch
 from hf_checkpoints import make_checkpoint
@@ -25,7 +26,6 @@ from trace_jax.models.config import ModelConfig
 from trace_jax.models.loading import load_params
 from trace_jax.sampling import Sampler
 
-peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
 FAMILIES = ("llama", "qwen2", "qwen3")

@@ -12,10 +12,9 @@ import collections
 
 import jax
 import pytest
+import tau2  # noqa: F401 - a missing τ² fails the suite instead of skipping it
 
-pytest.importorskip("tau2")
-
-from trace_jax.agent.rollout import (  # noqa: E402
+from trace_jax.agent.rollout import (
     MODEL,
     EpisodeSpec,
     RolloutConfig,
@@ -23,12 +22,12 @@ from trace_jax.agent.rollout import (  # noqa: E402
     rollout_profile,
     session_rows,
 )
-from trace_jax.envs import base  # noqa: E402
-from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment  # noqa: E402
-from trace_jax.envs.embedded_retail import EmbeddedRetail  # noqa: E402
-from trace_jax.envs.scripted import GoldAgent, NoopAgent, StoppingUser  # noqa: E402
-from trace_jax.models.model import load_model  # noqa: E402
-from trace_jax.sampling import Sampler  # noqa: E402
+from trace_jax.envs import base
+from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment
+from trace_jax.envs.embedded_retail import EmbeddedRetail
+from trace_jax.envs.scripted import GoldAgent, NoopAgent, StoppingUser
+from trace_jax.models.model import load_model
+from trace_jax.sampling import Sampler
 
 
 @pytest.fixture(scope="module")

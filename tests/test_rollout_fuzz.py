@@ -12,15 +12,13 @@ import json
 import random
 
 import jax
-import pytest
+import tau2  # noqa: F401 - a missing τ² fails the suite instead of skipping it
 
-pytest.importorskip("tau2")
-
-from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine  # noqa: E402
-from trace_jax.envs import base  # noqa: E402
-from trace_jax.envs.embedded_retail import EmbeddedRetail  # noqa: E402
-from trace_jax.envs.scripted import StoppingUser  # noqa: E402
-from trace_jax.tool_calls import format_tool_call  # noqa: E402
+from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine
+from trace_jax.envs import base
+from trace_jax.envs.embedded_retail import EmbeddedRetail
+from trace_jax.envs.scripted import StoppingUser
+from trace_jax.tool_calls import format_tool_call
 
 TURNS = 600
 # Turns that end a solo episode (plain text) are drawn rarely, so episodes run long: τ²'s evaluator

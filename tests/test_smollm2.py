@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from trace_jax.models.decoder import forward
+from trace_jax.models.embedded import embedded_gguf_path
 from trace_jax.sampling import Sampler
 
 LONG_QUESTIONS = [
@@ -49,3 +50,20 @@ def test_greedy_decoding_matches_transformers_generate(smollm2, hf_model):
         assert out.token_ids == ref
         assert len(ref) == expected_len if expected_len else ref[-1] in tok.eos_token_ids
     assert "Paris" in tok.decode(outs[-1].token_ids)
+
+
+def test_the_gguf_conversion_matches_transformers_reading_the_gguf_itself(smollm2):
+    """An independent check of `convert_gguf`: transformers de-quantises the embedded GGUF on its own
+    (`gguf_file=`); its tokenizer and logits must equal ours from the converted folder."""
+    gguf = embedded_gguf_path("smollm2-135m-instruct")
+    reference = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    reference_tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    for question in [*LONG_QUESTIONS, "ünïcödé 🙂\n\n  indented\ttab"]:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": question}]
+        ids = smollm2.tokenizer.apply_chat(messages)
+        text = reference_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert ids == reference_tokenizer.encode(text, add_special_tokens=False)
+        with torch.no_grad():
+            ref = reference.eval()(torch.tensor([ids])).logits.numpy()
+        ours, _ = forward(smollm2.params, jnp.asarray([ids]), smollm2.cfg)
+        assert np.abs(np.asarray(ours) - ref).max() <= 1e-3

@@ -8,17 +8,16 @@ import os
 import pytest
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-pytest.importorskip("tau2")
+import tau2  # noqa: F401 - a missing τ² fails the suite instead of skipping it
+from tau2.data_model.simulation import NLAssertionCheck, TerminationReason
+from tau2.data_model.tasks import RewardType
+from tau2.evaluator.evaluator import EvaluationType
+from tau2.evaluator.evaluator_nl_assertions import NLAssertionsEvaluator
+from tau2.user.user_simulator import UserSimulator, get_global_user_sim_guidelines
+from tau2_reference import empty_messages, reference, tau2_environment, tau2_run
 
-from tau2.data_model.simulation import NLAssertionCheck, TerminationReason  # noqa: E402
-from tau2.data_model.tasks import RewardType  # noqa: E402
-from tau2.evaluator.evaluator import EvaluationType  # noqa: E402
-from tau2.evaluator.evaluator_nl_assertions import NLAssertionsEvaluator  # noqa: E402
-from tau2.user.user_simulator import UserSimulator, get_global_user_sim_guidelines  # noqa: E402
-from tau2_reference import empty_messages, reference, tau2_environment, tau2_run  # noqa: E402
-
-from trace_jax.envs import base  # noqa: E402
-from trace_jax.envs.tau2_bridge import (  # noqa: E402
+from trace_jax.envs import base
+from trace_jax.envs.tau2_bridge import (
     DomainState,
     cached_domain_name,
     domain_state,
@@ -26,8 +25,8 @@ from trace_jax.envs.tau2_bridge import (  # noqa: E402
     score,
     to_tau2_messages,
 )
-from trace_jax.envs.tau2_domains import GREETING, Tau2Environment, Tau2Episode  # noqa: E402
-from trace_jax.tool_calls import format_tool_call  # noqa: E402
+from trace_jax.envs.tau2_domains import GREETING, Tau2Environment, Tau2Episode
+from trace_jax.tool_calls import format_tool_call
 
 STOP = "###STOP###"
 FIRST_REQUEST = "Hi, I need help with my request."
