@@ -37,7 +37,7 @@ CARD = CapabilityCard(
 )
 EVIDENCE = ["traj 3: replied 'your order is on its way' without calling get_order_details"]
 SEEDS = 20
-TASKS = 10  # exported per split and difficulty
+TASKS = SEEDS  # exported per split and difficulty (at least the seeds the replay plays)
 
 
 def _edited(source: str, old: str, new: str) -> str:

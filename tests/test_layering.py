@@ -12,6 +12,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = (
     (
         "files",
+        "isolation",
         "runtime",
         "settings",
         "tool_calls",

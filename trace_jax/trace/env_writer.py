@@ -31,6 +31,7 @@ from trace_jax.envs.capability import authoring
 from trace_jax.envs.capability.domains import world_domain
 from trace_jax.envs.capability.sandbox import Checks, ExportedEnvironment, Limits, ValidationReport, validate_module
 from trace_jax.files import read_json, write_json_atomic
+from trace_jax.isolation import IsolationUnavailable, isolation_problem
 from trace_jax.llm.client import ChatClient
 from trace_jax.settings import non_negative_int, positive_int, positive_number, setting, share
 from trace_jax.trace.analyst import CapabilityCard
@@ -91,7 +92,8 @@ class EnvWriterSettings:
     cpu_s: float = setting(300.0, "a number of seconds > 0", positive_number)  # the module's CPU seconds in the sandbox
     # the module's memory in the sandbox, on top of the sandbox's own
     memory_mb: int = setting(2048, "an int >= 1 (MB)", positive_int)
-    export_tasks: int = setting(200, "an int >= 1", positive_int)  # train and held-out tasks exported per difficulty
+    # train and held-out tasks exported per difficulty (at least `seeds`, which the replay plays on them)
+    export_tasks: int = setting(200, "an int >= 1", positive_int)
     max_evidence: int = setting(5, "an int >= 0", non_negative_int)  # evidence lines shown
 
 
@@ -193,6 +195,8 @@ def write_environment(
     """Asks `client` for `card`'s environment module in τ²'s `domain` until one passes validation (and
     `judge`, when given) or `settings.max_attempts` attempts have failed (`settings`: the `env_writer` block);
     writes everything under `folder` (see the module docstring) and resumes from it."""
+    if isolation_problem():  # before any request: written code is never run unisolated
+        raise IsolationUnavailable(isolation_problem())
     folder = pathlib.Path(folder)
     summary_path = folder / "synthesis.json"
     if summary_path.exists():

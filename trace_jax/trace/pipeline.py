@@ -50,6 +50,7 @@ from trace_jax.envs.capability.sandbox import ValidationReport
 from trace_jax.evaluation import evaluate, evaluate_together
 from trace_jax.evaluation import validate_config as validate_evaluation_config
 from trace_jax.files import read_json, write_json_atomic
+from trace_jax.isolation import isolation_problem
 from trace_jax.llm.client import ChatClient, LlmSettings
 from trace_jax.lora import NO_ADAPTER
 from trace_jax.models.model import load_model
@@ -174,6 +175,11 @@ def validate_config(config: ml_collections.ConfigDict, key: str = "") -> Pipelin
         raise ValueError(
             f"config.{at('environments.source')} = {source!r} with the {analyst} analyst may have the LLM write "
             'environments, which a run of several processes does not do: set it to "builtin" or run as one process'
+        )
+    if writes and isolation_problem():  # refused at start, never run unisolated
+        raise ValueError(
+            f"config.{at('environments.source')} = {source!r} with the {analyst} analyst may have the LLM write "
+            f'environments, whose code this machine cannot isolate: {isolation_problem()} Or set it to "builtin".'
         )
     return PipelineSettings(
         **{f.name: getattr(blocks, f.name) for f in dataclasses.fields(blocks)},

@@ -1,27 +1,29 @@
-"""Validation and export of an LLM-written capability module (see `authoring`) in a separate process.
+"""Validation and export of an LLM-written capability module (see `authoring`), isolated as untrusted code.
 
-The module's source is never imported by the caller: `validate_module` writes it to a temporary
-folder and runs `python -m trace_jax.envs.capability.sandbox <spec.json>` there, in a new session,
-under a wall-clock timeout; the child loads τ²'s catalogue of the domain first, then limits its own address
-space and CPU time (`resource.setrlimit`, the module's budget on top of the child's start-up) before it
-loads the module. These are limits against runaway code, not a security boundary.
+The module's source is never imported by the caller. `validate_module` runs it in a process isolated by
+`trace_jax.isolation` (no network, no view of the home folder or the repository, nothing writable but an
+in-memory working folder, one process, everything killed at the end), which loads τ²'s catalogue of the
+domain, limits its own address space and CPU time (`resource.setrlimit`, the module's budget on top of the
+process's start-up), then loads the module. That process builds the module's `Capability` and, for seeds
+0..N-1 at every difficulty, generates the scenario (twice: it must be deterministic), checks it, and plays the
+gold solution and an agent that does nothing through `CapabilityEpisode` (the standard reward); seed i at
+difficulty d is train task i of `CapabilityEnvironment(capability, seed=0, difficulty=d)`. A module passes
+when the gold solution scores 1.0 on >= `min_gold_success` of the seeds at each difficulty, doing nothing
+scores at most `max_empty_reward` on average, and no seed raises (a gold call that is malformed or that τ²
+answers with an error, a scenario that breaks the API or changes between equal rngs all count as raising).
 
-The child builds the module's `Capability` and, for seeds 0..N-1 at every difficulty, generates the
-scenario (twice: it must be deterministic), checks it, and plays the gold solution and an agent that
-does nothing through `CapabilityEpisode` (the standard reward). Seed i at difficulty d is train task i
-of `CapabilityEnvironment(capability, seed=0, difficulty=d)`. A module passes when the gold solution
-scores 1.0 on >= `min_gold_success` of the seeds at each difficulty, doing nothing scores at most
-`max_empty_reward` on average, and no seed raises (a gold call that is malformed or that τ² answers with
-an error, a scenario that breaks the API or changes between equal rngs all count as raising). A passing
-module's train and held-out tasks can be exported to JSON in the same run (catalogue entries: products
-or flights, stored once); `ExportedEnvironment` serves them where `CapabilityEnvironment` is used, so training uses the
-written environment without importing its code. Failure reports hold no temporary paths or timings,
-so a conversation that quotes them is the same in a rerun (and the LLM client's cache answers it).
+The caller does not trust that process's verdict: the module shares its process and could write any report.
+A module that says it passed has its train and held-out tasks exported to JSON there (catalogue entries:
+products or flights, stored once), and a second isolated process, which loads no written code, replays the
+gold solution and the empty agent on the exported scenarios and checks every exported one; the verdict is
+computed by the caller from that replay, and a report it cannot read is a failed validation. The exported
+file is what training uses: `ExportedEnvironment` serves it where `CapabilityEnvironment` is used, without
+importing the module's code. Failure reports hold no temporary paths or timings, so a conversation that
+quotes them is the same in a rerun (and the LLM client's cache answers it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -30,12 +32,13 @@ import os
 import pathlib
 import random
 import resource
+import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import traceback
 import types
+from collections.abc import Callable
 
 from trace_jax.envs.base import END_MAX_TURNS, Outcome, TaskSpec
 from trace_jax.envs.capability.authoring import (
@@ -54,12 +57,12 @@ from trace_jax.envs.capability.environment import (
 )
 from trace_jax.envs.scripted import GoldAgent, NoopAgent
 from trace_jax.files import read_json, write_json_atomic
+from trace_jax.isolation import WORKDIR, Confinement, IsolatedRun, run_isolated
 from trace_jax.tool_calls import parse_assistant_output
 
 MODULE_FILE = "module.py"  # the module's name in the child's folder (and in its tracebacks)
 SHOWN = 3  # distinct exceptions and gold failures quoted in a report
 TRACE_CHARS = 1200  # a quoted traceback's tail
-_SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD")  # environment variables the child does not get
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +76,13 @@ class Checks:
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """The child's limits: wall clock for the whole run; CPU time and memory on top of its start-up."""
+    """An isolated run's limits: wall clock for the whole run; CPU time and memory on top of its start-up; the
+    in-memory working folder (the export included)."""
 
     timeout_s: float = 600.0
     cpu_s: float = 300.0
     memory_mb: int = 2048
+    disk_mb: int = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,73 +168,114 @@ def validate_module(
     export: pathlib.Path | None = None,
     export_tasks: int = 200,
 ) -> ValidationReport:
-    """Validates `source` in a child process (see the module docstring); given `export`, a module that passes
-    also writes `export_tasks` train and held-out tasks per difficulty there. The module's DOMAIN must be
-    `domain` and, with `name`, its NAME must be it. Whatever the module does (loops, allocates, crashes),
-    this returns a report."""
+    """Validates `source` isolated from the machine (see the module docstring); given `export`, a module that
+    passes has `export_tasks` train and held-out tasks per difficulty written there. The module's DOMAIN must be
+    `domain` and, with `name`, its NAME must be it. Whatever the module does (loops, allocates, crashes, forges
+    its report), this returns a report; it raises IsolationUnavailable where the machine cannot isolate it."""
     world_domain(domain)  # an unknown domain fails here, naming the valid ones
+    tasks = max(checks.seeds, export_tasks if export is not None else 0)
+    spec = {
+        "name": name,
+        "domain": domain,
+        "checks": dataclasses.asdict(checks),
+        "cpu_s": limits.cpu_s,
+        "memory_mb": limits.memory_mb,
+        "export_tasks": tasks,
+    }
     with tempfile.TemporaryDirectory(prefix="trace_jax_sandbox_") as tmp:
         folder = pathlib.Path(tmp)
         (folder / MODULE_FILE).write_text(source, encoding="utf-8")
-        spec = {
-            "name": name,
-            "domain": domain,
-            "checks": dataclasses.asdict(checks),
-            "cpu_s": limits.cpu_s,
-            "memory_mb": limits.memory_mb,
-            "export_tasks": export_tasks,
-            "out": "report.json",
-            "export": None if export is None else str(pathlib.Path(export).resolve()),
-        }
-        (folder / "spec.json").write_text(json.dumps(spec), encoding="utf-8")
-        with open(folder / "stderr.txt", "w+b") as stderr:
-            process = subprocess.Popen(
-                [sys.executable, "-m", __name__, "spec.json"],
-                cwd=folder,
-                env=_child_env(),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                start_new_session=True,
-            )
-            try:
-                process.wait(timeout=limits.timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):  # the group may have just ended
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-                return ValidationReport.failed(
-                    f"The module ran past the wall-clock limit of {limits.timeout_s:g} s "
-                    "and was stopped: make generate quick and free of endless loops.",
-                    checks,
-                )
-            stderr.seek(max(0, stderr.seek(0, os.SEEK_END) - TRACE_CHARS))
-            tail = stderr.read().decode(errors="replace")
-        if (folder / "report.json").exists():
-            return ValidationReport.from_json(read_json(folder / "report.json"))
-        return ValidationReport.failed(_death(process.returncode, tail, limits), checks)
+        (folder / SPEC).write_text(json.dumps({**spec, "mode": "module"}), encoding="utf-8")
+        run = _isolated(folder, (MODULE_FILE, SPEC), (REPORT, SCENARIOS), limits)
+        claimed = _report(folder / REPORT, run, checks, limits)
+        if not claimed.passed:
+            return claimed
+        if not (folder / SCENARIOS).is_file():
+            return ValidationReport.failed("The module's run reported a pass but exported no scenarios.", checks)
+        (folder / SPEC).write_text(json.dumps({**spec, "mode": "replay"}), encoding="utf-8")
+        run = _isolated(folder, (SPEC, SCENARIOS), (REPLAY,), limits)
+        replay = _report(folder / REPLAY, run, checks, limits, replaying=True)
+        report = dataclasses.replace(
+            claimed,
+            **{f: getattr(replay, f) for f in _REPLAYED},
+            exported=0 if export is None else replay.exported,
+        )
+        report = dataclasses.replace(report, passed=_passed(report) and replay.passed)
+        if report.passed and export is not None:
+            export = pathlib.Path(export)
+            staged = export.with_name(export.name + ".partial")
+            shutil.copyfile(folder / SCENARIOS, staged)
+            os.replace(staged, export)
+        return report
 
 
-def _child_env() -> dict[str, str]:
-    """The caller's environment without anything that looks like a credential; the repository on the path,
-    and a fixed hash seed (set order is then the same in every run)."""
-    env = {k: v for k, v in os.environ.items() if not any(word in k.upper() for word in _SECRET_WORDS)}
-    root = str(pathlib.Path(__file__).resolve().parents[3])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    env["PYTHONHASHSEED"] = "0"
-    return env
+SPEC, REPORT, SCENARIOS, REPLAY = "spec.json", "report.json", "scenarios.json", "replay.json"
+# what the caller takes from the replay of the exported scenarios, never from the module's own report
+_REPLAYED = ("error", "name", "gold_success", "empty_reward", "exceptions", "first_exceptions", "gold_failures")
 
 
-def _death(returncode: int, stderr: str, limits: Limits) -> str:
-    """Why a child that wrote no report died, in words for the module's author."""
-    if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+def _isolated(folder: pathlib.Path, inputs: tuple[str, ...], outputs: tuple[str, ...], limits: Limits) -> IsolatedRun:
+    """`python -m` this module on the spec in `folder`, isolated as untrusted code."""
+    package = pathlib.Path(__file__).resolve().parents[2]  # trace_jax/
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": WORKDIR,
+        "TMPDIR": f"{WORKDIR}/tmp",
+        "LANG": "C.UTF-8",
+        "PYTHONPATH": str(package.parent),
+        "PYTHONHASHSEED": "0",  # set order is the same in every run
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # τ²'s LLM library would fetch it over the network
+    }
+    return run_isolated(
+        [sys.executable, "-m", __name__, SPEC],
+        folder,
+        inputs=inputs,
+        outputs=outputs,
+        readable=(sys.base_prefix, sys.prefix, str(package)),
+        env=env,
+        confinement=Confinement(timeout_s=limits.timeout_s, disk_mb=limits.disk_mb),
+        stderr_chars=TRACE_CHARS,
+    )
+
+
+def _report(
+    path: pathlib.Path, run: IsolatedRun, checks: Checks, limits: Limits, replaying: bool = False
+) -> ValidationReport:
+    """The report an isolated run wrote at `path`, read as untrusted data: anything but a well-formed report
+    is a failed validation saying why."""
+    stage = "Replaying the module's exported scenarios" if replaying else "The module's run"
+    if run.returncode is None:
+        return ValidationReport.failed(
+            f"{stage} went past the wall-clock limit of {limits.timeout_s:g} s and was stopped: make "
+            "generate quick and free of endless loops.",
+            checks,
+        )
+    if not path.exists():
+        return ValidationReport.failed(
+            _death(run, limits) if not replaying else f"{stage} failed: {_death(run, limits)}", checks
+        )
+    try:
+        report = ValidationReport.from_json(read_json(path))
+        if report.checks != checks or not isinstance(report.passed, bool):
+            raise ValueError("a report for other checks")
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as error:
+        return ValidationReport.failed(f"{stage} left a report that is not a validation report ({error}).", checks)
+    return report
+
+
+def _death(run: IsolatedRun, limits: Limits) -> str:
+    """Why an isolated run that wrote no report died, in words for the module's author."""
+    if run.signal in (signal.SIGXCPU, signal.SIGKILL):
         return (
             f"The module ran past the CPU-time limit of {limits.cpu_s:g} s and was stopped (signal "
-            f"{signal.Signals(-returncode).name}): make generate quick and free of endless loops."
+            f"{signal.Signals(run.signal).name}): make generate quick and free of endless loops."
         )
-    if "MemoryError" in stderr:
+    if "MemoryError" in run.stderr:
         return f"The module ran past the memory limit of {limits.memory_mb} MB (MemoryError) and was stopped."
-    return f"The sandbox process died (exit code {returncode}) without a report; its last output:\n{stderr.strip()}"
+    return (
+        f"The sandbox process ended (exit code {run.returncode}) without a report; its last output:\n"
+        f"{run.stderr.strip()}"
+    )
 
 
 # --- scenarios as JSON (catalogue entries stored once per file) ---
@@ -394,13 +440,10 @@ def _grouped(problems: dict[str, list[str]]) -> list[str]:
 
 
 def _validate(
-    module: types.ModuleType, name: str | None, domain: str, checks: Checks, catalogue: dict
-) -> tuple[ValidationReport, Capability | None]:
-    """The module's report on the seeds (see the module docstring) and its capability (None when it broke the API)."""
-    try:
-        capability = capability_from_module(module, name, domain)
-    except AuthoringError as error:
-        return ValidationReport.failed(f"The module breaks the authoring API: {error}", checks), None
+    capability: Capability, checks: Checks, scenario_at: Callable[[int, str, int], Scenario]
+) -> ValidationReport:
+    """The capability's report on the seeds (see the module docstring); `scenario_at(difficulty, split, index)`
+    gives a checked scenario (generated by the module, or read from its export)."""
     problems: dict[str, list[str]] = {}  # an exception's text -> the plays that raised it
     gold_failures, gold_success, empty_reward = [], [], []
     for difficulty in range(capability.max_difficulty + 1):
@@ -408,7 +451,7 @@ def _validate(
         gold, empty = [], []
         for seed in range(checks.seeds):
             try:
-                scenario = _scenario(capability, catalogue, difficulty, "train", seed)
+                scenario = scenario_at(difficulty, "train", seed)
                 spec = TaskSpec(f"validation/{difficulty}/{seed}", "train", scenario.variant)
                 outcome = _play(env, spec, scenario, GoldAgent())
                 empty.append(_play(env, spec, scenario, NoopAgent()).reward)
@@ -432,7 +475,7 @@ def _validate(
         first_exceptions=tuple(_grouped(problems)),
         gold_failures=tuple(gold_failures[:SHOWN]),
     )
-    return dataclasses.replace(report, passed=_passed(report)), capability
+    return dataclasses.replace(report, passed=_passed(report))
 
 
 def _export(capability: Capability, catalogue: dict, tasks: int, path: pathlib.Path) -> int:
@@ -469,9 +512,12 @@ def _limit(cpu_s: float, memory_mb: int) -> None:
     used = resource.getrusage(resource.RUSAGE_SELF)
     cpu = math.ceil(used.ru_utime + used.ru_stime + cpu_s)
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 5))  # SIGXCPU at the soft limit, SIGKILL at the hard one
-    status = pathlib.Path("/proc/self/status").read_text(encoding="utf-8")
-    vm_size_kb = int(next(line for line in status.splitlines() if line.startswith("VmSize:")).split()[1])
-    memory = vm_size_kb * 1024 + memory_mb * 2**20
+    try:
+        status = pathlib.Path("/proc/self/status").read_text(encoding="utf-8")
+        vm_size = 1024 * int(next(line for line in status.splitlines() if line.startswith("VmSize:")).split()[1])
+    except OSError:  # isolated without a /proc: the interpreter and τ² take well under this
+        vm_size = 4 * 2**30
+    memory = vm_size + memory_mb * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
@@ -481,29 +527,35 @@ def _load() -> types.ModuleType:
     module = types.ModuleType("written_capability")
     module.__file__ = MODULE_FILE
     sys.modules[module.__name__] = module  # as an import registers it (dataclasses look their module up)
-    exec(compile(pathlib.Path(MODULE_FILE).read_text(encoding="utf-8"), MODULE_FILE, "exec"), module.__dict__)  # noqa: S102 - in the child
+    exec(compile(pathlib.Path(MODULE_FILE).read_text(encoding="utf-8"), MODULE_FILE, "exec"), module.__dict__)  # noqa: S102 - isolated
     return module
 
 
-def _child(spec: dict) -> ValidationReport:
-    """The child's whole run: limits, load, validation and, for a module that passes, the export."""
+def _run_module(spec: dict) -> ValidationReport:
+    """The module's isolated run: limits, load, validation and, for a module that passes, the export."""
     catalogue = world_domain(spec["domain"]).catalogue()  # loaded before the limits: they budget the module alone
     checks = Checks(**spec["checks"])
     _limit(spec["cpu_s"], spec["memory_mb"])
     memory_error = f"The module ran past the memory limit of {spec['memory_mb']} MB (MemoryError) and was stopped."
     try:
         module = _load()
-        report, capability = _validate(module, spec["name"], spec["domain"], checks, catalogue)
+        try:
+            capability = capability_from_module(module, spec["name"], spec["domain"])
+        except AuthoringError as error:
+            return ValidationReport.failed(f"The module breaks the authoring API: {error}", checks)
+        report = _validate(
+            capability, checks, lambda difficulty, split, i: _scenario(capability, catalogue, difficulty, split, i)
+        )
     except MemoryError:
         return ValidationReport.failed(memory_error, checks)
     except BaseException as error:  # noqa: BLE001 - the module's code may raise anything, SystemExit too
         return ValidationReport.failed(
             f"The module failed to load or to build its capability:\n{_short(error)}", checks
         )
-    if not report.passed or not spec["export"]:
+    if not report.passed:
         return report
     try:
-        exported = _export(capability, catalogue, spec["export_tasks"], pathlib.Path(spec["export"]))
+        exported = _export(capability, catalogue, spec["export_tasks"], pathlib.Path(SCENARIOS))
     except MemoryError:
         return ValidationReport.failed(memory_error, checks, report.name)
     except BaseException as error:  # noqa: BLE001 - as above
@@ -511,6 +563,48 @@ def _child(spec: dict) -> ValidationReport:
     return dataclasses.replace(report, exported=exported)
 
 
+def _replay(spec: dict) -> ValidationReport:
+    """The replay's isolated run, which loads no written code: the exported file read as `ExportedEnvironment`
+    serves it, its capability put through the authoring API's checks, every exported scenario checked, and the
+    seeds played by the gold and the empty agent on the exported scenarios."""
+    checks = Checks(**spec["checks"])
+    _limit(spec["cpu_s"], spec["memory_mb"])
+    fail = lambda problem: ValidationReport.failed(f"The module's exported scenarios {problem}", checks)
+    try:
+        env = ExportedEnvironment(SCENARIOS)
+        data = read_json(pathlib.Path(SCENARIOS))
+        declared = types.SimpleNamespace(
+            NAME=data["name"],
+            DOMAIN=data["domain"],
+            DESCRIPTION=data["description"],
+            TOOLS=env.capability.tools,
+            generate=_exported_only,
+        )
+        capability = capability_from_module(declared, spec["name"], spec["domain"])
+        tasks, levels = data["tasks"], capability.max_difficulty + 1
+        if tasks != spec["export_tasks"] or any(
+            len(env._pools[split]) != levels or any(len(pool) != tasks for pool in env._pools[split])
+            for split in SPLITS
+        ):
+            return fail(f"are not {spec['export_tasks']} tasks per split and each of the {levels} difficulties.")
+        exported = {}
+        for split in SPLITS:
+            for difficulty in range(levels):
+                for index in range(tasks):
+                    scenario = env._draw(split, index, "", difficulty)
+                    check_scenario(scenario, difficulty, capability.tools[difficulty], capability.domain)
+                    exported[difficulty, split, index] = scenario
+    except MemoryError:
+        return fail(f"take more than the memory limit of {spec['memory_mb']} MB.")
+    except Exception as error:  # noqa: BLE001 - the file is untrusted data: any failure to read it is its fault
+        return fail(f"are not a valid export: {type(error).__name__}: {str(error)[:TRACE_CHARS]}")
+    report = _validate(capability, checks, lambda difficulty, split, i: exported[difficulty, split, i])
+    return dataclasses.replace(report, exported=tasks * len(SPLITS) * levels)
+
+
 if __name__ == "__main__":
-    _spec = read_json(pathlib.Path(sys.argv[1]))
-    write_json_atomic(pathlib.Path(_spec["out"]), _child(_spec).to_json())
+    _spec = read_json(pathlib.Path(SPEC))
+    if _spec["mode"] == "replay":
+        write_json_atomic(pathlib.Path(REPLAY), _replay(_spec).to_json())
+    else:
+        write_json_atomic(pathlib.Path(REPORT), _run_module(_spec).to_json())
