@@ -81,9 +81,11 @@ def start_server(flags: list[str], env: dict[str, str] | None = None) -> tuple[s
     raise RuntimeError(f"launch.serve exited ({process.wait()}) before it listened")
 
 
-async def load(base_url: str, clients: int, requests: int, lengths: list[int], duration_s: float) -> dict:
-    """Plays the load on `base_url`; the measurements."""
-    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=3600)
+async def load(
+    base_url: str, clients: int, requests: int, lengths: list[int], duration_s: float, api_key: str = "unused"
+) -> dict:
+    """Plays the load on `base_url` (with the server's `api_key`, where it has one); the measurements."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=3600)
     models = [m.id for m in (await client.models.list()).data]
     gate, start = asyncio.Semaphore(clients), time.perf_counter()
     latencies, tokens, errors = [], [0], []
@@ -109,7 +111,8 @@ async def load(base_url: str, clients: int, requests: int, lengths: list[int], d
     await asyncio.gather(*(one(i) for i in range(requests)))
     seconds = time.perf_counter() - start
     await client.close()
-    stats = httpx.get(base_url.removesuffix("/v1") + "/stats").json()
+    auth = {"authorization": f"Bearer {api_key}"}
+    stats = httpx.get(base_url.removesuffix("/v1") + "/stats", headers=auth).json()
     return {
         "cpu": runtime.cpu_name(),
         "models": models,

@@ -12,6 +12,7 @@ requests share one continuously batched sampler (trace_jax/serve/engine.py). Pri
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import socket
 
@@ -53,6 +54,16 @@ _DECODE_CHUNK = flags.DEFINE_integer(
     "decode_chunk", 16, "Tokens per decode call at most (streaming granularity).", lower_bound=1
 )
 _SEED = flags.DEFINE_integer("seed", 0, "Key of every random draw; a request's `seed` picks its stream.")
+_API_KEY = flags.DEFINE_string(
+    "api_key",
+    os.environ.get("TRACE_JAX_API_KEY", ""),
+    "Requests must send 'Authorization: Bearer <key>' (default: $TRACE_JAX_API_KEY; empty: anyone who can reach "
+    "the port is served).",
+)
+_MAX_BODY_MB = flags.DEFINE_float("max_body_mb", 8.0, "Largest request body taken (MB); larger: 413.", lower_bound=0)
+_MAX_WAITING = flags.DEFINE_integer(
+    "max_waiting", 256, "Requests queued beyond the running ones; more: 429 with Retry-After.", lower_bound=1
+)
 
 
 def named_adapters(specs: list[str]) -> dict[str, str]:
@@ -80,6 +91,9 @@ def build_server(
     default_max_tokens: int,
     decode_chunk: int,
     seed: int,
+    max_waiting: int = 256,
+    api_key: str = "",
+    max_body_bytes: int = 8 * 2**20,
 ) -> Server:
     """The model, its adapter stack (--adapters, then the run's), the engine and the served names."""
     model = load_model(model_name, dtype)
@@ -102,9 +116,10 @@ def build_server(
         decode_chunk=decode_chunk,
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
     )
-    engine = ServingEngine(sampler, sorted(tokenizer.eos_token_ids), batch=batch, seed=seed)
+    engine = ServingEngine(sampler, sorted(tokenizer.eos_token_ids), batch=batch, seed=seed, max_waiting=max_waiting)
     router = TraceRouter(model, trace_run, {name: i for i, name in enumerate(folders)}) if trace_run else None
-    return Server(engine, Catalog(served_name, list(folders), router), tokenizer, default_max_tokens)
+    catalog = Catalog(served_name, list(folders), router)
+    return Server(engine, catalog, tokenizer, default_max_tokens, api_key=api_key, max_body_bytes=max_body_bytes)
 
 
 def main(argv: list[str]) -> None:
@@ -128,6 +143,9 @@ def main(argv: list[str]) -> None:
         default_max_tokens=_MAX_TOKENS.value,
         decode_chunk=_DECODE_CHUNK.value,
         seed=_SEED.value,
+        max_waiting=_MAX_WAITING.value,
+        api_key=_API_KEY.value,
+        max_body_bytes=int(_MAX_BODY_MB.value * 2**20),
     )
     sock = socket.create_server((_HOST.value, _PORT.value))  # listening now: clients queue until uvicorn accepts
     host, port = sock.getsockname()[:2]

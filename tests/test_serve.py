@@ -6,14 +6,17 @@ server goes on, a client that leaves frees its rows, and a load of concurrent cl
 
 import asyncio
 import json
+import queue
 import re
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jax
+import numpy as np
 import openai
 import pytest
 from multiprocess import failure_report
@@ -21,7 +24,8 @@ from multiprocess import failure_report
 from launch.bench_serve import load, start_server
 from trace_jax import lora
 from trace_jax.models.model import load_model
-from trace_jax.sampling import Sampler
+from trace_jax.sampling import Sampler, Session
+from trace_jax.serve.engine import ChoiceUpdate, GenerationRequest, ServingEngine
 from trace_jax.serve.protocol import TextDeltas, assistant_reply
 from trace_jax.tool_calls import format_tool_call
 
@@ -37,6 +41,8 @@ TOOLS = [
     }
 ]
 ASK = [{"role": "user", "content": "Where is my order #W2378156?"}]
+KEY = "test-key"  # the server's --api_key
+AUTH = {"authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +77,7 @@ def server(tiny_chat_model, adapters, job_env):
             f"--adapters={named}",
             f"--batch={BATCH}",
             "--decode_chunk=8",
+            f"--api_key={KEY}",
         ],
         env=job_env,
     )
@@ -81,7 +88,7 @@ def server(tiny_chat_model, adapters, job_env):
 
 @pytest.fixture
 def client(server):
-    return openai.OpenAI(base_url=server, api_key="unused", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=server, api_key=KEY, max_retries=0, timeout=300)
 
 
 def _generate(model, adapters, name: str, prompt_ids: list[int], max_new_tokens: int) -> str:
@@ -272,7 +279,7 @@ def test_a_conversation_continues_its_row(client, model, adapters):
 def test_a_bad_request_gets_a_4xx_and_the_server_goes_on(server, client, body, status, message):
     content = body if isinstance(body, str) else json.dumps(body)
     reply = httpx.post(
-        f"{server}/chat/completions", content=content, headers={"content-type": "application/json"}, timeout=60
+        f"{server}/chat/completions", content=content, headers={**AUTH, "content-type": "application/json"}, timeout=60
     )
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
@@ -282,30 +289,101 @@ def test_a_bad_request_gets_a_4xx_and_the_server_goes_on(server, client, body, s
 
 @pytest.mark.parametrize("prompt", ["", [49152 * 2]])
 def test_an_empty_prompt_or_an_unknown_token_gets_a_400(server, prompt):
-    reply = httpx.post(f"{server}/completions", json={"model": "tiny", "prompt": prompt}, timeout=60)
+    reply = httpx.post(f"{server}/completions", json={"model": "tiny", "prompt": prompt}, headers=AUTH, timeout=60)
     assert reply.status_code == 400 and "at least one token" in reply.json()["error"]["message"], reply.text
 
 
 def test_a_client_that_leaves_frees_its_rows(server, client):
     base = server.removesuffix("/v1")
-    before = httpx.get(f"{base}/stats").json()
+    before = httpx.get(f"{base}/stats", headers=AUTH).json()
     body = {"model": "tiny", "messages": ASK, "max_tokens": 4000, "temperature": 1}
     for i in range(BATCH):  # every row busy with a long reply; each client leaves early
         if i % 2:  # streamed: after its first chunk
-            with httpx.stream("POST", f"{server}/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+            with httpx.stream(
+                "POST", f"{server}/chat/completions", json={**body, "stream": True}, headers=AUTH, timeout=60
+            ) as s:
                 next(s.iter_lines())
         else:  # whole: when its own timeout strikes
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(f"{server}/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+                httpx.post(f"{server}/chat/completions", json=body, headers=AUTH, timeout=httpx.Timeout(60, read=0.5))
     deadline = time.monotonic() + 60
-    while (stats := httpx.get(f"{base}/stats").json())["running_rows"] and time.monotonic() < deadline:
+    while (stats := httpx.get(f"{base}/stats", headers=AUTH).json())["running_rows"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert stats["running_rows"] == 0 and stats.get("cancelled", 0) - before.get("cancelled", 0) == BATCH, stats
     assert _chat(client, max_tokens=2).choices[0].finish_reason == "length"
 
 
 def test_a_load_of_concurrent_clients_completes(server):
-    result = asyncio.run(load(server, clients=16, requests=32, lengths=[4, 16], duration_s=600))
+    result = asyncio.run(load(server, clients=16, requests=32, lengths=[4, 16], duration_s=600, api_key=KEY))
     print(f"\n[serve] load test: {json.dumps(result)}")
     assert result["errors"] == 0 and result["requests"] == 32, result["first_errors"]
     assert result["models"] == ["tiny", "alpha", "beta"] and result["tokens_per_s"] > 0
+
+
+def test_bad_requests_get_a_4xx_within_a_second_while_a_stream_goes_on(server, client):
+    """Settings out of range, a 10 MB body, deeply nested JSON, a missing key or a non-JSON Content-Type are
+    each refused before the engine sees them, at once, while another client's stream goes on to its end."""
+    lines: list[str] = []
+
+    def stream() -> None:
+        body = {"model": "tiny", "messages": ASK, "max_tokens": 400, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{server}/chat/completions", json=body, headers=AUTH, timeout=300) as s:
+            lines.extend(line for line in s.iter_lines() if line)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    ok = {"model": "tiny", "messages": ASK, "max_tokens": 2}
+    as_json = {**AUTH, "content-type": "application/json"}
+    cases = [
+        (json.dumps({**ok, "top_k": 2**31}), as_json, 400, "top_k must be an integer in"),
+        (json.dumps({**ok, "n": 10**9}), as_json, 400, "n must be an integer in"),
+        (json.dumps({**ok, "pad": "x" * 10 * 2**20}), as_json, 413, "over this server's"),
+        ("[" * 10_000 + "]" * 10_000, as_json, 400, "nested too deeply"),
+        (json.dumps(ok), {"content-type": "application/json"}, 401, "Incorrect API key"),
+        (json.dumps(ok), {**AUTH, "content-type": "text/plain"}, 415, "Content-Type must be application/json"),
+    ]
+    for content, headers, status, message in cases:
+        start = time.monotonic()
+        reply = httpx.post(f"{server}/chat/completions", content=content, headers=headers, timeout=30)
+        elapsed = time.monotonic() - start
+        assert reply.status_code == status and message in reply.json()["error"]["message"], reply.text
+        assert elapsed < 1.0, (message, elapsed)
+    reader.join(timeout=300)
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines), lines[-3:]
+    assert any('"finish_reason": "length"' in line or '"finish_reason": "stop"' in line for line in lines)
+    assert _chat(client, max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_an_engine_error_fails_only_the_request_that_caused_it_and_the_engine_goes_on(model, monkeypatch):
+    """A request the session refuses at admission fails alone (the two admitted with it are fed again and
+    finish); a failed decode step fails the running request, and the next one is served by a new session."""
+    tokenizer = model.tokenizer
+    sampler = Sampler(model.cfg, model.params, decode_chunk=8, detokenize=tokenizer.decode)
+    engine = ServingEngine(sampler, sorted(tokenizer.eos_token_ids), batch=BATCH)
+    prompt = tuple(tokenizer.apply_chat(ASK))
+    feed, step = Session.feed, Session.step
+
+    def refusing_feed(self, rows, prompts, **settings):
+        if 7 in np.atleast_1d(settings["top_k"]):
+            raise ValueError("top_k = 7 cannot be fed")
+        return feed(self, rows, prompts, **settings)
+
+    def play(*top_ks: int) -> list[ChoiceUpdate]:
+        ends = [queue.Queue() for _ in top_ks]
+        with engine._wake:  # submitted together: admitted in one batch
+            for top_k, end in zip(top_ks, ends):
+                callback = lambda update, end=end: (update.error or update.finish_reason) and end.put(update)
+                engine.submit(GenerationRequest(prompt, 4, top_k=top_k), callback)
+        return [end.get(timeout=120) for end in ends]
+
+    monkeypatch.setattr(Session, "feed", refusing_feed)
+    first, refused, third = play(0, 7, 0)
+    assert "top_k = 7 cannot be fed" in refused.error
+    assert first.error is None and third.error is None and len(first.token_ids) == len(third.token_ids) == 4
+    monkeypatch.setattr(Session, "step", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("device lost")))
+    (failed,) = play(0)
+    assert "generation failed: RuntimeError: device lost" in failed.error
+    monkeypatch.setattr(Session, "step", step)
+    (served,) = play(0)
+    assert served.error is None and served.token_ids == first.token_ids
+    engine.close()

@@ -490,6 +490,10 @@ def test_the_server_routes_each_conversation_as_the_routing_stage_did(tiny_run, 
             ]
             again = client.chat.completions.create(model="trace", messages=later, max_tokens=2, temperature=0)
             assert again.model_extra["route"] == reply.model_extra["route"], task.task_id
+        start = time.monotonic()  # too long for the context: refused before the router reads it
+        with pytest.raises(openai.BadRequestError, match="context holds"):
+            client.chat.completions.create(model="trace", messages=[{"role": "user", "content": "order " * 9000}])
+        assert time.monotonic() - start < 1.0
     finally:
         process.terminate()
         process.wait(timeout=60)

@@ -2,12 +2,18 @@
 `/v1/chat/completions` and `/v1/completions`, answered from the `ServingEngine`, streamed as server-sent
 events where asked. A refused request gets OpenAI's error body and the server goes on; a client that goes
 away frees its rows.
+
+Before anything of a request is read: its API key (with `api_key` set: `Authorization: Bearer <key>`, else
+401), its Content-Type (JSON only, so that a web page cannot post a form to a server on the loopback address)
+and its size (`max_body_bytes`, else 413). Every setting is range-checked and the prompt's length checked
+before the router or the engine sees it; a full queue is a 429 with Retry-After.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 from collections.abc import AsyncIterator, Callable
 
@@ -20,7 +26,7 @@ from starlette.routing import Route as Path
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.sampling import FINISH_STOP
 from trace_jax.serve import protocol
-from trace_jax.serve.engine import ChoiceUpdate, GenerationRequest, ServingEngine
+from trace_jax.serve.engine import ChoiceUpdate, EngineBusy, GenerationRequest, ServingEngine
 from trace_jax.serve.models import Catalog, Route
 from trace_jax.serve.protocol import ApiError, Sampling, TextDeltas
 
@@ -39,43 +45,90 @@ class Server:
     catalog: Catalog
     tokenizer: ChatTokenizer
     default_max_tokens: int = 512
+    api_key: str = ""  # "" serves anyone who can reach the port
+    max_body_bytes: int = 8 * 2**20
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _authorize(self, request: Request) -> None:
+        if not self.api_key:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise ApiError(
+                "Incorrect API key provided: send it as 'Authorization: Bearer <key>'.",
+                status=401,
+                code="invalid_api_key",
+            )
+
+    async def _body(self, request: Request) -> dict:
+        """The request's JSON object, once its key, Content-Type and size are checked."""
+        self._authorize(request)
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            raise ApiError("the request's Content-Type must be application/json", status=415)
+        too_big = ApiError(f"the request body is over this server's {self.max_body_bytes} bytes", status=413)
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_big
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > self.max_body_bytes:
+                raise too_big
+        return protocol.parse_json(bytes(raw))
+
+    def _sampling(self, body: dict, chat: bool) -> Sampling:
+        vocab = self.tokenizer.vocab_size
+        return protocol.sampling(
+            body, default_max_tokens=self.default_max_tokens, max_n=self.engine.batch, vocab=vocab, chat=chat
+        )
+
     async def models(self, request: Request) -> Response:
+        self._authorize(request)
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "trace-jax"} for name in self.catalog.names()]
         return JSONResponse({"object": "list", "data": data})
 
     async def stats(self, request: Request) -> Response:
         """The engine's counters and rows (not OpenAI's API: for load tests and monitoring)."""
+        self._authorize(request)
         return JSONResponse(self.engine.snapshot())
 
     async def chat(self, request: Request) -> Response:
-        body = protocol.parse_json(await request.body())
-        settings = protocol.sampling(
-            body, default_max_tokens=self.default_max_tokens, max_n=self.engine.batch, chat=True
-        )
+        body = await self._body(request)
+        settings = self._sampling(body, chat=True)
         messages, tools = protocol.chat_messages(body), protocol.chat_tools(body)
-        adapter, route = await asyncio.to_thread(self.catalog.resolve, body.get("model"), messages)
         try:
             prompt = self.tokenizer.apply_chat(messages, tools=tools)
         except Exception as error:  # noqa: BLE001 - a conversation the chat template refuses
             raise ApiError(f"the chat template cannot render these messages: {error}", param="messages") from None
+        self._check_prompts([prompt], "messages")  # before the router reads the conversation
+        adapter, route = await asyncio.to_thread(self.catalog.resolve, body.get("model"), messages)
         return await self._answer(
             request, [prompt], settings, adapter, chat=True, model=body["model"], tools=tools, route=route
         )
 
     async def completions(self, request: Request) -> Response:
-        body = protocol.parse_json(await request.body())
-        settings = protocol.sampling(
-            body, default_max_tokens=self.default_max_tokens, max_n=self.engine.batch, chat=False
-        )
+        body = await self._body(request)
+        settings = self._sampling(body, chat=False)
         adapter, _ = self.catalog.resolve(body.get("model"))
-        prompts = protocol.completion_prompts(body, self.tokenizer.encode)
+        prompts = protocol.completion_prompts(body, self.tokenizer.encode, max_prompts=self.engine.batch)
+        self._check_prompts(prompts, "prompt")
         return await self._answer(
             request, prompts, settings, adapter, chat=False, model=body["model"], tools=None, route=None
         )
+
+    def _check_prompts(self, prompts: list[list[int]], param: str) -> None:
+        limit, vocab = self.engine.sampler.max_context, self.tokenizer.vocab_size
+        for prompt in prompts:
+            if not prompt or not all(0 <= t < vocab for t in prompt):
+                raise ApiError(f"a prompt must be at least one token, each an id in [0, {vocab})", param=param)
+            if len(prompt) >= limit:
+                raise ApiError(
+                    f"the prompt has {len(prompt)} tokens; this model's context holds {limit} (prompt and completion)",
+                    param=param,
+                    code="context_length_exceeded",
+                )
 
     async def _answer(
         self,
@@ -89,17 +142,6 @@ class Server:
         tools: list[dict] | None,
         route: Route | None,
     ) -> Response:
-        limit, vocab = self.engine.sampler.max_context, self.tokenizer.vocab_size
-        param = "messages" if chat else "prompt"
-        for prompt in prompts:
-            if not prompt or not all(0 <= t < vocab for t in prompt):
-                raise ApiError(f"a prompt must be at least one token, each an id in [0, {vocab})", param=param)
-            if len(prompt) >= limit:
-                raise ApiError(
-                    f"the prompt has {len(prompt)} tokens; this model's context holds {limit} (prompt and completion)",
-                    param=param,
-                    code="context_length_exceeded",
-                )
         run = _Run(self, prompts, settings, adapter)
         head = protocol.envelope(protocol.completion_id(chat), model, chat, chunk=settings.stream)
         headers = {"x-trace-adapter": route.name} if route else {}
@@ -177,7 +219,14 @@ class _Run:
                 settings.seed,
                 settings.stream,
             )
-            self.ids.append(self.engine.submit(request, put))
+            try:
+                self.ids.append(self.engine.submit(request, put))
+            except EngineBusy as error:
+                self.cancel()
+                raise ApiError(str(error), status=429, kind="rate_limit_error", headers={"Retry-After": "1"}) from None
+            except ValueError as error:
+                self.cancel()
+                raise ApiError(str(error)) from None
 
     async def next(self) -> tuple[int, ChoiceUpdate]:
         """The next progress of any choice: (choice number, progress); a failed request raises a server error."""
@@ -284,7 +333,7 @@ async def _sse(run: _Run, head: dict, chat: bool, tools: list[dict] | None, rout
 
 
 async def _api_error(request: Request, error: ApiError) -> Response:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 async def _http_error(request: Request, error: HTTPException) -> Response:

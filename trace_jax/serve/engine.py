@@ -6,6 +6,11 @@ needed, and a request whose prompt extends a parked row's tokens with the same a
 a conversation) continues that row: only the new tokens are prefilled. The engine runs in a thread of
 its own, where every JAX call happens; requests come from any thread and get their tokens back through
 a callback as they are sampled.
+
+One bad request cannot take the others down: `submit` refuses settings out of the sampler's range and a full
+queue at once; a request whose admission fails is failed alone (the others admitted with it are fed again
+one by one); a failed decode step, which no request can be blamed for, fails the running requests, and the
+engine starts a new session and goes on with the waiting ones.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 import threading
+import time
 import zlib
 from collections.abc import Callable, Sequence
 
@@ -24,6 +31,7 @@ from trace_jax import lora, runtime
 from trace_jax.sampling import Sampler, Session, common_prefix_length
 
 MIN_REUSE = 16  # a parked row is continued when it holds at least this many of a prompt's leading tokens
+INT32_MAX = (1 << 31) - 1  # the sampler's per-row settings are int32
 _UNSEEDED = 1 << 30  # random streams of requests without a seed start here; seeded ones stay below
 
 
@@ -63,6 +71,33 @@ class ChoiceUpdate:
 Callback = Callable[[ChoiceUpdate], None]
 
 
+class EngineBusy(RuntimeError):
+    """The engine's queue is full: the request may be sent again later."""
+
+
+def check_request(request: GenerationRequest, batch: int, max_context: int) -> None:
+    """Raises ValueError naming what of `request` the engine could never run."""
+    problems = [
+        (not 1 <= request.n <= batch, f"n = {request.n}: this server plays 1 to {batch} choices per request"),
+        (
+            not request.prompt or len(request.prompt) >= max_context,
+            f"the prompt has {len(request.prompt)} tokens; this model's context holds {max_context} (prompt and "
+            "completion)",
+        ),
+        (not 1 <= request.max_tokens <= INT32_MAX, f"max_tokens = {request.max_tokens} is not in [1, {INT32_MAX}]"),
+        (
+            not (math.isfinite(request.temperature) and request.temperature >= 0),
+            f"temperature = {request.temperature} is not a number >= 0",
+        ),
+        (not 0 < request.top_p <= 1, f"top_p = {request.top_p} is not in (0, 1]"),
+        (not 0 <= request.top_k <= INT32_MAX, f"top_k = {request.top_k} is not in [0, {INT32_MAX}]"),
+        (not all(isinstance(s, str) and s for s in request.stop), "stop strings must be non-empty strings"),
+    ]
+    for failed, message in problems:
+        if failed:
+            raise ValueError(message)
+
+
 @dataclasses.dataclass
 class _Active:
     request: GenerationRequest
@@ -84,10 +119,19 @@ class ServingEngine:
     `cancel` drops a request wherever it is. `seed` is the key every row's draws fold their stream into.
     """
 
-    def __init__(self, sampler: Sampler, stop_token_ids: Sequence[int], *, batch: int = 16, seed: int = 0):
+    def __init__(
+        self,
+        sampler: Sampler,
+        stop_token_ids: Sequence[int],
+        *,
+        batch: int = 16,
+        seed: int = 0,
+        max_waiting: int = 256,
+    ):
+        """`max_waiting`: requests queued beyond the running ones, past which `submit` raises EngineBusy."""
         if sampler.detokenize is None:
             raise ValueError("the serving engine needs a Sampler built with detokenize=")
-        self.sampler, self.batch = sampler, batch
+        self.sampler, self.batch, self.max_waiting = sampler, batch, max_waiting
         self._stop_token_ids = tuple(stop_token_ids)
         self._key = jax.random.key(seed)
         self._session = self._new_session()
@@ -100,6 +144,7 @@ class ServingEngine:
         # Only these two are shared with other threads (under `_wake`); the rest is the engine thread's own.
         self._incoming: list[tuple[int, _Active]] = []
         self._cancelled: set[int] = set()
+        self._waiting_count = 0  # len(_waiting), for other threads (under `_wake`)
         self._ids = itertools.count()
         self._unseeded = itertools.count()
         self._wake = threading.Condition()
@@ -112,17 +157,14 @@ class ServingEngine:
         return self.sampler.session(self.batch, stop_token_ids=self._stop_token_ids)
 
     def submit(self, request: GenerationRequest, callback: Callback) -> int:
-        """Queues `request`; returns its id. Fails at once on what could never run."""
-        if not 1 <= request.n <= self.batch:
-            raise ValueError(f"n = {request.n}: this server plays 1 to {self.batch} choices per request")
-        if not request.prompt or len(request.prompt) >= self.sampler.max_context:
-            raise ValueError(
-                f"the prompt has {len(request.prompt)} tokens; this model's context holds "
-                f"{self.sampler.max_context} (prompt and completion)"
-            )
+        """Queues `request`; returns its id. Fails at once on what could never run (ValueError) and when the
+        queue holds `max_waiting` requests (EngineBusy)."""
+        check_request(request, self.batch, self.sampler.max_context)
         with self._wake:
             if self._closed:
                 raise RuntimeError("the serving engine is closed")
+            if len(self._incoming) + self._waiting_count >= self.max_waiting:
+                raise EngineBusy(f"the server has {self.max_waiting} requests waiting; try again shortly")
             request_id = next(self._ids)
             self._incoming.append((request_id, _Active(request, callback, left=request.n)))
             self._wake.notify()
@@ -164,7 +206,7 @@ class ServingEngine:
                 self._active[request_id] = active
                 self._waiting.append(request_id)
             if self._closed:
-                self._fail_requests("the server is shutting down")
+                self._fail(list(self._active), "the server is shutting down")
                 return
             try:
                 runtime.bound_memory_maps()  # a server meets new shapes for as long as it runs
@@ -175,11 +217,33 @@ class ServingEngine:
                     self._report_progress()
                     for row, completion in finished.items():
                         self._finish(row, completion)
-            except Exception as error:  # noqa: BLE001 - every request in flight hears of it; the server goes on
+            except Exception as error:  # noqa: BLE001 - the running requests hear of it; the server goes on
                 logging.exception("the serving engine's step failed")
-                self._fail_requests(f"generation failed: {type(error).__name__}: {error}")
+                self._fail(self._running_requests(), f"generation failed: {type(error).__name__}: {error}")
+                self._restart()
+            with self._wake:
+                self._waiting_count = len(self._waiting)
+
+    def _restart(self) -> None:
+        """A new session with every row free (the running requests were failed); until one can be made, the
+        waiting requests are failed, one attempt a second."""
+        for state in (self._rows, self._tokens, self._parked):
+            state.clear()
+        while True:
+            try:
                 self._session = self._new_session()
-                self._free = list(range(self._session.cache.batch))
+                break
+            except Exception as error:  # noqa: BLE001 - keep serving errors rather than hanging requests
+                logging.exception("the serving engine cannot start a session")
+                with self._wake:
+                    incoming, self._incoming = self._incoming, []
+                self._active.update(incoming)
+                self._fail(list(self._active), f"the server cannot generate now: {type(error).__name__}: {error}")
+                time.sleep(1.0)
+        self._free = list(range(self._session.cache.batch))
+
+    def _running_requests(self) -> list[int]:
+        return sorted({request_id for request_id, _ in self._rows.values()})
 
     def _drop(self, request_ids: set[int]) -> None:
         """Forgets cancelled requests: their waiting place, their running rows (emptied)."""
@@ -195,14 +259,18 @@ class ServingEngine:
         self._waiting = collections.deque(r for r in self._waiting if r in self._active)
 
     def _admit(self) -> None:
-        """Feeds waiting requests, first come first served, while rows are free or parked (one prefill)."""
+        """Feeds waiting requests, first come first served, while rows are free or parked (one prefill). If
+        feeding them together fails on a request's settings, each is fed alone and those that fail again are
+        failed."""
         feeds: list[tuple[int, list[int], GenerationRequest, int]] = []  # row, tokens to feed, request, stream
+        admitted: list[int] = []
         while self._waiting:
             active = self._active[self._waiting[0]]
             request = active.request
             if request.n > len(self._free) + len(self._parked):
                 break
             request_id = self._waiting.popleft()
+            admitted.append(request_id)
             for choice in range(request.n):
                 row, held, cached = self._row_for(request, first=choice == 0)
                 active.cached[choice] = cached
@@ -222,6 +290,18 @@ class ServingEngine:
             )
         if not feeds:
             return
+        try:
+            self._feed(feeds)
+        except (ValueError, TypeError, OverflowError):  # a request's settings, found before the session changed
+            own = {rid: [feed for feed in feeds if self._rows[feed[0]][0] == rid] for rid in admitted}
+            for request_id in admitted:
+                try:
+                    self._feed(own[request_id])
+                except (ValueError, TypeError, OverflowError) as error:
+                    logging.exception("a request could not be admitted")
+                    self._fail([request_id], f"the request could not be started: {type(error).__name__}: {error}")
+
+    def _feed(self, feeds: list[tuple[int, list[int], GenerationRequest, int]]) -> None:
         rows, parts, requests, streams = zip(*feeds)
         room = [min(r.max_tokens, self.sampler.max_context - len(r.prompt)) for r in requests]
         self._session.feed(
@@ -293,9 +373,16 @@ class ServingEngine:
         if not active.left:
             del self._active[request_id]
 
-    def _fail_requests(self, message: str) -> None:
-        """Ends every request in flight or waiting with `message` and forgets every row."""
-        for active in self._active.values():
-            active.callback(ChoiceUpdate(0, error=message))
-        for state in (self._active, self._waiting, self._rows, self._tokens, self._parked):
-            state.clear()
+    def _fail(self, request_ids: list[int], message: str) -> None:
+        """Ends requests `request_ids` with `message`: their running rows are freed, their waiting places
+        dropped."""
+        failed = set(request_ids)
+        rows = [row for row, (request_id, _) in self._rows.items() if request_id in failed]
+        for row in rows:
+            del self._rows[row], self._tokens[row]
+        self._free.extend(rows)
+        for request_id in request_ids:
+            active = self._active.pop(request_id, None)
+            if active is not None:
+                active.callback(ChoiceUpdate(0, error=message))
+        self._waiting = collections.deque(r for r in self._waiting if r not in failed)

@@ -3,6 +3,7 @@ finished TRACE run's router picks the adapter of each conversation, as its routi
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -17,6 +18,7 @@ from trace_jax.serve.protocol import ApiError
 from trace_jax.trace.routing import RouteOption, Router
 
 TRACE = "trace"
+MAX_DECISIONS = 4096  # conversations whose route the router remembers (the least recently used are forgotten)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +70,8 @@ def trace_run_model(run_dir: str | pathlib.Path) -> tuple[str, str]:
 class TraceRouter:
     """A finished TRACE run's Select & Adapt, one conversation at a time: the run's options (descriptions,
     examples), router settings and calibration offsets, so a conversation that opens as one of its held-out
-    tasks gets that task's adapter. One decision per conversation (its `opening`), cached."""
+    tasks gets that task's adapter. One decision per conversation (its `opening`), cached for the
+    MAX_DECISIONS most recent conversations."""
 
     def __init__(self, model: Model, run_dir: str | pathlib.Path, adapter_index: dict[str, int]):
         run_dir = pathlib.Path(run_dir)
@@ -90,7 +93,7 @@ class TraceRouter:
                 model, options, max_messages=settings["max_messages"], batch_size=1, calibration=settings["calibration"]
             )
             self._offsets = settings["offsets"]
-        self._decisions: dict[str, Route] = {}
+        self._decisions: collections.OrderedDict[str, Route] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def route(self, messages: Sequence[dict]) -> Route:
@@ -100,6 +103,9 @@ class TraceRouter:
         with self._lock:
             if key not in self._decisions:
                 self._decisions[key] = self._decide(start)
+                while len(self._decisions) > MAX_DECISIONS:
+                    self._decisions.popitem(last=False)
+            self._decisions.move_to_end(key)
             return self._decisions[key]
 
     def _decide(self, start: list[dict]) -> Route:

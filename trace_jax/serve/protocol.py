@@ -21,6 +21,8 @@ from trace_jax.tool_calls import TOOL_CALL_OPEN, parse_assistant_output
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_STOPS = 4
+MAX_STOP_CHARS = 256  # a stop string is matched against every new piece of text: keep it short
+INT32_MAX = (1 << 31) - 1  # the sampler's per-row settings are int32
 
 
 class ApiError(Exception):
@@ -34,9 +36,11 @@ class ApiError(Exception):
         status: int = 400,
         code: str | None = None,
         kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.param, self.code, self.kind = status, param, code, kind
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
@@ -48,6 +52,8 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except ValueError as error:
         raise ApiError(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise ApiError("the request body is JSON nested too deeply to read") from None
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     return body
@@ -92,16 +98,22 @@ def _stops(stop: Any) -> tuple[str, ...]:
     if stop is None:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOPS
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)
+    ):
         raise ApiError(
-            f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them; got {stop!r}", param="stop"
+            f"stop must be a string of 1 to {MAX_STOP_CHARS} characters or a list of at most {MAX_STOPS} of "
+            f"them; got {str(stop)[:200]!r}",
+            param="stop",
         )
     return tuple(stops)
 
 
-def sampling(body: dict, *, default_max_tokens: int, max_n: int, chat: bool) -> Sampling:
-    """The generation settings of a chat (`chat`) or text completion request."""
-    limit = 1 << 31
+def sampling(body: dict, *, default_max_tokens: int, max_n: int, vocab: int, chat: bool) -> Sampling:
+    """The generation settings of a chat (`chat`) or text completion request, each in the range the sampler
+    takes (`top_k` at most the vocabulary's `vocab` tokens, `n` at most `max_n` choices)."""
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     stops = _stops(body.get("stop"))
     if chat:
@@ -125,10 +137,10 @@ def sampling(body: dict, *, default_max_tokens: int, max_n: int, chat: bool) -> 
         raise ApiError("response_format: only text is supported by this server", param="response_format")
     options = body.get("stream_options") or {}
     return Sampling(
-        max_tokens=_number(body, name, default_max_tokens, 1, limit, integer=True),
+        max_tokens=_number(body, name, default_max_tokens, 1, INT32_MAX, integer=True),
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_number(body, "top_p", 1.0, 1e-9, 1.0)),
-        top_k=_number(body, "top_k", 0, 0, limit, integer=True),
+        top_k=_number(body, "top_k", 0, 0, vocab, integer=True),
         stop=stops,
         n=_number(body, "n", 1, 1, max_n, integer=True),
         seed=_number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True),
@@ -221,14 +233,17 @@ def chat_tools(body: dict) -> list[dict] | None:
     return tools if tools and choice != "none" else None
 
 
-def completion_prompts(body: dict, encode: Callable[[str], list[int]]) -> list[list[int]]:
-    """A text completion request's prompts as token ids: a string, a list of ids, or a list of either."""
+def completion_prompts(body: dict, encode: Callable[[str], list[int]], max_prompts: int) -> list[list[int]]:
+    """A text completion request's prompts as token ids: a string, a list of ids, or a list of at most
+    `max_prompts` of either."""
     prompt = body.get("prompt")
     is_ids = lambda p: isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
     if isinstance(prompt, str) or is_ids(prompt):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or is_ids(p) for p in prompt):
         raise ApiError("prompt must be a string, a list of token ids, or a non-empty list of either", param="prompt")
+    if len(prompt) > max_prompts:
+        raise ApiError(f"prompt: this server takes at most {max_prompts} prompts per request", param="prompt")
     return [encode(p) if isinstance(p, str) else list(p) for p in prompt]
 
 
