@@ -22,10 +22,12 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from launch import agents, multihost
+from launch.workdir import job_workdir
 from trace_jax import distributed
 from trace_jax.envs.capability import CAPABILITIES
 from trace_jax.trace.calibration import calibrate_builtin, calibration_table
 from trace_jax.trace.pipeline import calibration_evaluation, validate_config
+from trace_jax.workdirs import claimed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Pipeline config (configs/trace_*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for the episodes, results and table.", required=True)
@@ -38,11 +40,14 @@ def main(argv: list[str]) -> None:
     unknown = [name for name in _CAPABILITIES.value if name not in CAPABILITIES]
     if unknown:
         raise app.UsageError(f"--capabilities: no built-in environment for {unknown}; there are {list(CAPABILITIES)}")
-    config, workdir = _CONFIG.value, pathlib.Path(_WORKDIR.value)
+    config = _CONFIG.value
     settings = validate_config(config)
-    agents.ensure_config_agents(config)
     base = calibration_evaluation(config)
-    results = [calibrate_builtin(name, base, settings.calibration, workdir / name) for name in _CAPABILITIES.value]
+    decisive = {"evaluation": base.to_dict(), "calibration": config.calibration.to_dict()}  # what a try plays
+    workdir = pathlib.Path(job_workdir(_WORKDIR.value, "calibration", decisive))
+    agents.ensure_config_agents(config)
+    with claimed(workdir, "calibration", decisive, main=distributed.is_main()):
+        results = [calibrate_builtin(name, base, settings.calibration, workdir / name) for name in _CAPABILITIES.value]
     if not distributed.is_main():
         return
     table = calibration_table(results)

@@ -16,8 +16,10 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from launch import agents, multihost
+from launch.workdir import job_workdir
 from trace_jax import distributed
 from trace_jax.evaluation import AGENTS, evaluate, validate_config
+from trace_jax.workdirs import claimed
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Evaluation config (configs/tau2_*.py, configs/embedded_retail.py).", lock_config=True
@@ -35,12 +37,15 @@ flags.mark_flags_as_required(["config"])
 def main(argv: list[str]) -> None:
     multihost.start(argv)
     validate_config(_CONFIG.value)  # a bad config fails before an agent is built
+    decisive = {**_CONFIG.value.to_dict(), "agent": _AGENT.value}
+    workdir = job_workdir(_WORKDIR.value, "evaluation", decisive)
     if _AGENT.value == "model":  # scripted agents need no model
         agents.ensure_config_agents(_CONFIG.value)
-    summary = evaluate(_CONFIG.value, _WORKDIR.value, agent=_AGENT.value)
+    with claimed(workdir, "evaluation", decisive, main=distributed.is_main()):
+        summary = evaluate(_CONFIG.value, workdir, agent=_AGENT.value)
     if not distributed.is_main():
         return
-    print(pathlib.Path(_WORKDIR.value, "table.md").read_text(encoding="utf-8").rstrip(), flush=True)
+    print(pathlib.Path(workdir, "table.md").read_text(encoding="utf-8").rstrip(), flush=True)
     if _JSON.value:
         print(json.dumps(summary), flush=True)
 

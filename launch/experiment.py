@@ -18,6 +18,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from launch import agents, multihost
+from launch.workdir import job_workdir
 from trace_jax import distributed
 from trace_jax.baselines.experiment import Experiment, validate_config
 
@@ -31,11 +32,12 @@ flags.mark_flags_as_required(["config"])
 def main(argv: list[str]) -> None:
     multihost.start(argv)
     validate_config(_CONFIG.value)  # a bad config fails before an agent is built
+    workdir = job_workdir(_WORKDIR.value, "experiment", _CONFIG.value)
     agents.ensure_config_agents(_CONFIG.value)
-    summary = Experiment(_CONFIG.value, _WORKDIR.value).run()
+    summary = Experiment(_CONFIG.value, workdir).run()
     if not distributed.is_main():
         return
-    print(pathlib.Path(_WORKDIR.value, "report.md").read_text(encoding="utf-8").rstrip(), flush=True)
+    print(pathlib.Path(workdir, "report.md").read_text(encoding="utf-8").rstrip(), flush=True)
     print(json.dumps(summary), flush=True)
 
 

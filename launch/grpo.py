@@ -17,6 +17,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from launch import agents, multihost
+from launch.workdir import job_workdir
 from trace_jax import distributed
 from trace_jax.rl.trainer import train, validate_config
 
@@ -28,8 +29,9 @@ flags.mark_flags_as_required(["config"])
 def main(argv: list[str]) -> None:
     multihost.start(argv)
     validate_config(_CONFIG.value)  # a bad config fails before an agent is built
+    workdir = job_workdir(_WORKDIR.value, "grpo", _CONFIG.value)
     agents.ensure_config_agents(_CONFIG.value)
-    summary = train(_CONFIG.value, _WORKDIR.value)
+    summary = train(_CONFIG.value, workdir)
     if distributed.is_main():
         print(json.dumps(summary), flush=True)
 

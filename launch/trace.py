@@ -17,6 +17,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from launch import agents, multihost
+from launch.workdir import job_workdir
 from trace_jax import distributed
 from trace_jax.trace.pipeline import Pipeline, validate_config
 
@@ -28,11 +29,12 @@ flags.mark_flags_as_required(["config"])
 def main(argv: list[str]) -> None:
     multihost.start(argv)
     validate_config(_CONFIG.value)  # a bad config fails before an agent is built
+    workdir = job_workdir(_WORKDIR.value, "trace", _CONFIG.value)
     agents.ensure_config_agents(_CONFIG.value)
-    summary = Pipeline(_CONFIG.value, _WORKDIR.value).run()
+    summary = Pipeline(_CONFIG.value, workdir).run()
     if not distributed.is_main():
         return
-    report = pathlib.Path(_WORKDIR.value, "report.md").read_text(encoding="utf-8")
+    report = pathlib.Path(workdir, "report.md").read_text(encoding="utf-8")
     print(report[report.index("## Held-out success per family") :].split("\n![")[0].rstrip(), flush=True)
     print(json.dumps(summary), flush=True)
 

@@ -125,6 +125,22 @@ def test_keep_deletes_older_and_latest_is_newest(tmp_path):
             ckpt.restore(fresh_state(), step=1)
 
 
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+    state = fresh_state()
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        assert ckpt.restore_newest_readable(fresh_state()) is None  # nothing saved yet
+        for _ in range(2):
+            state = fake_step(state)
+            ckpt.save(state)
+    for path in (tmp_path / "2" / "arrays").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"\0" * 7)  # every file of the newest step's arrays garbled
+    with Checkpointer(tmp_path, keep=3) as ckpt:
+        restored = ckpt.restore_newest_readable(fresh_state())
+    assert_same(restored, state_at(1))
+    assert "checkpoint step 2" in caplog.text and "trying the previous one" in caplog.text
+
+
 def test_save_every_skips_and_force_saves(tmp_path):
     state = fresh_state()
     with Checkpointer(tmp_path, save_every=3) as ckpt:

@@ -1,9 +1,12 @@
-"""The evaluation job resumes a killed run from its episodes, and starts afresh for another config."""
+"""The evaluation job resumes a killed run from its episodes, keeps them for a rerun that plays the same episodes
+(other logging or batching), refuses a workdir of other episodes or one another process holds."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -14,6 +17,7 @@ import tau2  # noqa: F401 - a missing τ² fails the suite instead of skipping i
 from configs import embedded_retail
 from trace_jax.agent.episodes import run_marker
 from trace_jax.evaluation import evaluate, evaluate_together
+from trace_jax.workdirs import WorkdirInUse, WorkdirMismatch
 
 
 def _records(workdir) -> list[dict]:
@@ -26,7 +30,7 @@ def _tensorboard_success(workdir) -> list[tuple[int, float]]:
     return [(e.step, round(e.value, 6)) for e in events.Scalars("eval/success")]
 
 
-def test_a_killed_evaluation_resumes_and_another_config_starts_afresh(tmp_path):
+def test_a_killed_evaluation_resumes_and_a_rerun_keeps_its_episodes_or_refuses_other_ones(tmp_path):
     config = embedded_retail.get_config()
     config.num_tasks, config.log_every_s = 14, 0.0
     full = evaluate(config, tmp_path, agent="gold")
@@ -44,13 +48,44 @@ def test_a_killed_evaluation_resumes_and_another_config_starts_afresh(tmp_path):
     assert {k: resumed[k] for k in ("num_episodes", "success", "families")} == {
         k: full[k] for k in ("num_episodes", "success", "families")
     }
+    config.log_every_s, config.rollout.batch_size = 5.0, 3  # how it runs, not what it plays
+    kept = (tmp_path / "episodes.jsonl").read_text()
+    assert evaluate(config, tmp_path, agent="gold")["num_episodes"] == 14
+    assert (tmp_path / "episodes.jsonl").read_text() == kept  # nothing played again, nothing deleted
     config.num_tasks = 7
-    assert evaluate(config, tmp_path, agent="gold")["num_episodes"] == 7 and len(_records(tmp_path)) == 7
-    assert evaluate(config, tmp_path, agent="noop")["success"] == 0.0  # another agent: not gold's episodes
+    with pytest.raises(WorkdirMismatch, match="num_tasks = 14 there, 7 here.*--fresh"):
+        evaluate(config, tmp_path, agent="gold")
+    config.num_tasks = 14
+    with pytest.raises(WorkdirMismatch, match='agent = "gold" there, "noop" here'):
+        evaluate(config, tmp_path, agent="noop")
+    assert (tmp_path / "episodes.jsonl").read_text() == kept
     # TensorBoard: each finished run's success once, at step = its episodes (the resumed run's equals the first's).
-    assert _tensorboard_success(tmp_path) == [(14, round(full["success"], 6)), (7, 1.0), (7, 0.0)]
-    evaluate(config, tmp_path, agent="noop")
-    assert len(_tensorboard_success(tmp_path)) == 3  # a finished evaluation run again adds no point
+    assert _tensorboard_success(tmp_path) == [(14, round(full["success"], 6))]
+
+
+def test_a_second_evaluation_on_a_held_workdir_refuses_at_start_naming_the_holder(tmp_path):
+    config = embedded_retail.get_config()
+    config.num_tasks, config.log_every_s = 2, 0.0
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env={**os.environ}
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(WorkdirInUse, match=f"in use by pid {holder.pid} on "):
+            evaluate(config, tmp_path, agent="gold")
+        assert not (tmp_path / "episodes.jsonl").exists() and not (tmp_path / "run.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert evaluate(config, tmp_path, agent="gold")["num_episodes"] == 2  # free once its holder ended
+
+
+HOLD = """import sys, time
+from trace_jax.workdirs import locked
+with locked(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
 
 
 def test_the_episodes_a_killed_multiprocess_run_left_per_process_are_merged_and_not_played_again(tmp_path):

@@ -17,7 +17,8 @@ LAYERS = (
         "settings",
         "tool_calls",
         "report",
-    ),  # plain Python: files, typed settings, wire format, tables
+    ),  # plain Python: files, untrusted code isolated, typed settings, wire format, tables
+    ("workdirs",),  # a job's workdir: its lock and the marker of its result-deciding settings (on `files`)
     ("sharding", "models"),  # the model core: configs, decoder, per-row adapters, tokenizer, loading
     ("distributed", "lora"),  # processes over the mesh; making, merging and saving adapters
     ("metrics", "sampling", "envs", "tasks", "llm"),  # the sampler; environments and tasks; the LLM client

@@ -12,6 +12,7 @@ stops after the agent's next text turn.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import time
@@ -54,6 +55,7 @@ from trace_jax.settings import (
     share,
 )
 from trace_jax.sharding import ShardingPlan, make_mesh
+from trace_jax.workdirs import locked
 
 AGENTS = ("model", "gold", "noop")
 
@@ -167,7 +169,20 @@ def evaluate_together(
     reuse: Sequence[str | pathlib.Path] = (),
 ) -> list[dict]:
     """Evaluations that differ only in split and task count, played in one batch with one model (each
-    writes its workdir, resumes and reuses as `evaluate` does); returns their summaries."""
+    writes its workdir, resumes and reuses as `evaluate` does); returns their summaries. Each workdir is held
+    (`workdirs.locked`) while they play: a second evaluation started on one of them fails at start."""
+    with contextlib.ExitStack() as held:
+        for _, workdir in runs:
+            held.enter_context(locked(workdir, main=distributed.is_main()))
+        return _evaluate_together(runs, agent, routes, reuse)
+
+
+def _evaluate_together(
+    runs: list[tuple[ml_collections.ConfigDict, str | pathlib.Path]],
+    agent: str,
+    routes: Routes | None,
+    reuse: Sequence[str | pathlib.Path],
+) -> list[dict]:
     if agent not in AGENTS:
         raise ValueError(f"agent {agent!r} is invalid; it must be one of {', '.join(AGENTS)}")
     settings = [validate_config(run) for run, _ in runs]

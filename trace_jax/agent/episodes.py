@@ -24,11 +24,13 @@ from absl import logging
 
 from trace_jax import distributed, lora
 from trace_jax.agent.rollout import EpisodeSpec, RolloutEngine, Trajectory, rollout_profile
-from trace_jax.files import read_json, write_jsonl_atomic
+from trace_jax.files import read_json, write_jsonl_atomic, write_text_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_lines
 from trace_jax.models.embedded import resolve_model_dir
 from trace_jax.models.model import weights_fingerprint
 from trace_jax.report import format_table, summarize
+from trace_jax.workdirs import WorkdirMismatch, differences
+from trace_jax.workdirs import mismatch as workdir_mismatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,20 +245,21 @@ def jsonable(value):
 
 
 def keep_episodes_of_same_run(workdir: pathlib.Path, run: dict) -> None:
-    """Keeps the workdir's episodes for `play` to resume only if they come from the same run (the
-    same `run_marker`, kept in run.json); a workdir reused for another run starts afresh."""
+    """Lets `play` resume the workdir's episodes only where they come from a run that plays the same episodes
+    (`same_episodes`: its batch size, logging and the like may differ); a workdir holding another run's
+    episodes is refused (WorkdirMismatch, naming what differs), never emptied. run.json then records this run's
+    marker, written atomically."""
     marker, episodes = workdir / "run.json", workdir / "episodes.jsonl"
-    text = json.dumps(run, sort_keys=True, default=str)
-
-    def keep() -> None:
-        stale = [p for p in (episodes, *workdir.glob(_process_file(episodes, "*").name)) if p.exists()]
-        if stale and (not marker.exists() or marker.read_text(encoding="utf-8") != text):
-            logging.info("%s holds episodes of another config or agent: starting afresh", workdir)
-            for path in stale:
-                path.unlink()
-        marker.write_text(text, encoding="utf-8")
-
-    distributed.on_main(keep)
+    played = [p for p in (episodes, *workdir.glob(_process_file(episodes, "*").name)) if p.exists()]
+    if played:
+        if not marker.exists():
+            raise WorkdirMismatch(
+                f"{workdir} holds episodes but no run.json saying which run played them: use another workdir"
+            )
+        found = differences(episode_identity(read_json(marker)), episode_identity(jsonable(run)), prefix="")
+        if found:
+            raise workdir_mismatch(workdir, "evaluation", found)
+    distributed.on_main(lambda: write_text_atomic(marker, json.dumps(run, sort_keys=True, default=str)))
 
 
 def _episode_setting(marker: dict) -> str:
@@ -277,17 +280,25 @@ def _episode_setting(marker: dict) -> str:
 PLAYED_KEYS = ("split", "num_tasks", "trials", "hint_share", "families", "per_family")  # which episodes a run plays
 
 
+def episode_identity(marker: dict) -> dict:
+    """What decides a run's episodes, by key, from a `run_marker` (as run.json holds it): the settings of
+    `_episode_setting`, the policy (adapter or routes) and which tasks and trials it plays."""
+    config = marker["config"]
+    return {
+        "agent": marker["agent"],
+        "weights": marker.get("weights"),
+        "adapter": marker.get("adapter", ""),
+        "routes": marker.get("routes"),
+        **{k: config.get(k) for k in ("model", "dtype", "env", "seed", *PLAYED_KEYS)},
+        **{f"rollout.{k}": config["rollout"].get(k) for k in EPISODE_LIMITS},
+    }
+
+
 def same_episodes(marker: dict, other: dict) -> bool:
     """Whether runs of the run markers `marker` and `other` (as run.json holds them) play the same episodes:
-    the same policy and settings (`_episode_setting`) on the same tasks and trials, whatever else differs (batch
+    the same policy and settings on the same tasks and trials (`episode_identity`), whatever else differs (batch
     size, logging)."""
-    played = lambda m: {k: m["config"].get(k) for k in PLAYED_KEYS}
-    return (
-        _episode_setting(marker) == _episode_setting(other)
-        and _policy(marker, 0) == _policy(other, 0)
-        and marker.get("routes") == other.get("routes")
-        and played(marker) == played(other)
-    )
+    return episode_identity(marker) == episode_identity(other)
 
 
 def _policy(marker: dict, adapter_idx: int) -> str:

@@ -64,6 +64,7 @@ from trace_jax.trace.pipeline import (
 from trace_jax.trace.pipeline import validate_config as validate_pipeline_config
 from trace_jax.trace.routing import RouteOption
 from trace_jax.trace.trace_report import best_by_family, oracle_routes
+from trace_jax.workdirs import claimed
 
 ARMS = ("oracle", "grpo_target", "grpo_target_hinted", "mixed", "gepa", "subsets")
 CAPABILITY_ARMS = ("oracle", "mixed", "gepa", "subsets")  # arms on TRACE's capability environments or adapters
@@ -121,6 +122,10 @@ class Experiment:
 
     def run(self) -> dict:
         """Runs (or resumes) every arm; writes results.json and report.md; returns the summary."""
+        with claimed(self.workdir, "experiment", self.config.to_dict(), main=distributed.is_main()):
+            return self._run()
+
+    def _run(self) -> dict:
         start = time.monotonic()
         trace = self.stages.run("trace", self._trace)
         budget = self.settings.budget or trace["trace_rollouts"]

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 
 
 @dataclasses.dataclass
@@ -141,6 +142,28 @@ class Checkpointer:
             rng=rng,
             cursor=meta["cursor"],
         )
+
+    def restore_newest_readable(self, template: TrainState) -> TrainState | None:
+        """The newest checkpoint that restores (as `restore`), going back one step, with a warning, past any that
+        fails to (a file corrupted after it was finalized); None when there is none. A corrupt newest step costs
+        the steps since the previous one, never the run."""
+        steps = sorted(self._manager.all_steps(), reverse=True)
+        for step in steps:
+            try:
+                return self.restore(template, step)
+            except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many kinds on a corrupt step
+                logging.warning(
+                    "checkpoint step %d in %s does not restore (%s: %s); trying the previous one",
+                    step,
+                    self.directory,
+                    type(error).__name__,
+                    str(error)[:300],
+                )
+        if steps:
+            raise RuntimeError(
+                f"no checkpoint in {self.directory} restores (steps {steps}): remove the folder to start afresh"
+            )
+        return None
 
     def close(self) -> None:
         """Waits for any pending work and releases orbax's resources."""

@@ -147,8 +147,9 @@ def start_run(config: ml_collections.ConfigDict, workdir: pathlib.Path, cursor: 
     checkpointer = Checkpointer(
         workdir / "checkpoints", keep=config.train.keep_checkpoints, save_every=config.train.checkpoint_every
     )
-    if checkpointer.latest_step() is not None:
-        state = checkpointer.restore(state)
+    restored = checkpointer.restore_newest_readable(state)
+    if restored is not None:
+        state = restored
         logging.info("resumed from step %d in %s", state.step, workdir)
     return TrainingRun(model, params, plan, optimizer, state, checkpointer, sampler_params, sampler_plan)
 

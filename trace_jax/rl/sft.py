@@ -40,6 +40,7 @@ from trace_jax.rl.job import ADAPTER, JobSettings, TrainSettings, export_adapter
 from trace_jax.rl.learner import frozen_inputs, make_train_step
 from trace_jax.rl.learner_batch import LearnerBatch
 from trace_jax.settings import REQUIRED, from_config, is_bool, is_dict, positive_int, setting
+from trace_jax.workdirs import claimed
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -138,8 +139,14 @@ class FrozenStreams:
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
-    """Runs (or resumes) the job in `workdir`; returns the summary also written to summary.json."""
+    """Runs (or resumes) the job in `workdir`, which it holds meanwhile and resumes only with the same
+    result-deciding settings (`workdirs.claimed`); returns the summary also written to summary.json."""
     settings = validate_config(config)
+    with claimed(workdir, "sft", config.to_dict(), main=distributed.is_main()):
+        return _train(settings, workdir)
+
+
+def _train(settings: SftSettings, workdir: str | pathlib.Path) -> dict:
     start_time = time.monotonic()
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)

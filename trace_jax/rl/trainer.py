@@ -81,6 +81,7 @@ from trace_jax.settings import (
     dotted,
     from_config,
 )
+from trace_jax.workdirs import claimed
 
 
 def validate_config(config: ml_collections.ConfigDict, key: str = "") -> GrpoSettings:
@@ -204,8 +205,14 @@ def _resumed_eval(
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, float]:
-    """Runs (or resumes) the job in `workdir`; returns the summary also written to summary.json."""
+    """Runs (or resumes) the job in `workdir`, which it holds meanwhile and resumes only with the same
+    result-deciding settings (`workdirs.claimed`); returns the summary also written to summary.json."""
     settings = validate_config(config)
+    with claimed(workdir, "grpo", config.to_dict(), main=distributed.is_main()):
+        return _train(settings, workdir)
+
+
+def _train(settings: EpisodeGrpoSettings | CompletionGrpoSettings, workdir: str | pathlib.Path) -> dict[str, float]:
     episodes = isinstance(settings, EpisodeGrpoSettings)
     start_time = time.monotonic()
     workdir = pathlib.Path(workdir)

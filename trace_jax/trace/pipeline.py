@@ -80,6 +80,7 @@ from trace_jax.trace.env_writer import EnvWriterSettings, write_environment
 from trace_jax.trace.routing import CALIBRATIONS, RouteOption, Router
 from trace_jax.trace.trace_report import oracle_routes, write_report
 from trace_jax.trace.trajectories import compact, from_record, load_trajectories
+from trace_jax.workdirs import claimed
 
 STAGES = ("base", "analysis", "environments", "training", "routing", "final", "diagnostics", "report")
 EXAMPLE_CHARS = 600  # a routing example's length
@@ -413,8 +414,9 @@ class Pipeline:
             "diagnostics": lambda: self._diagnostics(done("training")),
             "report": lambda: distributed.on_main(lambda: write_report(self.workdir, self.stages, self.config)),
         }
-        for stage in STAGES[: STAGES.index(name) + 1]:
-            result = self._stages.run(stage, steps[stage])
+        with claimed(self.workdir, "trace", self.config.to_dict(), main=distributed.is_main()):
+            for stage in STAGES[: STAGES.index(name) + 1]:
+                result = self._stages.run(stage, steps[stage])
         return result
 
     def _base(self) -> dict:
