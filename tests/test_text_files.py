@@ -22,6 +22,8 @@ def _opens_text_without_encoding(call: ast.Call) -> bool:
     name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
     if name not in OPENERS or any(keyword.arg == "encoding" for keyword in call.keywords):
         return False
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "os":
+        return False  # os.open: a file descriptor, bytes only
     if name != "open":
         return True
     mode_at = 1 if isinstance(func, ast.Name) else 0  # open(path, mode) or path.open(mode)

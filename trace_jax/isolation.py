@@ -249,7 +249,7 @@ def _bind(host: str, root: str, read_only: bool = True) -> None:
     if os.path.isdir(host):
         os.makedirs(target, exist_ok=True)
     else:
-        open(target, "a").close()
+        open(target, "ab").close()
     _mount(host, target, None, MS_BIND | MS_REC)
     if read_only:
         _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | _locked(target))
@@ -258,7 +258,7 @@ def _bind(host: str, root: str, read_only: bool = True) -> None:
 def _remount_submounts_read_only(root: str, writable: tuple[str, ...]) -> None:
     """Remounts read-only every mount under `root` but `writable` ones: a recursive bind brings a bound
     folder's own submounts, which keep the host's rw flag."""
-    for line in pathlib.Path("/proc/self/mountinfo").read_text().splitlines():
+    for line in pathlib.Path("/proc/self/mountinfo").read_text(encoding="utf-8").splitlines():
         point = line.split()[4].encode().decode("unicode_escape")
         options = line.split()[5].split(",")
         if point.startswith(root + "/") and "ro" not in options and not point.startswith(writable):

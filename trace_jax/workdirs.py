@@ -45,6 +45,8 @@ NOT_DECISIVE = frozenset(
         "timeout_s",
         "max_retries",
         "every",
+        "base_url",  # where an LLM is served, not which
+        "api_key_env",
     }
 )
 

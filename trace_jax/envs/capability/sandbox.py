@@ -63,6 +63,7 @@ from trace_jax.tool_calls import parse_assistant_output
 MODULE_FILE = "module.py"  # the module's name in the child's folder (and in its tracebacks)
 SHOWN = 3  # distinct exceptions and gold failures quoted in a report
 TRACE_CHARS = 1200  # a quoted traceback's tail
+MAX_REPORT_CHARS = 20_000  # a report read back from an isolated run (the module may have written it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,6 +259,8 @@ def _report(
         report = ValidationReport.from_json(read_json(path))
         if report.checks != checks or not isinstance(report.passed, bool):
             raise ValueError("a report for other checks")
+        if len(json.dumps(report.to_json())) > MAX_REPORT_CHARS:  # it is quoted to the module's author
+            raise ValueError(f"over {MAX_REPORT_CHARS} characters")
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as error:
         return ValidationReport.failed(f"{stage} left a report that is not a validation report ({error}).", checks)
     return report
