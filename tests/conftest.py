@@ -66,9 +66,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, tuple[pathlib.Path, object]]:
-    """family -> (HF folder, torch model) for tiny random Llama, Qwen2 and Qwen3 models."""
+    """family -> (HF folder, torch model) for tiny random Llama, Qwen2, Qwen3 and Gemma 3 models."""
     root = tmp_path_factory.mktemp("tiny")
-    return {fam: (root / fam, make_checkpoint(fam, root / fam)) for fam in ("llama", "qwen2", "qwen3")}
+    return {fam: (root / fam, make_checkpoint(fam, root / fam)) for fam in ("llama", "qwen2", "qwen3", "gemma3")}
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,23 @@ FAMILIES = {
     ),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=32, tie_word_embeddings=False)),
+    # a local (sliding-window) layer, then a global one; the window far shorter than the tests' sequences, an
+    # attention scale other than head_dim's, rope bases of their own
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 50000.0},
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 
 

@@ -29,7 +29,7 @@ def _same_trees(a, b) -> bool:
     return jax.tree.structure(a) == jax.tree.structure(b) and all(np.array_equal(x, y) for x, y in zip(la, lb))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_logits_match_transformers(tiny_checkpoints, family):
     path, model = tiny_checkpoints[family]
     cfg = ModelConfig.from_dir(path)
@@ -45,6 +45,9 @@ def test_variant_flags_come_from_config(tiny_checkpoints):
     assert cfgs["llama"].rope_scaling is not None and not cfgs["llama"].tie_word_embeddings
     assert cfgs["qwen2"].qkv_bias and cfgs["qwen2"].tie_word_embeddings
     assert cfgs["qwen3"].qk_norm and cfgs["qwen3"].head_dim == 32
+    gemma = cfgs["gemma3"]
+    assert gemma.local_layers == (True, False) and gemma.sliding_window == 5 and gemma.local_rope_theta == 100.0
+    assert gemma.rope_theta == 50000.0 and gemma.attention_scale == 24**-0.5 and gemma.embed_scale == 64**0.5
 
 
 def test_sharded_index_checkpoint_loads_the_same(tiny_checkpoints, tmp_path):

@@ -28,7 +28,7 @@ from trace_jax.sampling import Sampler
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3")
 MIXED_IDX = [0, 2, NO_ADAPTER, 1]
 
 

@@ -37,7 +37,17 @@ ONE_MICRO_BATCH = 1 << 16
 
 @pytest.fixture(scope="module")
 def setup(tiny_checkpoints):
-    path, _ = tiny_checkpoints["qwen2"]
+    return _setup(tiny_checkpoints, "qwen2")
+
+
+@pytest.fixture(scope="module")
+def gemma_setup(tiny_checkpoints):
+    """Gemma 3's local layer has a window of 5, shorter than the shared head and every turn."""
+    return _setup(tiny_checkpoints, "gemma3")
+
+
+def _setup(tiny_checkpoints, family: str):
+    path, _ = tiny_checkpoints[family]
     cfg = ModelConfig.from_dir(path)
     params = load_params(path, cfg)
     fresh = lora.init_adapters(jax.random.key(0), cfg, lora.LoraSpec(rank=4, alpha=8.0), 1)
@@ -99,7 +109,9 @@ def test_token_budget_micro_batches_equal_the_full_batch(setup, objective):
         assert abs(float(metrics[k]) - float(v)) <= 1e-5 * max(1.0, abs(float(v))), k
 
 
-def test_packed_logprobs_are_those_of_the_full_sequences(setup):
+@pytest.mark.parametrize("which", ["setup", "gemma_setup"])
+def test_packed_logprobs_are_those_of_the_full_sequences(request, which):
+    setup = request.getfixturevalue(which)
     cfg, params, adapters, sequences = setup
     batch = pack_sequences(sequences, token_budget=64, min_shared_prefix=8)
     found = {}
@@ -161,16 +173,17 @@ def test_sft_loss_and_gradient_are_the_plain_masked_cross_entropy(setup):
     assert err <= 1e-5
 
 
-def test_remat_under_scan_gives_the_same_gradients(setup):
+@pytest.mark.parametrize("which", ["setup", "gemma_setup"])
+def test_remat_under_scan_gives_the_same_gradients(request, which):
     """`remat=True` runs the layers under `lax.scan`, each rematerialised (the memory plan for long agent
-    heads); the gradients are those of the unrolled layers."""
-    cfg, params, adapters, sequences = setup
+    heads); the gradients are those of the unrolled layers (Gemma 3: its local and global layers scanned alike)."""
+    cfg, params, adapters, sequences = request.getfixturevalue(which)
     batch = pack_sequences(sequences, token_budget=ONE_MICRO_BATCH, min_shared_prefix=8)
     plain, _ = make_grad_fn(cfg, LOSS)(params, adapters.weights, adapters.scale, batch)
     scanned, _ = make_grad_fn(cfg, LOSS, remat=True)(params, adapters.weights, adapters.scale, batch)
     err = tree_rel(scanned, plain)
-    print(f"\n[packed learner] remat under scan vs unrolled layers: grad rel diff {err:.2e}")
-    assert err <= 1e-6
+    print(f"\n[packed learner] remat under scan vs unrolled layers ({cfg.family}): grad rel diff {err:.2e}")
+    assert err <= (1e-5 if cfg.family == "gemma3" else 1e-6)  # Gemma's scaled embeddings carry rounding further
 
 
 def test_frozen_bottom_layers_give_the_same_gradients(setup):

@@ -30,14 +30,23 @@ def model(tiny_checkpoints):
     return cfg, load_params(path, cfg), torch_model
 
 
+@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def each_family(request, tiny_checkpoints):
+    """The model of each attention kind: global only (Qwen3), and Gemma 3's local sliding-window layer (a window
+    of 5, far shorter than the prompts and prefixes here) beside a global one."""
+    path, torch_model = tiny_checkpoints[request.param]
+    cfg = ModelConfig.from_dir(path)
+    return cfg, load_params(path, cfg), torch_model
+
+
 def _full_logprobs(params, cfg, prompt, generated):
     logits, _ = forward(params, jnp.asarray([prompt + generated]), cfg)
     logp = jax.nn.log_softmax(logits[0, len(prompt) - 1 : -1], axis=-1)
     return np.asarray(logp[jnp.arange(len(generated)), jnp.asarray(generated)])
 
 
-def test_cached_decoding_equals_full_forward(model):
-    cfg, params, _ = model
+def test_cached_decoding_equals_full_forward(each_family):
+    cfg, params, _ = each_family
     tokens = np.random.RandomState(1).randint(0, cfg.vocab_size, (3, 24))
     full, _ = forward(params, jnp.asarray(tokens), cfg)
     cache = init_cache(cfg, 3, 64)
@@ -60,8 +69,8 @@ def test_cached_decoding_equals_full_forward(model):
     assert np.asarray(cache.lengths).tolist() == [24, 24, 24]
 
 
-def test_greedy_matches_transformers_generate_and_logprobs_rescore(model):
-    cfg, params, torch_model = model
+def test_greedy_matches_transformers_generate_and_logprobs_rescore(each_family):
+    cfg, params, torch_model = each_family
     sampler = Sampler(cfg, params)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [10] * 20]
     outs, _ = sampler.generate(prompts, key=jax.random.key(0), max_new_tokens=12)
@@ -95,11 +104,11 @@ def test_continuing_a_row_equals_a_fresh_prefill(model):
     assert greedy_cont[0].token_ids == greedy_fresh[0].token_ids
 
 
-def test_a_row_started_from_a_stored_prefix_equals_a_full_prefill(model):
+def test_a_row_started_from_a_stored_prefix_equals_a_full_prefill(each_family):
     """start_row points a used row at the first `length` positions of a prefix slot; the row
     then continues exactly as if its whole prompt had been prefilled there, and the other
     rows are untouched."""
-    cfg, params, _ = model
+    cfg, params, _ = each_family
     sampler = Sampler(cfg, params, min_shared_prefix=None)
     rng = np.random.RandomState(3)
     head = rng.randint(0, cfg.vocab_size, 150).tolist()
@@ -456,15 +465,15 @@ def _prefilled(sampler, kind: str = "rows") -> list[int]:
     return sorted(n for k, calls in sampler.prefills if k == kind for n in calls if n)
 
 
-def _assert_same_outputs(shared, plain):
+def _assert_same_outputs(shared, plain, tolerance=1e-5):
     assert [o.token_ids for o in shared] == [o.token_ids for o in plain]
     assert [o.finish_reason for o in shared] == [o.finish_reason for o in plain]
-    assert max(np.abs(np.subtract(a.logprobs, b.logprobs)).max() for a, b in zip(shared, plain)) <= 1e-5
+    assert max(np.abs(np.subtract(a.logprobs, b.logprobs)).max() for a, b in zip(shared, plain)) <= tolerance
 
 
 @pytest.mark.parametrize("case", SHARING_CASES)
-def test_shared_prefix_prefill_equals_per_row_prefill(model, case):
-    cfg, params, _ = model
+def test_shared_prefix_prefill_equals_per_row_prefill(each_family, case):
+    cfg, params, _ = each_family
     prompts, adapter_idx = SHARING_CASES[case]
     shared_len = min(common_prefix_length(prompts), min(map(len, prompts)) - 1)
     groups = len(set(np.broadcast_to(adapter_idx, len(prompts)).tolist()))
@@ -472,7 +481,10 @@ def test_shared_prefix_prefill_equals_per_row_prefill(model, case):
     sharing, plain = _recorded_sampler(cfg, params, 4), _recorded_sampler(cfg, params, None)
     shared_out, shared_cache = sharing.generate(prompts, **kwargs)
     plain_out, plain_cache = plain.generate(prompts, **kwargs)
-    _assert_same_outputs(shared_out, plain_out)
+    # Gemma's sqrt(hidden)-scaled embeddings and (1 + w) norms carry fp32 rounding further through these adapted
+    # rows: there both paths sit up to 6e-5 from the full forward with the row's adapter, and from each other.
+    tolerance = 2e-4 if cfg.family == "gemma3" else 1e-5
+    _assert_same_outputs(shared_out, plain_out, tolerance)
     assert shared_cache.batch == plain_cache.batch
     assert np.array_equal(np.asarray(shared_cache.sequence_lengths), np.asarray(plain_cache.sequence_lengths))
     # The prefix is prefilled once per adapter, then only the suffixes; without sharing, whole prompts.
@@ -494,7 +506,7 @@ def test_shared_prefix_prefill_equals_per_row_prefill(model, case):
     )
     shared_next, shared_cache = sharing.generate(turn2, cache=shared_cache, **kwargs)
     plain_next, plain_cache = plain.generate(turn2, cache=plain_cache, **kwargs)
-    _assert_same_outputs(shared_next, plain_next)
+    _assert_same_outputs(shared_next, plain_next, tolerance)
     assert np.array_equal(np.asarray(shared_cache.sequence_lengths), np.asarray(plain_cache.sequence_lengths))
 
 

@@ -1,4 +1,4 @@
-"""The decoder forward pass: one pure function for Llama, Qwen2 and Qwen3.
+"""The decoder forward pass: one pure function for Llama, Qwen2, Qwen3 and Gemma 3.
 
 Parameters are a plain pytree with one dict per layer (`params["layers"]` is a
 list), and each layer has its own KV-cache buffers: a layer reads and updates its
@@ -92,10 +92,12 @@ def add_prefix_slots(cache: KVCache, prefixes: KVCache) -> KVCache:
     return cache.replace(prefix_k=join(cache.prefix_k, prefixes.k), prefix_v=join(cache.prefix_v, prefixes.v))
 
 
-def rope_inverse_frequencies(cfg: ModelConfig) -> jax.Array:
-    """Rotary inverse frequencies, with Llama 3 long-context scaling when configured."""
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim))
-    s = cfg.rope_scaling
+def rope_inverse_frequencies(cfg: ModelConfig, local: bool = False) -> jax.Array:
+    """Rotary inverse frequencies, with Llama 3 long-context scaling when configured (`local`: a Gemma 3
+    sliding-window layer's, from its own base and unscaled)."""
+    theta = cfg.local_rope_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim))
+    s = None if local else cfg.rope_scaling
     if s is None:
         return inv_freq
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
@@ -110,7 +112,7 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> jax.Array:
     return jnp.where(is_medium, smoothed, scaled)
 
 
-def rope_tables(cfg: ModelConfig, num_positions: int) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(cfg: ModelConfig, num_positions: int, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """cos and sin of the rotary angles of positions 0..num_positions-1, [num_positions, head_dim / 2].
 
     NumPy constants, computed when the program is traced, so each layer only looks its
@@ -118,7 +120,7 @@ def rope_tables(cfg: ModelConfig, num_positions: int) -> tuple[np.ndarray, np.nd
     kernels and evaluated them once per element (4% of a learner step here).
     """
     with jax.ensure_compile_time_eval():
-        inv_freq = np.asarray(rope_inverse_frequencies(cfg), np.float32)
+        inv_freq = np.asarray(rope_inverse_frequencies(cfg, local), np.float32)
     angles = np.arange(num_positions, dtype=np.float32)[:, None] * inv_freq
     return np.cos(angles), np.sin(angles)
 
@@ -131,10 +133,13 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm in fp32, cast back before the weight (as transformers does)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool = False) -> jax.Array:
+    """RMSNorm in fp32, cast back before the weight (as transformers does); with `offset` (Gemma), scaled by
+    (1 + weight) in fp32 and cast back after."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * normed.astype(x.dtype)
 
 
@@ -179,8 +184,10 @@ def _softmax_combine_bwd(combine, residuals, d_out):
 _softmax_combine.defvjp(_softmax_combine_fwd, _softmax_combine_bwd)
 
 
-def _attention(q, k, v, q_pos, k_pos, k_valid, prefix=None):
-    """Grouped-query attention. q: [B,T,H,hd]; k, v: [B,KV,S,hd]; masks by absolute position.
+def _attention(q, k, v, q_pos, k_pos, k_valid, prefix=None, scale=None, window=None):
+    """Grouped-query attention. q: [B,T,H,hd]; k, v: [B,KV,S,hd]; masks by absolute position. `scale`: of the
+    scores (default hd ** -0.5). `window` (a local layer's, or None): a query attends to the keys of its last
+    `window` positions only, itself included.
 
     `prefix` (pk, pv [G,KV,P,hd], valid [B, G*P]) adds keys every row may attend to where
     `valid`: the shared prefix slots, all before the rows' own positions. Their scores are
@@ -197,8 +204,11 @@ def _attention(q, k, v, q_pos, k_pos, k_valid, prefix=None):
     dot = lambda a, b, contract: jax.lax.dot_general(
         a, b, (((2,), (contract,)), ((0,), (0,))), preferred_element_type=jnp.float32
     )
-    scores = dot(rows(q), rows(k), 2).reshape(batch, kv_heads, groups, t, s) * (hd**-0.5)
+    scale = hd**-0.5 if scale is None else scale
+    scores = dot(rows(q), rows(k), 2).reshape(batch, kv_heads, groups, t, s) * scale
     mask = k_valid[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # [B, T, S]
+    if window is not None:
+        mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
 
     def own(probs, v):  # [B, KV, g, T, S] x [B, KV, S, hd] -> [B, KV, g, T, hd]
@@ -209,8 +219,12 @@ def _attention(q, k, v, q_pos, k_pos, k_valid, prefix=None):
     else:
         pk, pv, valid = prefix
         slots = pk.shape[0] * pk.shape[2]
-        p_scores = dot(heads(q), heads(pk), 2).reshape(kv_heads, batch, groups, t, slots).swapaxes(0, 1) * (hd**-0.5)
-        p_scores = jnp.where(valid[:, None, None, None, :], p_scores, jnp.finfo(jnp.float32).min)
+        p_scores = dot(heads(q), heads(pk), 2).reshape(kv_heads, batch, groups, t, slots).swapaxes(0, 1) * scale
+        p_mask = jnp.broadcast_to(valid[:, None, :], (batch, t, slots))  # [B, T, slots]
+        if window is not None:  # a slot's positions are absolute: a prefix starts at 0
+            p_pos = jnp.arange(slots) % pk.shape[2]
+            p_mask &= p_pos[None, None, :] > q_pos[:, :, None] - window
+        p_scores = jnp.where(p_mask[:, None, None], p_scores, jnp.finfo(jnp.float32).min)
 
         def own_and_prefix(probs, values):
             p_out = dot(heads(probs[..., :slots].astype(values[1].dtype)), heads(values[1]), 1)
@@ -279,30 +293,43 @@ def forward_hidden(
         k_pos = cache.prefix_len[:, None] + buffer_pos[None, :]
         k_valid = buffer_pos[None, :] < (cache.lengths + num_new)[:, None]
         prefix_valid = _prefix_valid(cache) if cache.num_slots else None
-        cos, sin = rope_tables(cfg, cache.prefix_k[0].shape[2] + cache.max_len)
+        num_positions = cache.prefix_k[0].shape[2] + cache.max_len
     else:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
-        cos, sin = rope_tables(cfg, t)
-    cos, sin = (jnp.asarray(table)[positions][:, :, None, :] for table in (cos, sin))  # [B, T, 1, hd/2]
+        num_positions = t
+    lookup = lambda local: tuple(  # [B, T, 1, hd/2]
+        jnp.asarray(table)[positions][:, :, None, :] for table in rope_tables(cfg, num_positions, local)
+    )
+    rope = lookup(False) + (lookup(True) if cfg.has_local_layers else ())
     if cache is None:
         write_pos = write_mask = k_pos = k_valid = prefix_valid = None
     # What every layer reads besides its own weights and cache: arguments of the jitted layer below, not closures.
-    ctx = (cos, sin, positions, write_pos, write_mask, k_pos, k_valid, prefix_valid)
+    ctx = (rope, positions, write_pos, write_mask, k_pos, k_valid, prefix_valid)
+    norm = functools.partial(rms_norm, eps=cfg.rms_norm_eps, offset=cfg.norm_offset)
+    act = functools.partial(jax.nn.gelu, approximate=True) if cfg.activation == "gelu_tanh" else jax.nn.silu
 
-    def layer_fn(x, layer, lora, layer_k, layer_v, prefix_k, prefix_v, ctx):
-        cos, sin, positions, write_pos, write_mask, k_pos, k_valid, prefix_valid = ctx
-        h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    def layer_fn(x, layer, lora, layer_k, layer_v, prefix_k, prefix_v, local, ctx):
+        """One layer; `local` (a bool scalar, or None for a model without local layers): a sliding-window layer."""
+        rope, positions, write_pos, write_mask, k_pos, k_valid, prefix_valid = ctx
+        cos, sin = rope[:2]
+        window = None
+        if local is not None:  # Gemma 3: a local layer's own rope base and window (global: one no position passes)
+            cos, sin = jnp.where(local, rope[2], cos), jnp.where(local, rope[3], sin)
+            window = jnp.where(local, cfg.sliding_window, jnp.iinfo(jnp.int32).max // 2)
+        h = norm(x, layer["attn_norm"])
         q = _linear(h, layer, "q_proj", lora).reshape(batch, t, cfg.num_heads, cfg.head_dim)
         k = _linear(h, layer, "k_proj", lora).reshape(batch, t, cfg.num_kv_heads, cfg.head_dim)
         v = _linear(h, layer, "v_proj", lora).reshape(batch, t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+            q = norm(q, layer["q_norm"])
+            k = norm(k, layer["k_norm"])
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
+        scale = cfg.attention_scale
         if layer_k is None:
+            keys, values = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
             attn = _attention(
-                q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions, positions, jnp.ones((batch, t), bool)
+                q, keys, values, positions, positions, jnp.ones((batch, t), bool), scale=scale, window=window
             )
         else:
             layer_k = _write_cache(layer_k, k, write_pos, write_mask)
@@ -315,11 +342,15 @@ def forward_hidden(
                 k_pos,
                 k_valid,
                 None if prefix_valid is None else (prefix_k, prefix_v, prefix_valid),
+                scale=scale,
+                window=window,
             )
-        x = constrain(x + _linear(attn, layer, "o_proj", lora), "hidden")
-        h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        gated = jax.nn.silu(_linear(h, layer, "gate_proj", lora)) * _linear(h, layer, "up_proj", lora)
-        x = constrain(x + _linear(constrain(gated, "mlp"), layer, "down_proj", lora), "hidden")
+        out = _linear(attn, layer, "o_proj", lora)
+        x = constrain(x + (norm(out, layer["post_attn_norm"]) if cfg.sandwich_norms else out), "hidden")
+        h = norm(x, layer["mlp_norm"])
+        gated = act(_linear(h, layer, "gate_proj", lora)) * _linear(h, layer, "up_proj", lora)
+        out = _linear(constrain(gated, "mlp"), layer, "down_proj", lora)
+        x = constrain(x + (norm(out, layer["post_mlp_norm"]) if cfg.sandwich_norms else out), "hidden")
         return x, layer_k, layer_v
 
     stop_layer = cfg.num_layers if stop_layer is None else stop_layer
@@ -328,7 +359,12 @@ def forward_hidden(
     if (hidden is None) != (start_layer == 0):
         raise ValueError("a pass starting after layer 0 takes `hidden` (and only such a pass does)")
     ids = range(start_layer, stop_layer)
-    x = constrain(params["embed"][tokens] if hidden is None else hidden, "hidden")
+    if hidden is None:
+        hidden = params["embed"][tokens]
+        if cfg.embed_scale != 1.0:
+            hidden = hidden * jnp.asarray(cfg.embed_scale, hidden.dtype)
+    x = constrain(hidden, "hidden")
+    locals_ = [jnp.asarray(cfg.local_layers[i]) for i in ids] if cfg.has_local_layers else [None] * len(ids)
     layers = params["layers"][start_layer:stop_layer]
     if row_lora is not None:
         row_lora = {
@@ -341,7 +377,7 @@ def forward_hidden(
         else [tuple(c[i] for i in ids) for c in (cache.k, cache.v, cache.prefix_k, cache.prefix_v)]
     )
     if remat:
-        x, new_k, new_v = _scan_layers(functools.partial(layer_fn, ctx=ctx), x, layers, row_lora, caches)
+        x, new_k, new_v = _scan_layers(functools.partial(layer_fn, ctx=ctx), x, layers, row_lora, caches, locals_)
     else:
         new_k, new_v = [], []
         # Each layer is a call of one jitted function: JAX traces and lowers a layer once per program instead
@@ -352,12 +388,12 @@ def forward_hidden(
                 None if row_lora is None else (row_lora["mix"], jax.tree.map(lambda w, i=i: w[i], row_lora["weights"]))
             )
             layer_cache = (None,) * 4 if caches is None else tuple(c[i] for c in caches)
-            x, layer_k, layer_v = call(x, layer, lora, *layer_cache, ctx)
+            x, layer_k, layer_v = call(x, layer, lora, *layer_cache, locals_[i], ctx)
             new_k.append(layer_k)
             new_v.append(layer_v)
     done = stop_layer == cfg.num_layers
     if done:
-        x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        x = norm(x, params["final_norm"])
     if cache is not None:
         k, v = list(cache.k), list(cache.v)
         k[start_layer:stop_layer], v[start_layer:stop_layer] = new_k, new_v
@@ -365,21 +401,29 @@ def forward_hidden(
     return x, cache
 
 
-def _scan_layers(layer_fn: Callable, x: jax.Array, layers: list, row_lora: Params | None, caches: list[tuple] | None):
+def _scan_layers(
+    layer_fn: Callable,
+    x: jax.Array,
+    layers: list,
+    row_lora: Params | None,
+    caches: list[tuple] | None,
+    locals_: list[jax.Array | None],
+):
     """The layers under `lax.scan`, each rematerialised: the backward pass then holds one layer's
     temporaries at a time (unrolled, XLA:CPU keeps attention-sized buffers of every layer alive through the
     backward pass, too many for a long agent head). Costs a stacked copy of the layer weights per call."""
     stacked = jax.tree.map(lambda *w: jnp.stack(w), *layers)
     lora_weights = None if row_lora is None else row_lora["weights"]
     stacked_caches = (None,) * 4 if caches is None else tuple(jnp.stack(c) for c in caches)
+    stacked_locals = None if locals_[0] is None else jnp.stack(locals_)
 
     def body(x, per_layer):
-        layer, weights, layer_k, layer_v, prefix_k, prefix_v = per_layer
+        layer, weights, layer_k, layer_v, prefix_k, prefix_v, local = per_layer
         lora = None if row_lora is None else (row_lora["mix"], weights)
-        x, layer_k, layer_v = jax.checkpoint(layer_fn)(x, layer, lora, layer_k, layer_v, prefix_k, prefix_v)
+        x, layer_k, layer_v = jax.checkpoint(layer_fn)(x, layer, lora, layer_k, layer_v, prefix_k, prefix_v, local)
         return x, (layer_k, layer_v)
 
-    x, (new_k, new_v) = jax.lax.scan(body, x, (stacked, lora_weights, *stacked_caches))
+    x, (new_k, new_v) = jax.lax.scan(body, x, (stacked, lora_weights, *stacked_caches, stacked_locals))
     if caches is None:
         return x, [None] * len(layers), [None] * len(layers)
     return x, list(new_k), list(new_v)

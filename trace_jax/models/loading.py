@@ -33,11 +33,24 @@ _LAYER_TENSORS = [
     for proj in projs
     for kind in ("weight", "bias")
 ]
+# Gemma 3's norms around both blocks: post_attention_layernorm is the attention output's, the MLP's input norm is
+# pre_feedforward_layernorm.
+_SANDWICH_TENSORS = [
+    ("post_attention_layernorm.weight", ("post_attn_norm",), False),
+    ("pre_feedforward_layernorm.weight", ("mlp_norm",), False),
+    ("post_feedforward_layernorm.weight", ("post_mlp_norm",), False),
+]
 _GLOBAL_TENSORS = [
     ("model.embed_tokens.weight", "embed", False),
     ("model.norm.weight", "final_norm", False),
     ("lm_head.weight", "lm_head", True),
 ]
+
+
+def _layer_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], bool]]:
+    if not cfg.sandwich_norms:
+        return _LAYER_TENSORS
+    return [t for t in _LAYER_TENSORS if t[0] != "post_attention_layernorm.weight"] + _SANDWICH_TENSORS
 
 
 def _safetensors_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -73,7 +86,7 @@ def load_params(model_dir: str | pathlib.Path, cfg: ModelConfig, dtype=jnp.float
     layers = []
     for i in range(cfg.num_layers):
         layer: dict = {}
-        for suffix, path, transpose in _LAYER_TENSORS:
+        for suffix, path, transpose in _layer_tensors(cfg):
             name = f"model.layers.{i}.{suffix}"
             if name in tensors:
                 node = layer
@@ -92,6 +105,7 @@ def load_params(model_dir: str | pathlib.Path, cfg: ModelConfig, dtype=jnp.float
 def _check_shapes(params: dict, cfg: ModelConfig) -> None:
     required = {"attn_norm", "mlp_norm", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     required |= {"q_norm", "k_norm"} if cfg.qk_norm else set()
+    required |= {"post_attn_norm", "post_mlp_norm"} if cfg.sandwich_norms else set()
     for i, layer in enumerate(params["layers"]):
         if set(layer) != required:
             raise ValueError(f"layer {i} has tensors {sorted(layer)}, expected {sorted(required)}")
@@ -108,7 +122,7 @@ def to_hf_tensors(params: dict, cfg: ModelConfig) -> dict[str, np.ndarray]:
             value = np.asarray(params[key], np.float32)
             out[hf_name] = np.ascontiguousarray(value.T if transpose else value)
     for i, layer in enumerate(params["layers"]):
-        for suffix, path, transpose in _LAYER_TENSORS:
+        for suffix, path, transpose in _layer_tensors(cfg):
             node = layer
             for key in path:
                 node = node.get(key) if isinstance(node, dict) else None
