@@ -60,3 +60,6 @@ def test_gemma_turns_render_in_its_own_format(converted):
     )
     assert rendered == "<bos><start_of_turn>user\nBe brief.\n\nHi!<end_of_turn>\n<start_of_turn>model\n"
     assert converted.tokenizer.tokenizer.convert_tokens_to_ids("<end_of_turn>") in converted.tokenizer.eos_token_ids
+    bos = converted.tokenizer.tokenizer.bos_token_id
+    assert converted.tokenizer.encode("Hi", add_special_tokens=True)[0] == bos  # a raw prompt starts as Gemma's do
+    assert bos not in converted.tokenizer.encode("Hi")  # a continuation does not

@@ -433,6 +433,7 @@ def _gemma3_tokenizer(gguf_file: str | os.PathLike, meta: dict[str, Any]) -> Pre
         eos_token=token("eos"),
         unk_token=token("unknown"),
         pad_token=token("padding"),
+        add_bos_token=True,  # Gemma degrades without <bos>: a raw prompt gets it as a rendered chat does
         chat_template=GEMMA_CHAT_TEMPLATE,
         model_max_length=meta["gemma3.context_length"],
         clean_up_tokenization_spaces=False,
