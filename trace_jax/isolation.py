@@ -125,16 +125,7 @@ def run_isolated(
     for name in outputs:
         (folder / name).unlink(missing_ok=True)
     with tempfile.TemporaryDirectory(prefix="trace_jax_root_") as root:
-        plan = {
-            "root": root,
-            "readable": sorted({*SYSTEM_PATHS, *readable}),
-            "inputs": list(inputs),
-            "outputs": list(outputs),
-            "argv": argv,
-            "env": env,
-            "confinement": dataclasses.asdict(confinement),
-        }
-        (folder / PLAN).write_text(json.dumps(plan), encoding="utf-8")
+        _write_plan(folder, root, argv, env, readable, inputs, outputs, confinement)
         with open(folder / "isolation_stderr.txt", "w+b") as stderr:
             process = subprocess.Popen(
                 [*_unshare(), sys.executable, "-I", __file__, PLAN],
@@ -155,6 +146,29 @@ def run_isolated(
             tail = stderr.read().decode(errors="replace")
     (folder / PLAN).unlink(missing_ok=True)
     return IsolatedRun(returncode if returncode is None or returncode >= 0 else 128 - returncode, tail)
+
+
+def _write_plan(
+    folder: pathlib.Path,
+    root: str,
+    argv: list[str],
+    env: dict[str, str],
+    readable: tuple[str, ...],
+    inputs: tuple[str, ...],
+    outputs: tuple[str, ...],
+    confinement: Confinement,
+) -> None:
+    """The init's instructions (`PLAN` in `folder`): the root to build, what to bind, copy in and out, and run."""
+    plan = {
+        "root": root,
+        "readable": sorted({*SYSTEM_PATHS, *readable}),
+        "inputs": list(inputs),
+        "outputs": list(outputs),
+        "argv": argv,
+        "env": env,
+        "confinement": dataclasses.asdict(confinement),
+    }
+    (folder / PLAN).write_text(json.dumps(plan), encoding="utf-8")
 
 
 def _unshare() -> list[str]:
@@ -187,16 +201,7 @@ def isolation_problem() -> str:
     except (ImportError, OSError, RuntimeError) as error:
         return f"libseccomp is not usable from Python ({error}). " + HOW_TO_ENABLE
     with tempfile.TemporaryDirectory(prefix="trace_jax_probe_") as folder:
-        plan = {
-            "root": tempfile.mkdtemp(dir=folder),
-            "readable": list(SYSTEM_PATHS),
-            "inputs": [],
-            "outputs": [],
-            "argv": ["/bin/true"],
-            "env": {},
-            "confinement": dataclasses.asdict(Confinement()),
-        }
-        pathlib.Path(folder, PLAN).write_text(json.dumps(plan), encoding="utf-8")
+        _write_plan(pathlib.Path(folder), tempfile.mkdtemp(dir=folder), ["/bin/true"], {}, (), (), (), Confinement())
         try:
             probe = subprocess.run(
                 [*_unshare(), sys.executable, "-I", __file__, PLAN],

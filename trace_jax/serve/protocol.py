@@ -16,13 +16,13 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from trace_jax.serve.engine import INT32_MAX
 from trace_jax.tool_calls import TOOL_CALL_OPEN, parse_assistant_output
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256  # a stop string is matched against every new piece of text: keep it short
-INT32_MAX = (1 << 31) - 1  # the sampler's per-row settings are int32
 
 
 class ApiError(Exception):
