@@ -1,11 +1,13 @@
 """Sampling speed: trace-jax against transformers `generate` on the same prompts.
 
-  python -m launch.bench_sampler --json
+  python -m launch.bench_sampler --json [--models=smollm2-135m-instruct,gemma-3-270m]
 
-Greedy, fp32, the embedded SmolLM2-135M-Instruct by default; batch 1 and batch 32,
+Greedy, fp32, each model in `--models` (embedded names or HF checkpoint folders; the
+embedded SmolLM2-135M-Instruct by default, Gemma 3 270M with the `gemma` extra); batch 1 and batch 32,
 128 new tokens, every row forced to run the full 128 tokens (no stop tokens) so both
 sides generate exactly the same number. Compilation is excluded (one warm-up call).
-The final line is JSON with tokens_per_s for each side and the ratios ours / theirs.
+The final line is JSON: per model, tokens_per_s for each side and the ratios ours / theirs,
+all measured in one process on one machine, so the models compare with each other too.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from absl import app, flags, logging
 
 from launch import agents
 from trace_jax.models.model import load_model
+from trace_jax.runtime import cpu_name
 from trace_jax.sampling import Sampler
 
-_MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Embedded model name or HF checkpoint folder.")
+_MODELS = flags.DEFINE_list(
+    "models", ["smollm2-135m-instruct"], "Embedded model names or HF checkpoint folders, timed one after another."
+)
 _BATCHES = flags.DEFINE_list("batches", ["1", "32"], "Batch sizes to time.")
 _NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens generated per row.")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "Timed runs per setting (the best is kept).")
@@ -83,20 +88,10 @@ def _time_transformers(model, prompts, new_tokens, repeats) -> float:
     return _best_time(run, repeats)
 
 
-def main(argv):
-    del argv
-    logging.set_verbosity(logging.WARNING)
-    agents.ensure_built(_MODEL.value)
-    model = load_model(_MODEL.value)
-    import torch
-
-    result = {
-        "model": _MODEL.value,
-        "max_new_tokens": _NEW.value,
-        "dtype": "float32",
-        "jax_backend": jax.default_backend(),
-        "torch_threads": torch.get_num_threads(),
-    }
+def _bench_model(name: str) -> dict:
+    """Tokens per second of ours and of transformers for each batch size, on model `name`."""
+    model = load_model(name)
+    result = {}
     for batch in map(int, _BATCHES.value):
         prompts = _prompts(model.tokenizer, batch)
         tokens = batch * _NEW.value
@@ -107,8 +102,26 @@ def main(argv):
         result[f"ratio_batch{batch}"] = round(ours / theirs, 2)
         if not _JSON.value:
             print(
-                f"batch {batch}: trace-jax {ours:.1f} tok/s, transformers {theirs:.1f} tok/s, ratio {ours / theirs:.2f}"
+                f"{name} batch {batch}: trace-jax {ours:.1f} tok/s, transformers {theirs:.1f} tok/s, "
+                f"ratio {ours / theirs:.2f}"
             )
+    return result
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)
+    agents.ensure_built(*_MODELS.value)
+    import torch
+
+    result = {
+        "max_new_tokens": _NEW.value,
+        "dtype": "float32",
+        "jax_backend": jax.default_backend(),
+        "cpu": cpu_name(),
+        "torch_threads": torch.get_num_threads(),
+        "models": {name: _bench_model(name) for name in _MODELS.value},
+    }
     print(json.dumps(result) if _JSON.value else result)
 
 

@@ -63,3 +63,53 @@ def test_gemma_turns_render_in_its_own_format(converted):
     bos = converted.tokenizer.tokenizer.bos_token_id
     assert converted.tokenizer.encode("Hi", add_special_tokens=True)[0] == bos  # a raw prompt starts as Gemma's do
     assert bos not in converted.tokenizer.encode("Hi")  # a continuation does not
+
+
+def test_a_tool_conversation_through_gemmas_template_is_encoded_incrementally_and_parses_back(converted):
+    """The project's tool-call format (instructions in the system prompt, `<tool_call>` blocks, results as
+    `<tool_response>` user turns) rendered by Gemma's template: the tokens an episode feeds turn by turn equal
+    the encoding of the whole conversation, and the calls the model would emit parse back to themselves."""
+    from trace_jax.agent.chat_codec import ChatCodec
+    from trace_jax.tool_calls import format_tool_call, parse_assistant_output
+
+    tokenizer = converted.tokenizer
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_order_details",
+                "description": "Look up an order.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"order_id": {"type": "string"}},
+                    "required": ["order_id"],
+                },
+            },
+        }
+    ]
+    codec = ChatCodec(tokenizer, tools)
+    messages = [
+        {"role": "system", "content": "You are a retail agent."},
+        {"role": "user", "content": "Where is order #W1?"},
+    ]
+    ids = codec.first_prompt(messages)
+    call = format_tool_call("get_order_details", {"order_id": "#W1"})
+    turns = [
+        (call, [{"role": "tool", "content": '{"status": "delivered"}'}]),
+        ("It was delivered.", [{"role": "user", "content": "Thanks!"}]),
+    ]
+    for reply, observations in turns:
+        ids += codec.assistant_turn(reply)
+        parsed = parse_assistant_output(tokenizer.decode(codec.assistant_turn(reply)[:-1]), tools)
+        assert parsed.errors == () and [(c.name, c.arguments) for c in parsed.tool_calls] == (
+            [("get_order_details", {"order_id": "#W1"})] if reply == call else []
+        )
+        ids += codec.continuation([*messages, {"role": "assistant", "content": reply}], observations)
+        messages += [{"role": "assistant", "content": reply}, *observations]
+
+    assert ids == tokenizer.apply_chat(messages, tools=tools)
+    rendered = tokenizer.decode(ids)
+    assert rendered.startswith("<bos><start_of_turn>user\nYou are a retail agent.\n\n")
+    assert "get_order_details" in rendered.split("<end_of_turn>")[0]  # the tool list, in the first user turn
+    assert '<start_of_turn>user\n<tool_response>\n{"status": "delivered"}\n</tool_response><end_of_turn>' in rendered
+    assert rendered.endswith("<start_of_turn>user\nThanks!<end_of_turn>\n<start_of_turn>model\n")
