@@ -18,7 +18,7 @@ from absl import app, flags
 from launch import agents
 from trace_jax import lora
 from trace_jax.models.model import DTYPES, load_model
-from trace_jax.sampling import Sampler
+from trace_jax.sampling import POLICIES, Sampler
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Embedded model name or HF checkpoint folder.")
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text.", required=True)
@@ -32,6 +32,9 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).", lower_boun
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed for sampling.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", list(DTYPES), "Parameter dtype.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON line instead of the text.")
+_POLICY = flags.DEFINE_enum(
+    "sampler_policy", None, list(POLICIES), "How the sampler schedules rows (default: by backend; see Sampler)."
+)
 
 
 def main(argv):
@@ -46,7 +49,12 @@ def main(argv):
         prompt_ids = tok.encode(_PROMPT.value, add_special_tokens=True)
     adapters = lora.load_peft(_ADAPTER.value, model.cfg, DTYPES[_DTYPE.value]) if _ADAPTER.value else None
     sampler = Sampler(
-        model.cfg, model.params, adapters=adapters, detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True)
+        model.cfg,
+        model.params,
+        adapters=adapters,
+        detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        policy=_POLICY.value,
+        tokenize=tok.encode,
     )
     start = time.time()
     (out,), _ = sampler.generate(

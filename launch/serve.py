@@ -22,7 +22,7 @@ from absl import app, flags
 from launch import agents
 from trace_jax import lora
 from trace_jax.models.model import DTYPES, load_model
-from trace_jax.sampling import Sampler
+from trace_jax.sampling import POLICIES, Sampler
 from trace_jax.serve.app import Server, build_app
 from trace_jax.serve.engine import ServingEngine
 from trace_jax.serve.models import Catalog, TraceRouter, trace_run_adapters, trace_run_model
@@ -54,6 +54,9 @@ _DECODE_CHUNK = flags.DEFINE_integer(
     "decode_chunk", 16, "Tokens per decode call at most (streaming granularity).", lower_bound=1
 )
 _SEED = flags.DEFINE_integer("seed", 0, "Key of every random draw; a request's `seed` picks its stream.")
+_POLICY = flags.DEFINE_enum(
+    "sampler_policy", None, list(POLICIES), "How the sampler schedules rows (default: by backend; see Sampler)."
+)
 _API_KEY = flags.DEFINE_string(
     "api_key",
     os.environ.get("TRACE_JAX_API_KEY", ""),
@@ -94,6 +97,7 @@ def build_server(
     max_waiting: int = 256,
     api_key: str = "",
     max_body_bytes: int = 8 * 2**20,
+    sampler_policy: str | None = None,
 ) -> Server:
     """The model, its adapter stack (--adapters, then the run's), the engine and the served names."""
     model = load_model(model_name, dtype)
@@ -115,6 +119,8 @@ def build_server(
         max_context=max_context,
         decode_chunk=decode_chunk,
         detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+        policy=sampler_policy,
+        tokenize=tokenizer.encode,
     )
     engine = ServingEngine(sampler, sorted(tokenizer.eos_token_ids), batch=batch, seed=seed, max_waiting=max_waiting)
     router = TraceRouter(model, trace_run, {name: i for i, name in enumerate(folders)}) if trace_run else None
@@ -146,6 +152,7 @@ def main(argv: list[str]) -> None:
         max_waiting=_MAX_WAITING.value,
         api_key=_API_KEY.value,
         max_body_bytes=int(_MAX_BODY_MB.value * 2**20),
+        sampler_policy=_POLICY.value,
     )
     sock = socket.create_server((_HOST.value, _PORT.value))  # listening now: clients queue until uvicorn accepts
     host, port = sock.getsockname()[:2]

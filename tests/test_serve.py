@@ -68,7 +68,9 @@ def adapters(model, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model, adapters, job_env):
-    """The server's /v1 URL: the base as "tiny", the adapters by name, a batch of BATCH rows."""
+    """The server's /v1 URL: the base as "tiny", the adapters by name, a batch of BATCH rows, on the fused
+    sampler policy (an accelerator's: calls in flight while requests come and go), its replies compared with
+    the library's default (adaptive) policy; the TRACE router's server (test_trace_pipeline) runs the adaptive."""
     named = ",".join(f"{name}={folder}" for name, folder in adapters.items())
     process, url = start_server(
         [
@@ -77,6 +79,7 @@ def server(tiny_chat_model, adapters, job_env):
             f"--adapters={named}",
             f"--batch={BATCH}",
             "--decode_chunk=8",
+            "--sampler_policy=fused",
             f"--api_key={KEY}",
         ],
         env=job_env,

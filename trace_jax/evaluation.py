@@ -131,7 +131,15 @@ def _engine(config: EvaluationSettings, env, agent: str, routes: Routes | None) 
     adapters = lora.stack_adapters([lora.load_peft(f, model.cfg) for f in folders]) if folders else None
     plan = sampler_plan(config.tensor)
     params, adapters = plan.shard_params((model.params, adapters)) if plan else (model.params, adapters)
-    sampler = Sampler(model.cfg, params, adapters=adapters, plan=plan, detokenize=model.tokenizer.decode)
+    sampler = Sampler(
+        model.cfg,
+        params,
+        adapters=adapters,
+        plan=plan,
+        detokenize=model.tokenizer.decode,
+        policy=rollout.sampler_policy,
+        tokenize=model.tokenizer.encode,
+    )
     return RolloutEngine(env, agent=MODEL, user=MODEL, sampler=sampler, tokenizer=model.tokenizer, config=rollout)
 
 

@@ -45,6 +45,7 @@ NOT_DECISIVE = frozenset(
         "timeout_s",
         "max_retries",
         "every",
+        "sampler_policy",  # how rollouts are scheduled on the device; the same tokens up to float rounding
         "base_url",  # where an LLM is served, not which
         "api_key_env",
     }

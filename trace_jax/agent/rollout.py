@@ -39,8 +39,8 @@ from trace_jax import lora, runtime
 from trace_jax.agent.chat_codec import ChatCodec
 from trace_jax.envs import base
 from trace_jax.models.tokenizer import ChatTokenizer
-from trace_jax.sampling import FINISH_CONTEXT, FINISH_LENGTH, Completion, Sampler, Session
-from trace_jax.settings import non_negative_int, non_negative_number, number, positive_int, setting
+from trace_jax.sampling import FINISH_CONTEXT, FINISH_LENGTH, POLICIES, Completion, Sampler, Session
+from trace_jax.settings import non_negative_int, non_negative_number, none_or, number, positive_int, setting
 from trace_jax.tool_calls import parse_assistant_output
 
 MODEL = "model"  # the speaker value meaning "sample this speaker with the model"
@@ -68,6 +68,10 @@ class RolloutConfig:
     temperature: float = setting(1.0, ">= 0 (0 is greedy)", non_negative_number)
     top_p: float = setting(1.0, "in (0, 1]", lambda v: number(v) and 0 < v <= 1)
     user_temperature: float = setting(0.0, ">= 0", non_negative_number)
+    # how the sampler schedules rows (`Sampler`'s policy): None picks by backend
+    sampler_policy: str | None = setting(
+        None, f"None or one of {POLICIES}", none_or(lambda v: v in POLICIES), optional=True
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +213,11 @@ class RolloutEngine:
             if not live:
                 raise ValueError(f"batch_size {self.config.batch_size} is too small for one episode")
             if session is None and self._uses_model:  # all rows unless every episode has started
-                rows = session_rows(self.config.batch_size - len(free_rows), self.config.batch_size, bool(queue))
+                rows = session_rows(
+                    self.config.batch_size - len(free_rows),
+                    self.config.batch_size,
+                    bool(queue) or self.sampler.fixed_shapes,
+                )
                 free_rows = [row for row in free_rows if row < rows]
                 session = self.sampler.session(rows, stop_token_ids=self.tokenizer.eos_token_ids)
             busy = {id(item) for item in sampling.values()}
@@ -412,11 +420,12 @@ class RolloutEngine:
         )
 
 
-def session_rows(used: int, batch_size: int, more_to_start: bool) -> int:
-    """The sampler rows of a run whose first episodes use `used` rows: a run whose episodes all start at once
-    takes only what they use (a decode step's cost grows with its rows on a CPU),
-    rounded up to a power of two so runs of similar size share compiled programs."""
-    return batch_size if more_to_start else min(batch_size, 1 << max(used - 1, 0).bit_length())
+def session_rows(used: int, batch_size: int, all_rows: bool) -> int:
+    """The sampler rows of a run whose first episodes use `used` rows: all of them with `all_rows` (more episodes
+    to start, or a sampler whose programs are compiled for its rows); else a run whose episodes all start at once
+    takes only what they use (a decode step's cost grows with its rows on a CPU), rounded up to a power of two
+    so runs of similar size share compiled programs."""
+    return batch_size if all_rows else min(batch_size, 1 << max(used - 1, 0).bit_length())
 
 
 def rollout_profile(stats: collections.Counter) -> dict:

@@ -12,6 +12,7 @@ from trace_jax.rl.advantages import ADVANTAGE_ESTIMATORS
 from trace_jax.rl.curriculum import CurriculumConfig
 from trace_jax.rl.job import JobSettings, TrainSettings
 from trace_jax.rl.losses import AGGREGATIONS
+from trace_jax.sampling.sampler import POLICIES
 from trace_jax.settings import (
     REQUIRED,
     is_dict,
@@ -75,6 +76,12 @@ class GrpoRolloutSettings:
     )
     min_informative: float = setting(
         0.5, "a number in [0, 1]: the share of varying groups re-sampling stops at", share, optional=True
+    )
+    sampler_policy: str | None = setting(
+        None,
+        f"None (by backend) or one of {POLICIES}: how the sampler schedules rows",
+        none_or(lambda v: v in POLICIES),
+        optional=True,
     )
 
 

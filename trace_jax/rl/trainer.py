@@ -237,6 +237,8 @@ def _train(settings: EpisodeGrpoSettings | CompletionGrpoSettings, workdir: str 
         plan=run.sampler_plan,
         detokenize=tokenizer.decode,
         min_shared_prefix=settings.rollout.min_shared_prefix,
+        policy=settings.rollout.sampler_policy,
+        tokenize=tokenizer.encode,
     )
     evaluate = lambda adapter_idx, step: source.evaluate(sampler, adapter_idx, step)
     writer = MetricsWriter(workdir)

@@ -11,11 +11,13 @@ compiled programs stays small.
   shapes.py   the shapes programs are compiled for, and how fed rows are grouped (`ShapePolicy`)
   kernels.py  the device programs: prefill, row moves, the decode loop (`Programs`: jitted for one model)
   session.py  `Session`: rows fed and sampled independently; `Completion`
-  sampler.py  `Sampler`: the model, its adapters and programs; `generate`
+  fused.py    `FusedSession`: fed tokens folded into decode steps, programs compiled ahead (accelerators)
+  sampler.py  `Sampler`: the model, its adapters and programs, the session policy; `generate`
 """
 
 from trace_jax.sampling.draws import row_keys, sample_from_logits, truncate_logits
-from trace_jax.sampling.sampler import Sampler
+from trace_jax.sampling.fused import FusedSession
+from trace_jax.sampling.sampler import POLICIES, Sampler
 from trace_jax.sampling.session import FINISH_CONTEXT, FINISH_LENGTH, FINISH_STOP, Completion, Session
 from trace_jax.sampling.shapes import (
     bucket_size,
@@ -29,7 +31,9 @@ __all__ = [
     "FINISH_CONTEXT",
     "FINISH_LENGTH",
     "FINISH_STOP",
+    "POLICIES",
     "Completion",
+    "FusedSession",
     "Sampler",
     "Session",
     "bucket_size",

@@ -1,6 +1,7 @@
 """The sampler's device programs, as pure functions of the weights, the KV cache and per-row arrays: prefill
 (appending each row's new tokens), the row moves a `Session` feeds rows through (take rows out of the cache, put
-them back, copy one row's buffers to another) and the decode loop. `Programs` holds them jitted for one model.
+them back, copy one row's buffers to another), the decode loop, the fused loop that feeds and decodes rows in
+the same steps (`FusedSession`), and the cache resize. `Programs` holds them jitted for one model.
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ def put_rows(k, v, lengths, logits, row_ids, rows_k, rows_v, rows_lengths, row_l
     row = lambda a, b: a.at[row_ids].set(b, mode="drop")
     own = lambda a, b: a.at[row_ids, :, : b.shape[2]].set(b, mode="drop")
     return tuple(map(own, k, rows_k)), tuple(map(own, v, rows_v)), row(lengths, rows_lengths), row(logits, row_logits)
+
+
+def resize(k, v, *, capacity):
+    """Every layer's own buffers with `capacity` positions: padded with zeros, or cut (rows must fit)."""
+    fit = lambda a: jnp.pad(a[:, :, :capacity], [(0, 0), (0, 0), (0, max(capacity - a.shape[2], 0)), (0, 0)])
+    return tuple(map(fit, k)), tuple(map(fit, v))
 
 
 def copy_rows(k, v, lengths, logits, src, dst, dst_lengths, dst_logits):
@@ -142,11 +149,122 @@ def decode(
     return out_tokens, out_logp, logits, cache, count, finish
 
 
+# Stop strings the fused loop detects on the device, per row: up to STOP_FORMS token forms of up to STOP_FORM_TOKENS
+# tokens each (a stop string's encoding); the host detects every stop string in the text all the same.
+STOP_FORMS = 4
+STOP_FORM_TOKENS = 8
+FORM_ANY = -1  # a form's position that matches any token (forms are right-aligned)
+FORM_NONE = -2  # fills an unused form: it matches no token
+RECENT_NONE = -3  # a recent-token slot before the turn's first token
+
+
+class FeedRows(NamedTuple):
+    """What the fused loop feeds and watches per row: `tokens` [B, W] to append before sampling (`length` [B] of
+    them; `more` [B]: the row has further tokens to feed in a later call, so it idles once these are in), the
+    turn's last sampled tokens `recent` [B, L] (RECENT_NONE before its first) and its stop strings' token forms
+    `forms` [B, STOP_FORMS, L] (right-aligned, FORM_ANY before a form's first token, FORM_NONE where unused)."""
+
+    tokens: jax.Array
+    length: jax.Array
+    more: jax.Array
+    recent: jax.Array
+    forms: jax.Array
+
+
+def fused(
+    params,
+    adapters,
+    cache,
+    logits,
+    key,
+    rows: DecodeRows,
+    feed: FeedRows,
+    stop_ids,
+    *,
+    cfg,
+    constrain,
+    steps,
+    chunk,
+    max_context,
+):
+    """Up to `steps` steps over every row not `rows.done`: a row with tokens to feed appends up to `chunk` of them
+    per step (its prompt rides along the decoding rows' steps: chunked prefill), then samples as in `decode`, its
+    first token from the logits after its last fed one. A step with fed tokens computes [B, chunk] positions, a
+    step without [B, 1]. Rows end at a stop token, at a stop string's token form (`feed.forms`), at their
+    `remaining` tokens or at the context limit, and idle until the call returns, which it does after `steps`
+    steps or when every row is done. Returns what `decode` does, tokens written from each row's first column."""
+    temperature, top_p, top_k, streams, adapter_idx, remaining, done = rows
+    row_lora = lora_lib.for_rows(adapters, adapter_idx)
+    batch, width = feed.tokens.shape
+    offsets = jnp.arange(chunk)
+
+    def forward(tokens, num_new, cache):
+        hidden, cache = decoder.forward_hidden(
+            params, tokens, cfg, row_lora=row_lora, cache=cache, num_new=num_new, constrain=constrain
+        )
+        last = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)
+        return last, cache
+
+    def cond(state):
+        step, _, _, _, _, done, *_ = state
+        return (step < steps) & ~jnp.all(done)
+
+    def body(state):
+        step, cache, logits, fed, count, done, recent, out_tokens, out_logp, finish = state
+        feeding = ~done & (fed < feed.length)
+        active = ~done & ~feeding
+        keys = row_keys(key, streams, cache.sequence_lengths)
+        tokens, logp = sample_from_logits(logits, keys, temperature, top_p, top_k)
+        column = jnp.where(active, count, steps)  # out of range: dropped
+        out_tokens = out_tokens.at[jnp.arange(batch), column].set(tokens, mode="drop")
+        out_logp = out_logp.at[jnp.arange(batch), column].set(logp, mode="drop")
+        count = count + active
+        recent = jnp.where(active[:, None], jnp.concatenate([recent[:, 1:], tokens[:, None]], axis=1), recent)
+        form_hit = jnp.all((feed.forms == FORM_ANY) | (feed.forms == recent[:, None, :]), axis=-1).any(axis=-1)
+        hit_stop = jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1) | form_hit
+        hit_context = cache.sequence_lengths + 1 >= max_context
+        code = jnp.where(hit_stop, 1, jnp.where(count >= remaining, 2, jnp.where(hit_context, 3, 0)))
+        finish = jnp.where(active, code, finish)
+        fed_now = jnp.where(feeding, jnp.minimum(feed.length - fed, chunk), 0)
+
+        def with_feeds(cache):
+            at = jnp.minimum(fed[:, None] + offsets[None, :], width - 1)
+            fed_tokens = jnp.take_along_axis(feed.tokens, at, axis=1)
+            sampled = jnp.where(offsets[None, :] == 0, tokens[:, None], 0)
+            return forward(jnp.where(feeding[:, None], fed_tokens, sampled), fed_now + active, cache)
+
+        def decoding_only(cache):
+            return forward(tokens[:, None], active.astype(jnp.int32), cache)
+
+        last, cache = jax.lax.cond(jnp.any(feeding), with_feeds, decoding_only, cache)
+        moved = active | feeding
+        logits = jnp.where(moved[:, None], decoder.logits_from_hidden(params, last, cfg)[:, 0], logits)
+        fed = fed + fed_now
+        done = done | (finish > 0) | (feeding & (fed >= feed.length) & feed.more)
+        return step + 1, cache, logits, fed, count, done, recent, out_tokens, out_logp, finish
+
+    init = (
+        jnp.int32(0),
+        cache,
+        logits,
+        jnp.zeros((batch,), jnp.int32),
+        jnp.zeros((batch,), jnp.int32),
+        done,
+        feed.recent,
+        jnp.full((batch, steps), -1, jnp.int32),
+        jnp.zeros((batch, steps), jnp.float32),
+        jnp.zeros((batch,), jnp.int32),
+    )
+    ran, cache, logits, _, count, _, _, out_tokens, out_logp, finish = jax.lax.while_loop(cond, body, init)
+    return out_tokens, out_logp, logits, cache, count, finish, ran
+
+
 @dataclasses.dataclass
 class Programs:
     """The kernels jitted for one model and mesh (`constrain`): `prefill` donates the cache it appends to (a fresh
     batch's, a prefix slot's); `prefill_rows` prefills rows taken out of a cache, which share its prefix slots
-    and so donate nothing; the row moves donate the cache they write; `decode` runs `steps` tokens a call."""
+    and so donate nothing; the row moves donate the cache they write; `decode` and `fused` run `steps` steps a
+    call (`fused` feeding `chunk` tokens a step) and donate the cache; `resize` makes new buffers (of another shape)."""
 
     prefill: Callable
     prefill_rows: Callable
@@ -154,18 +272,20 @@ class Programs:
     put_rows: Callable
     copy_rows: Callable
     decode: Callable
+    fused: Callable
+    resize: Callable
 
     @classmethod
-    def compile(cls, cfg: ModelConfig, constrain: Callable, steps: int, max_context: int) -> Programs:
+    def compile(cls, cfg: ModelConfig, constrain: Callable, steps: int, chunk: int, max_context: int) -> Programs:
         fill = functools.partial(prefill, cfg=cfg, constrain=constrain)
+        loop = dict(cfg=cfg, constrain=constrain, steps=steps, max_context=max_context)
         return cls(
             prefill=jax.jit(fill, donate_argnums=(2,)),
             prefill_rows=jax.jit(fill),
             take_rows=jax.jit(take_rows, static_argnames="window"),
             put_rows=jax.jit(put_rows, donate_argnums=(0, 1, 2, 3)),
             copy_rows=jax.jit(copy_rows, donate_argnums=(0, 1, 2, 3)),
-            decode=jax.jit(
-                functools.partial(decode, cfg=cfg, constrain=constrain, steps=steps, max_context=max_context),
-                donate_argnums=(2,),
-            ),
+            decode=jax.jit(functools.partial(decode, **loop), donate_argnums=(2,)),
+            fused=jax.jit(functools.partial(fused, chunk=chunk, **loop), donate_argnums=(2,)),
+            resize=jax.jit(resize, static_argnames="capacity"),
         )

@@ -11,10 +11,19 @@ import numpy as np
 from trace_jax import lora as lora_lib
 from trace_jax.models import decoder
 from trace_jax.models.config import ModelConfig
+from trace_jax.sampling.fused import FusedSession
 from trace_jax.sampling.kernels import Programs
 from trace_jax.sampling.session import Completion, Session, per_row
 from trace_jax.sampling.shapes import ShapePolicy, bucket_size, prefix_capacity, shared_prefix_length
 from trace_jax.sharding import ShardingPlan
+
+ADAPTIVE, FUSED = "adaptive", "fused"
+POLICIES = (ADAPTIVE, FUSED)
+
+
+def default_policy() -> str:
+    """The session policy for the default backend: fused on accelerators, adaptive on the CPU."""
+    return ADAPTIVE if jax.default_backend() == "cpu" else FUSED
 
 
 class Sampler:
@@ -27,6 +36,11 @@ class Sampler:
     continue from (None: never); `add_prefix` and `start_row` do the same for rows
     started one by one. Other prompt tokens are prefilled in calls of at most
     `prefill_chunk` tokens per row: little padding, and few compiled widths.
+
+    `policy` picks how sessions run (None: by backend): "adaptive" (`Session`: row-wise prefills, shared prefixes,
+    shapes fitted to each call; what a CPU runs fastest) or "fused" (`FusedSession`: fed tokens folded into
+    decode steps of `decode_chunk` steps a call, a fixed set of programs compiled at a session's start; what an
+    accelerator runs fastest). `tokenize` lets a fused session detect stop strings on the device.
     """
 
     def __init__(
@@ -42,9 +56,18 @@ class Sampler:
         detokenize: Callable[[list[int]], str] | None = None,
         min_shared_prefix: int | None = 64,
         prefill_chunk: int = 128,
+        policy: str | None = None,
+        feed_chunks: int = 4,
+        tokenize: Callable[[str], list[int]] | None = None,
     ):
         if prefill_chunk != bucket_size(prefill_chunk, 16):
             raise ValueError(f"prefill_chunk {prefill_chunk} must be a bucket size (16, 24, 32, 48, 64, 96, 128, ...)")
+        self.policy = policy or default_policy()
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES} or None (by backend), not {policy!r}")
+        self.feed_chunks = feed_chunks
+        self.tokenize = tokenize
+        self._warm: set[tuple] = set()  # (rows, stop ids) of the fused sessions whose programs are compiled
         self.cfg = cfg
         self.prefill_chunk = prefill_chunk
         self.plan = plan
@@ -52,13 +75,19 @@ class Sampler:
         self.decode_chunk = decode_chunk
         self.min_cache = min_cache
         self.detokenize = detokenize
-        self.min_shared_prefix = min_shared_prefix
+        self.min_shared_prefix = min_shared_prefix if self.policy == ADAPTIVE else None
         self.shapes = ShapePolicy(plan.batch_multiple if plan else 1, min_cache, self.max_context)
         self.params = plan.shard_params(params) if plan else params
         self.adapters = None if adapters is None else (plan.shard_params(adapters) if plan else adapters)
         self.programs = Programs.compile(
-            cfg, plan.constrain if plan else decoder.no_constraint, decode_chunk, self.max_context
+            cfg, plan.constrain if plan else decoder.no_constraint, decode_chunk, prefill_chunk, self.max_context
         )
+
+    @property
+    def fixed_shapes(self) -> bool:
+        """Whether sessions run programs compiled for their rows ahead of time (the fused policy): callers then keep
+        one session size rather than fitting rows to the work."""
+        return self.policy == FUSED
 
     def set_adapters(self, adapters: lora_lib.Adapters | None) -> None:
         """Swaps in new adapter weights (same shapes: no recompilation)."""
@@ -89,9 +118,8 @@ class Sampler:
 
     def resize(self, cache: decoder.KVCache, capacity: int) -> decoder.KVCache:
         """`cache` with `capacity` positions in each row's own buffer (padded, or cut: rows must fit)."""
-        pad = [(0, 0), (0, 0), (0, max(capacity - cache.max_len, 0)), (0, 0)]
-        resized = lambda arrays: tuple(jnp.pad(a[:, :, :capacity], pad) for a in arrays)
-        return self._place(cache.replace(k=resized(cache.k), v=resized(cache.v)))
+        k, v = self.programs.resize(cache.k, cache.v, capacity=capacity)
+        return self._place(cache.replace(k=k, v=v))
 
     def generate(
         self,
@@ -121,7 +149,7 @@ class Sampler:
                 prompts, per_row(adapter_idx, n, np.int32), per_row(max_new_tokens, n, np.int32)
             )
         rows = list(range(n)) if rows is None else [int(r) for r in rows]
-        session = Session(self, cache, stop_token_ids=stop_token_ids, stop_strings=stop_strings)
+        session = self._session_class()(self, cache, stop_token_ids=stop_token_ids, stop_strings=stop_strings)
         session.feed(
             rows,
             prompts,
@@ -138,8 +166,17 @@ class Sampler:
         return [done[r] for r in rows], session.cache
 
     def session(self, batch: int, **stops) -> Session:
-        """A `Session` over a fresh cache of `batch` rows (see there; `stops`: stop_token_ids, stop_strings)."""
-        return Session(self, self.new_cache(batch), **stops)
+        """A session of the sampler's policy over a fresh cache of `batch` rows (see `Session`; `stops`:
+        stop_token_ids, stop_strings); a fused one has every program it can run compiled."""
+        session = self._session_class()(self, self.new_cache(batch), **stops)
+        warm = (session.cache.batch, tuple(np.asarray(session._stop_ids).tolist()))
+        if self.policy == FUSED and warm not in self._warm:
+            session.warm_up()
+            self._warm.add(warm)
+        return session
+
+    def _session_class(self) -> type[Session]:
+        return FusedSession if self.policy == FUSED else Session
 
     def add_prefix(
         self, cache: decoder.KVCache, prefix: Sequence[int], adapter_idx: int

@@ -144,7 +144,7 @@ class Session:
         minimum, sampler = self.sampler.min_shared_prefix, self.sampler
         self._forget([row])
         if minimum is None or len(prompt) <= minimum:
-            self.cache = sampler.start_row(self.cache, row)
+            self._empty(row)
             return 0
         if (adapter_idx, group) not in self._prefixes:
             tokens = list(prompt[:-1])  # the row must feed at least its last prompt token
@@ -156,7 +156,7 @@ class Session:
         tokens, slot = self._prefixes[adapter_idx, group]
         shared = min(common_prefix_length([tokens, prompt]), len(prompt) - 1)
         if shared < minimum:
-            self.cache = sampler.start_row(self.cache, row)
+            self._empty(row)
             return 0
         self.cache = sampler.start_row(self.cache, row, slot, shared)
         return shared
@@ -199,29 +199,11 @@ class Session:
             "stream": rows.astype(np.int32) if stream is None else per_row(stream, n, np.int32),
         }
         max_new = per_row(max_new_tokens, n, np.int32)
-        lengths = np.asarray(self.cache.lengths)
+        lengths, prefixes = self._own_lengths(), self._prefix_lengths()
         new_len = np.array([len(p) for p in prompts])
-        fits = np.asarray(self.cache.sequence_lengths)[rows] + new_len < sampler.max_context  # prompt + a token
-        # Room for the prompts and the first decode chunk; `step` grows the cache as rows go on.
-        self._fit(np.where(fits, lengths[rows] + new_len + np.minimum(max_new, sampler.decode_chunk), 0))
+        fits = prefixes[rows] + lengths[rows] + new_len < sampler.max_context  # prompt + a token
         parts = [list(p) if ok else [] for p, ok in zip(prompts, fits)]
-        firsts, copies = self._openings_fed(rows, parts, settings["adapter_idx"], lengths)
-        for offset in range(0, max(map(len, parts)), sampler.prefill_chunk):
-            # longest first, so that each call's rows have pieces of like lengths (each call pads to its longest)
-            members = sorted(
-                (i for i, p in enumerate(parts) if len(p) > offset and i not in copies), key=lambda i: -len(parts[i])
-            )
-            for size in sampler.shapes.row_groups(len(members), batch):
-                group, members = members[:size], members[size:]
-                self._prefill_chunk(
-                    rows[group],
-                    [parts[i][offset : offset + sampler.prefill_chunk] for i in group],
-                    settings["adapter_idx"][group],
-                )
-        for key, i in firsts.items():
-            self._hold(key, int(rows[i]), len(parts[i]))
-        if copies:
-            self._copy_openings(rows, copies)
+        self._append(rows, parts, settings["adapter_idx"], max_new, lengths)
         for name, values in settings.items():
             getattr(self._rows, name)[rows] = values
         self._rows.remaining[rows] = max_new
@@ -235,6 +217,36 @@ class Session:
             )
             if not self._rows.running[r]:
                 self._complete(r)
+
+    def _append(
+        self,
+        rows: np.ndarray,
+        parts: list[list[int]],
+        adapter_idx: np.ndarray,
+        max_new: np.ndarray,
+        lengths: np.ndarray,
+    ) -> None:
+        """Prefills parts[i] (empty: a row that does not fit) into row rows[i] now, in calls over the fed rows only,
+        copying an opening a row already holds instead (`lengths`: the rows' own lengths before the feed)."""
+        sampler, batch = self.sampler, self.cache.batch
+        # Room for the prompts and the first decode chunk; `step` grows the cache as rows go on.
+        sizes = np.array([len(p) for p in parts])
+        self._fit(np.where(sizes > 0, lengths[rows] + sizes + np.minimum(max_new, sampler.decode_chunk), 0))
+        firsts, copies = self._openings_fed(rows, parts, adapter_idx, lengths)
+        for offset in range(0, max(sizes), sampler.prefill_chunk):
+            # longest first, so that each call's rows have pieces of like lengths (each call pads to its longest)
+            members = sorted(
+                (i for i, p in enumerate(parts) if len(p) > offset and i not in copies), key=lambda i: -len(parts[i])
+            )
+            for size in sampler.shapes.row_groups(len(members), batch):
+                group, members = members[:size], members[size:]
+                self._prefill_chunk(
+                    rows[group], [parts[i][offset : offset + sampler.prefill_chunk] for i in group], adapter_idx[group]
+                )
+        for key, i in firsts.items():
+            self._hold(key, int(rows[i]), len(parts[i]))
+        if copies:
+            self._copy_openings(rows, copies)
 
     def _openings_fed(
         self, rows: np.ndarray, parts: list[list[int]], adapter_idx: np.ndarray, lengths: np.ndarray
@@ -318,7 +330,7 @@ class Session:
             raise ValueError(f"rows {rows} include a row whose turn has not been returned by step()")
         self._forget(rows)
         for r in rows:
-            self.cache = self.sampler.start_row(self.cache, r)
+            self._empty(r)
         self._fit(self._needed(), shrink=True)
 
     def cancel(self, rows: Sequence[int]) -> None:
@@ -340,8 +352,7 @@ class Session:
         """Cuts finished `row` to its first `length` positions, so that a next prompt sharing them feeds only the
         rest (a server's conversation reusing its cache); False, and the row unchanged, where `length` falls inside
         the prefix slot the row continues."""
-        prefix = int(np.asarray(self.cache.prefix_len)[row])
-        own = int(np.asarray(self.cache.lengths)[row])
+        prefix, own = int(self._prefix_lengths()[row]), int(self._own_lengths()[row])
         if self._rows.running[row] or row in self._done:
             raise ValueError(f"row {row}'s turn has not been returned by step()")
         if length > prefix + own:
@@ -351,13 +362,29 @@ class Session:
         key = self._opening_of.get(row)
         if key is not None and length - prefix < self._openings[key].length:
             self._forget([row])
-        self.cache = self.cache.replace(lengths=self.cache.lengths.at[row].set(length - prefix))
+        self._set_own_length(row, length - prefix)
         return True
+
+    def _own_lengths(self) -> np.ndarray:
+        """Each row's own positions filled (after its prefix)."""
+        return np.asarray(self.cache.lengths)
+
+    def _prefix_lengths(self) -> np.ndarray:
+        """How many positions of its prefix slot each row continues."""
+        return np.asarray(self.cache.prefix_len)
+
+    def _set_own_length(self, row: int, length: int) -> None:
+        """Cuts `row` back to `length` own positions (what follows is forgotten)."""
+        self.cache = self.cache.replace(lengths=self.cache.lengths.at[row].set(length))
+
+    def _empty(self, row: int) -> None:
+        """Empties `row`, with no prefix."""
+        self.cache = self.sampler.start_row(self.cache, row)
 
     def _needed(self) -> np.ndarray:
         """Per row: the own positions it holds, and for a sampling row those of its next decode chunk."""
         chunk = np.where(self._rows.running, np.minimum(self._rows.remaining, self.sampler.decode_chunk), 0)
-        return np.asarray(self.cache.lengths) + chunk
+        return self._own_lengths() + chunk
 
     def _prefill_chunk(self, rows: np.ndarray, pieces: list[list[int]], adapter_idx: np.ndarray) -> None:
         """Appends pieces[i] (at most `prefill_chunk` tokens) to row rows[i], in one call over those
@@ -408,42 +435,58 @@ class Session:
         Each token is drawn with `row_keys(key, stream, position)`: pass the same `key` at every step."""
         if self._rows.running.any():
             self._fit(self._needed())
-            sampler, put, start = self.sampler, self.sampler.put, time.perf_counter()
-            arrays = self._rows
-            rows = DecodeRows(
-                *(put(a, "batch") for a in (arrays.temperature, arrays.top_p, arrays.top_k, arrays.stream)),
-                adapter_idx=put(arrays.adapter_idx, "batch"),
-                remaining=put(arrays.remaining, "batch"),
-                done=put(~arrays.running, "batch"),
-            )
-            step_tokens, step_logp, self._logits, self.cache, count, code = sampler.programs.decode(
-                sampler.params,
-                sampler.adapters,
-                self.cache,
-                self._logits,
-                key,
-                rows,
-                self._stop_ids,
-                jnp.asarray(return_early),
-            )
-            step_tokens, step_logp, count, code = map(np.asarray, (step_tokens, step_logp, count, code))
+            start = time.perf_counter()
+            step_tokens, step_logp, count, code, steps = map(np.asarray, self._decode(key, return_early))
             self.stats.update(
                 decode_s=time.perf_counter() - start,
                 decode_calls=1,
-                decode_steps=int((step_tokens >= 0).any(axis=0).sum()),
+                decode_steps=int(steps),
                 decode_tokens=int(count.sum()),
             )
-            for r in np.flatnonzero(self._rows.running).tolist():
-                turn = self._turns[r]
-                turn.ids.extend(step_tokens[r, : count[r]].tolist())
-                turn.logp.extend(step_logp[r, : count[r]].tolist())
-                self._rows.remaining[r] -= count[r]
-                if code[r]:
-                    turn.finish = _FINISH_NAMES[int(code[r])]
-                if (self._stops(turn) and self._cut_at_stop_string(r)) or code[r]:
-                    self._complete(r)
+            self._take(np.flatnonzero(self._rows.running).tolist(), step_tokens, step_logp, count, code)
         done, self._done = self._done, {}
         return done
+
+    def _row_arrays(self) -> DecodeRows:
+        """The sampling rows' settings, on the device."""
+        put, arrays = self.sampler.put, self._rows
+        return DecodeRows(
+            *(put(a, "batch") for a in (arrays.temperature, arrays.top_p, arrays.top_k, arrays.stream)),
+            adapter_idx=put(arrays.adapter_idx, "batch"),
+            remaining=put(arrays.remaining, "batch"),
+            done=put(~arrays.running, "batch"),
+        )
+
+    def _decode(self, key: jax.Array, return_early: bool) -> tuple:
+        """One decode call: tokens and logprobs [B, steps], per row how many it drew and its finish code, and the
+        steps it ran."""
+        sampler = self.sampler
+        step_tokens, step_logp, self._logits, self.cache, count, code = sampler.programs.decode(
+            sampler.params,
+            sampler.adapters,
+            self.cache,
+            self._logits,
+            key,
+            self._row_arrays(),
+            self._stop_ids,
+            jnp.asarray(return_early),
+        )
+        step_tokens = np.asarray(step_tokens)
+        return step_tokens, step_logp, count, code, (step_tokens >= 0).any(axis=0).sum()
+
+    def _take(
+        self, rows: list[int], step_tokens: np.ndarray, step_logp: np.ndarray, count: np.ndarray, code: np.ndarray
+    ) -> None:
+        """Appends the new tokens of each of the sampling `rows` to its turn and completes the rows that finished."""
+        for r in rows:
+            turn = self._turns[r]
+            turn.ids.extend(step_tokens[r, : count[r]].tolist())
+            turn.logp.extend(step_logp[r, : count[r]].tolist())
+            self._rows.remaining[r] -= count[r]
+            if code[r]:
+                turn.finish = _FINISH_NAMES[int(code[r])]
+            if (self._stops(turn) and self._cut_at_stop_string(r)) or code[r]:
+                self._complete(r)
 
     def _cut_at_stop_string(self, r: int) -> bool:
         """Ends row r's turn at a stop string in its output, if there is one (the cache forgets what follows)."""
@@ -454,7 +497,7 @@ class Session:
         keep, turn.text_end = cut
         del turn.ids[keep:], turn.logp[keep:]
         turn.finish = FINISH_STOP
-        self.cache = self.cache.replace(lengths=self.cache.lengths.at[r].set(turn.start_len + keep))
+        self._set_own_length(r, turn.start_len + keep)
         return True
 
     def _stops(self, turn: _Turn) -> tuple[str, ...]:

@@ -82,6 +82,13 @@ class ShapePolicy:
         programs of any run, for attention over at most twice the positions in use."""
         return min(max(power_of_two(needed), self.min_cache), self.max_context)
 
+    def capacities(self) -> list[int]:
+        """Every cache length `capacity` gives, smallest first."""
+        lengths = [self.capacity(self.min_cache)]
+        while lengths[-1] < self.max_context:
+            lengths.append(self.capacity(2 * lengths[-1]))
+        return lengths
+
     def rows_width(self, rows: int, batch: int) -> int:
         """How many rows a row prefill computes for `rows` fed rows of a `batch`-row cache: a power of
         four (1, 4, 16, ...) or the batch, whichever is less (few widths: few compiled programs)."""

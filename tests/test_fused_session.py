@@ -1,0 +1,195 @@
+"""The fused session policy (accelerators: fed tokens folded into decode steps, many steps a call, stops on the
+device, programs compiled ahead), exercised on the CPU: it samples what the adaptive policy does, compiles
+nothing after its warm-up, and its device-side stops end rows where the host would cut them."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from trace_jax.agent.rollout import MODEL, EpisodeSpec, RolloutConfig, RolloutEngine
+from trace_jax.envs.embedded_retail import EmbeddedRetail
+from trace_jax.envs.scripted import StoppingUser
+from trace_jax.models.config import ModelConfig
+from trace_jax.models.loading import load_params
+from trace_jax.models.model import load_model
+from trace_jax.sampling import FINISH_LENGTH, FINISH_STOP, FusedSession, Sampler, Session
+from trace_jax.sampling import sampler as sampler_module
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def counting_compiles():
+    """The number of XLA compiles while the block runs, in `counted[0]`."""
+    counted = [0]
+
+    def listener(name, _seconds, **_):
+        counted[0] += name == COMPILE_EVENT
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield counted
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+def each_family(request, tiny_checkpoints):
+    path, _ = tiny_checkpoints[request.param]
+    cfg = ModelConfig.from_dir(path)
+    return cfg, load_params(path, cfg)
+
+
+def _play(sampler: Sampler) -> dict[int, list]:
+    """Rows fed at different times at temperature 1 (each on its own stream): row 1's 75-token prompt takes
+    several calls to feed, row 2 joins while the others sample, and a row whose turn ends is fed its next turn
+    at once, twice. Returns each row's completions in order."""
+    rng = np.random.default_rng(3)
+    session = sampler.session(4)
+    prompts = {0: [1, 2, 3], 1: rng.integers(1, 100, size=75).tolist(), 2: [4, 5], 3: [9] * 20}
+    budgets = {0: 10, 1: 6, 2: 3, 3: 13}
+    feed = lambda rows, tokens: session.feed(
+        rows, tokens, max_new_tokens=[budgets[r] for r in rows], temperature=1.0, stream=[r + 50 for r in rows]
+    )
+    feed([0, 1, 3], [prompts[0], prompts[1], prompts[3]])
+    outputs = {r: [] for r in range(4)}
+    key = jax.random.key(7)
+
+    def take(done):
+        for row, completion in done.items():
+            outputs[row].append(completion)
+            if len(outputs[row]) < 3:
+                feed([row], [[11 + row, 12 + row]])
+
+    take(session.step(key))
+    feed([2], [prompts[2]])
+    while session.running:
+        take(session.step(key, return_early=True))
+    return outputs
+
+
+def test_a_fused_session_samples_what_an_adaptive_one_does(each_family):
+    """The same rows fed at different times, sampled at temperature 1: every turn of every row draws the same
+    tokens with the same logprobs under either policy (each token's key is its row's stream and position, and
+    a fused call's chunked feeds compute what row-wise prefills do), Gemma's sliding window included."""
+    cfg, params = each_family
+    options = dict(decode_chunk=8, min_cache=32, prefill_chunk=16, max_context=256)
+    adaptive = _play(Sampler(cfg, params, policy="adaptive", **options))
+    fused_sampler = Sampler(cfg, params, policy="fused", feed_chunks=2, **options)
+    fused = _play(fused_sampler)
+    assert fused_sampler.min_shared_prefix is None  # no prefix slots: they would add shapes
+    for row in range(4):
+        assert len(fused[row]) == len(adaptive[row]) == 3
+        for ours, theirs in zip(fused[row], adaptive[row]):
+            assert ours.token_ids == theirs.token_ids and ours.finish_reason == theirs.finish_reason == FINISH_LENGTH
+            assert np.abs(np.array(ours.logprobs) - np.array(theirs.logprobs)).max() <= 1e-5
+
+
+def test_a_fused_call_runs_many_steps_and_stops_on_the_device_where_the_host_cuts(tiny_checkpoints):
+    """A call runs its `decode_chunk` steps while no row finishes, `return_early` or not (its first step feeds
+    the prompt), and `step` reads a call after dispatching the next. A stop string whose token
+    form is sampled ends the row on the device at the token where the host cuts it (the call stops there, as
+    every row is done), with the same completion and cache length as the host-only detection of the adaptive
+    policy and of a fused sampler that cannot tokenize."""
+    path, _ = tiny_checkpoints["qwen3"]
+    cfg = ModelConfig.from_dir(path)
+    params = load_params(path, cfg)
+    text_of = lambda ids: "".join(f"<{i}>" for i in ids)
+    tokens_of = lambda text: [int(i) for i in re.findall(r"<(\d+)>", text)]
+    make = lambda policy, **more: Sampler(
+        cfg, params, policy=policy, decode_chunk=8, min_cache=32, detokenize=text_of, max_context=128, **more
+    )
+    fused = make("fused", tokenize=tokens_of)
+    session = fused.session(2)
+    assert isinstance(session, FusedSession)
+    session.feed([0], [[1, 2, 3]], max_new_tokens=20)
+    assert session.step(jax.random.key(0), return_early=True) == {}  # dispatched: a step feeding the prompt, 7 more
+    assert session.partial(0)[0] == [] and session.stats["decode_calls"] == 0  # in flight
+    assert session.step(jax.random.key(0), return_early=True) == {}  # the first read, the second dispatched
+    assert len(session.partial(0)[0]) == 7 and session.stats["decode_steps"] == 8
+    assert session.step(jax.random.key(0), return_early=True) == {}
+    assert len(session.partial(0)[0]) == 15 and session.stats["decode_calls"] == 2
+
+    probe, _ = make("adaptive").generate([[1, 2, 3]], key=jax.random.key(0), max_new_tokens=20)
+    ids = probe[0].token_ids
+    stop = text_of(ids[9:11])
+    cut = next(i for i in range(len(ids)) if ids[i : i + 2] == ids[9:11]) + 2
+    results = {}
+    for name, sampler in (("device", fused), ("host", make("fused")), ("adaptive", make("adaptive"))):
+        session = sampler.session(1)
+        session.feed([0], [[1, 2, 3]], max_new_tokens=20, stop_strings=[[stop]])
+        done = {}
+        while session.running:
+            done.update(session.step(jax.random.key(0)))
+        results[name] = (done[0], int(np.asarray(session.cache.lengths)[0]), session.stats["decode_steps"])
+    for completion, length, _ in results.values():
+        assert completion.token_ids == ids[:cut] and completion.finish_reason == FINISH_STOP
+        assert completion.text == text_of(ids[:cut])[: -len(stop)] and length == 3 + cut
+    assert results["device"][2] == 1 + cut  # the feeding step, then the device stopped at the form
+    assert results["host"][2] == 8 * -(-(1 + cut) // 8) > 1 + cut  # without forms, the call ran on to its end
+
+
+def test_an_engine_compiles_nothing_after_the_warm_up(tiny_chat_model):
+    """Episodes of varied lengths (tickets, turns, tool results, a cut turn) played by the rollout engine on a
+    fused sampler after its warm-up (the session `Sampler.session` opens for the engine's rows): no XLA compile,
+    whatever capacity the cache grows or shrinks to."""
+    env = EmbeddedRetail(seed=0)
+    model = load_model(tiny_chat_model)
+    sampler = Sampler(
+        model.cfg,
+        model.params,
+        policy="fused",
+        detokenize=model.tokenizer.decode,
+        tokenize=model.tokenizer.encode,
+        decode_chunk=8,
+        prefill_chunk=64,
+        min_cache=256,
+        max_context=4096,
+    )
+    config = RolloutConfig(batch_size=4, max_turns=3, max_tokens_per_turn=24, temperature=1.0)
+    engine = RolloutEngine(
+        env, agent=MODEL, user=StoppingUser(), sampler=sampler, tokenizer=model.tokenizer, config=config
+    )
+    sampler.session(config.batch_size, stop_token_ids=model.tokenizer.eos_token_ids)  # the warm-up
+    specs, key = [EpisodeSpec(task, trial) for task in env.tasks("heldout", 5) for trial in range(2)], jax.random.key(1)
+    with counting_compiles() as compiles:
+        played = engine.run(specs, key=key)
+    assert compiles[0] == 0
+    assert len({len(t.token_ids) for t in played}) >= 5 and all(t.generated_tokens > 0 for t in played)
+    assert engine.stats["resizes"] >= 1  # the cache changed capacity on the way
+
+
+def test_the_policy_defaults_by_backend_and_a_bad_one_is_named(tiny_checkpoints, monkeypatch):
+    path, _ = tiny_checkpoints["qwen3"]
+    cfg = ModelConfig.from_dir(path)
+    params = load_params(path, cfg)
+    assert Sampler(cfg, params).policy == "adaptive" and type(Sampler(cfg, params).session(2)) is Session
+    monkeypatch.setattr(sampler_module.jax, "default_backend", lambda: "gpu")
+    assert sampler_module.default_policy() == "fused"
+    with pytest.raises(ValueError, match="policy must be one of .*'fused'.*'eager'"):
+        Sampler(cfg, params, policy="eager")
+
+
+def test_a_row_cancelled_while_its_call_is_in_flight_keeps_nothing_of_it(tiny_checkpoints):
+    """A server's client goes away while its row's call is in flight and the row takes the next request at once:
+    the new request samples what it would in a fresh session, and the row beside it goes on undisturbed."""
+    path, _ = tiny_checkpoints["qwen3"]
+    cfg = ModelConfig.from_dir(path)
+    params = load_params(path, cfg)
+    sampler = Sampler(cfg, params, policy="fused", decode_chunk=4, min_cache=32, max_context=128)
+    alone = lambda prompt, n: sampler.generate([prompt], key=jax.random.key(0), max_new_tokens=n)[0][0].token_ids
+    session = sampler.session(2)
+    session.feed([0, 1], [[1, 2, 3], [5, 6, 7, 8]], max_new_tokens=[10, 20])
+    session.step(jax.random.key(0))  # dispatched
+    session.cancel([1])
+    session.feed([1], [[9, 10]], max_new_tokens=6)
+    done = {}
+    while session.running:
+        done.update(session.step(jax.random.key(0)))
+    assert done[0].token_ids == alone([1, 2, 3], 10) and done[1].token_ids == alone([9, 10], 6)
+    assert np.asarray(session.cache.lengths)[1] == 2 + 6
