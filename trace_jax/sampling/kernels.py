@@ -192,7 +192,8 @@ def fused(
     first token from the logits after its last fed one. A step with fed tokens computes [B, chunk] positions, a
     step without [B, 1]. Rows end at a stop token, at a stop string's token form (`feed.forms`), at their
     `remaining` tokens or at the context limit, and idle until the call returns, which it does after `steps`
-    steps or when every row is done. Returns what `decode` does, tokens written from each row's first column."""
+    steps or when every row is done. Returns what `decode` does (tokens written from each row's first column)
+    and the steps it ran."""
     temperature, top_p, top_k, streams, adapter_idx, remaining, done = rows
     row_lora = lora_lib.for_rows(adapters, adapter_idx)
     batch, width = feed.tokens.shape

@@ -104,6 +104,9 @@ class Session:
     new conversation (`start`), as soon as its turn ends, and `release`s the rows of a finished
     one. The cache's capacity follows the rows: it grows as they lengthen and shrinks when the
     longest are released. `Sampler.generate` is one feed and steps until every row is done.
+
+    This is the sampler's "adaptive" policy, shapes fitted to each call (the CPU's); `FusedSession` is the
+    accelerators'.
     """
 
     def __init__(
