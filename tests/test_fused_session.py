@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from trace_jax import lora
 from trace_jax.agent.rollout import MODEL, EpisodeSpec, RolloutConfig, RolloutEngine
 from trace_jax.envs.embedded_retail import EmbeddedRetail
 from trace_jax.envs.scripted import StoppingUser
@@ -19,6 +20,7 @@ from trace_jax.models.loading import load_params
 from trace_jax.models.model import load_model
 from trace_jax.sampling import FINISH_LENGTH, FINISH_STOP, FusedSession, Sampler, Session
 from trace_jax.sampling import sampler as sampler_module
+from trace_jax.sharding import ShardingPlan, make_mesh
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -193,3 +195,35 @@ def test_a_row_cancelled_while_its_call_is_in_flight_keeps_nothing_of_it(tiny_ch
         done.update(session.step(jax.random.key(0)))
     assert done[0].token_ids == alone([1, 2, 3], 10) and done[1].token_ids == alone([9, 10], 6)
     assert np.asarray(session.cache.lengths)[1] == 2 + 6
+
+
+def test_a_fused_session_on_a_mesh_compiles_nothing_after_its_warm_up(tiny_checkpoints):
+    """On 8 devices (data 2, fsdp 2, tensor 2), with two adapters: the warm-up compiles the fused programs for the
+    mesh's shardings, and the session then samples what an unsharded adaptive one does, compiling nothing."""
+    path, _ = tiny_checkpoints["qwen3"]
+    cfg = ModelConfig.from_dir(path)
+    params = load_params(path, cfg)
+    adapters = lora.stack_adapters([lora.init_adapters(jax.random.key(s), cfg, lora.LoraSpec(rank=2)) for s in (1, 2)])
+    adapters = lora.Adapters(jax.tree.map(lambda w: w + 0.05, adapters.weights), adapters.scale)
+    options = dict(adapters=adapters, decode_chunk=8, min_cache=32, prefill_chunk=16, max_context=256)
+    plan = ShardingPlan(make_mesh(data=2, fsdp=2, tensor=2))
+    fused = Sampler(cfg, params, plan=plan, policy="fused", **options)
+    prompts = [[1, 2, 3], list(range(5, 60)), [7] * 9, [4, 4]]
+    play = lambda sampler: _play_all(sampler, prompts, adapter_idx=[0, 1, -1, 1])
+    session = fused.session(4)
+    with counting_compiles() as compiles:
+        ours = play(fused)
+    theirs = play(Sampler(cfg, params, policy="adaptive", **options))
+    assert compiles[0] == 0 and isinstance(session, FusedSession)
+    for a, b in zip(ours, theirs):
+        assert a.token_ids == b.token_ids and np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() <= 1e-4
+
+
+def _play_all(sampler: Sampler, prompts: list[list[int]], adapter_idx: list[int]) -> list:
+    """Each prompt in its row of a 4-row session, greedy, 12 tokens each; the completions by row."""
+    session = sampler.session(4)
+    session.feed(list(range(len(prompts))), prompts, max_new_tokens=12, adapter_idx=adapter_idx)
+    done = {}
+    while session.running:
+        done.update(session.step(jax.random.key(0)))
+    return [done[r] for r in range(len(prompts))]

@@ -257,7 +257,8 @@ def fused(
         jnp.zeros((batch,), jnp.int32),
     )
     ran, cache, logits, _, count, _, _, out_tokens, out_logp, finish = jax.lax.while_loop(cond, body, init)
-    return out_tokens, out_logp, logits, cache, count, finish, ran
+    # placed as the logits come in (rows over the batch axes), so that the next call's program is this one
+    return out_tokens, out_logp, constrain(logits, "batch"), cache, count, finish, ran
 
 
 @dataclasses.dataclass
