@@ -34,11 +34,12 @@ import jax
 from absl import app, flags, logging
 
 from launch import agents
+from launch.sampler_flags import SAMPLER_POLICY
 from trace_jax import runtime
 from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine, rollout_profile
 from trace_jax.envs.embedded_retail import EmbeddedRetail
 from trace_jax.models.model import load_model
-from trace_jax.sampling import POLICIES, Sampler
+from trace_jax.sampling import Sampler
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-retail-agent", "Embedded model or agent name, or HF folder.")
 _EPISODES = flags.DEFINE_integer("episodes", 32, "Episodes in the timed run.")
@@ -47,9 +48,6 @@ _TURNS = flags.DEFINE_integer("max_turns", 6, "Agent turns per episode.")
 _TOKENS = flags.DEFINE_integer("max_tokens_per_turn", 128, "Tokens per turn.")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Compute dtype (float32 on CPU; bfloat16 suits accelerators).")
 _JSON = flags.DEFINE_bool("json", False, "Print the final result as one JSON line.")
-_POLICY = flags.DEFINE_enum(
-    "sampler_policy", None, list(POLICIES), "How the sampler schedules rows (default: by backend; see Sampler)."
-)
 
 
 def _time_sampler(sampler: Sampler, prompts: list[list[int]], new_tokens: int) -> float:
@@ -90,7 +88,7 @@ def main(argv: list[str]) -> None:
     del argv
     agents.ensure_built(_MODEL.value)
     model = load_model(_MODEL.value, _DTYPE.value)
-    sampler = Sampler(model.cfg, model.params, detokenize=model.tokenizer.decode, policy=_POLICY.value)
+    sampler = Sampler(model.cfg, model.params, detokenize=model.tokenizer.decode, policy=SAMPLER_POLICY.value)
     env = EmbeddedRetail(seed=0)
     config = RolloutConfig(
         batch_size=_BATCH.value, max_turns=_TURNS.value, max_tokens_per_turn=_TOKENS.value, temperature=0.0

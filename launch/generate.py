@@ -16,9 +16,10 @@ import jax
 from absl import app, flags
 
 from launch import agents
+from launch.sampler_flags import SAMPLER_POLICY
 from trace_jax import lora
 from trace_jax.models.model import DTYPES, load_model
-from trace_jax.sampling import POLICIES, Sampler
+from trace_jax.sampling import Sampler
 
 _MODEL = flags.DEFINE_string("model", "smollm2-135m-instruct", "Embedded model name or HF checkpoint folder.")
 _PROMPT = flags.DEFINE_string("prompt", None, "Prompt text.", required=True)
@@ -32,9 +33,6 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k sampling (0: off).", lower_boun
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed for sampling.")
 _DTYPE = flags.DEFINE_enum("dtype", "float32", list(DTYPES), "Parameter dtype.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON line instead of the text.")
-_POLICY = flags.DEFINE_enum(
-    "sampler_policy", None, list(POLICIES), "How the sampler schedules rows (default: by backend; see Sampler)."
-)
 
 
 def main(argv):
@@ -53,7 +51,7 @@ def main(argv):
         model.params,
         adapters=adapters,
         detokenize=lambda ids: tok.decode(ids, skip_special_tokens=True),
-        policy=_POLICY.value,
+        policy=SAMPLER_POLICY.value,
         tokenize=tok.encode,
     )
     start = time.time()

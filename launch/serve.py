@@ -20,9 +20,10 @@ import uvicorn
 from absl import app, flags
 
 from launch import agents
+from launch.sampler_flags import SAMPLER_POLICY
 from trace_jax import lora
 from trace_jax.models.model import DTYPES, load_model
-from trace_jax.sampling import POLICIES, Sampler
+from trace_jax.sampling import Sampler
 from trace_jax.serve.app import Server, build_app
 from trace_jax.serve.engine import ServingEngine
 from trace_jax.serve.models import Catalog, TraceRouter, trace_run_adapters, trace_run_model
@@ -54,9 +55,6 @@ _DECODE_CHUNK = flags.DEFINE_integer(
     "decode_chunk", 16, "Tokens per decode call at most (streaming granularity).", lower_bound=1
 )
 _SEED = flags.DEFINE_integer("seed", 0, "Key of every random draw; a request's `seed` picks its stream.")
-_POLICY = flags.DEFINE_enum(
-    "sampler_policy", None, list(POLICIES), "How the sampler schedules rows (default: by backend; see Sampler)."
-)
 _API_KEY = flags.DEFINE_string(
     "api_key",
     os.environ.get("TRACE_JAX_API_KEY", ""),
@@ -152,7 +150,7 @@ def main(argv: list[str]) -> None:
         max_waiting=_MAX_WAITING.value,
         api_key=_API_KEY.value,
         max_body_bytes=int(_MAX_BODY_MB.value * 2**20),
-        sampler_policy=_POLICY.value,
+        sampler_policy=SAMPLER_POLICY.value,
     )
     sock = socket.create_server((_HOST.value, _PORT.value))  # listening now: clients queue until uvicorn accepts
     host, port = sock.getsockname()[:2]
