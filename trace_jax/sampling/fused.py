@@ -229,5 +229,5 @@ class FusedSession(Session):
             sampler.programs.resize.lower(own(old), own(old), capacity=new)
             for old, new in itertools.permutations(capacities, 2)
         ]
-        with concurrent.futures.ThreadPoolExecutor(max(os.cpu_count() or 1, 1)) as pool:
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             list(pool.map(lambda program: program.compile(), lowered))  # XLA compiles outside the GIL

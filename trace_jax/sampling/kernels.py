@@ -67,6 +67,13 @@ def copy_rows(k, v, lengths, logits, src, dst, dst_lengths, dst_logits):
     )
 
 
+def _finish_code(hit_stop, count, remaining, sequence_lengths, max_context):
+    """Per row, after it drew a token: 1 at a stop, 2 at its `remaining` tokens, 3 at the context limit, else 0
+    (running); the first that holds."""
+    hit_context = sequence_lengths + 1 >= max_context
+    return jnp.where(hit_stop, 1, jnp.where(count >= remaining, 2, jnp.where(hit_context, 3, 0)))
+
+
 class DecodeRows(NamedTuple):
     """What the decode loop reads per row, one [B] array each: the sampling settings, the random stream
     (`row_keys`), the adapter, how many tokens the row may still draw, and whether it is idle (done)."""
@@ -120,8 +127,7 @@ def decode(
         out_logp = out_logp.at[:, step].set(jnp.where(active, logp, 0.0))
         count = count + active
         hit_stop = jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
-        hit_context = cache.sequence_lengths + 1 >= max_context
-        code = jnp.where(hit_stop, 1, jnp.where(count >= remaining, 2, jnp.where(hit_context, 3, 0)))
+        code = _finish_code(hit_stop, count, remaining, cache.sequence_lengths, max_context)
         finish = jnp.where(active, code, finish)
         hidden, cache = decoder.forward_hidden(
             params,
@@ -223,8 +229,7 @@ def fused(
         recent = jnp.where(active[:, None], jnp.concatenate([recent[:, 1:], tokens[:, None]], axis=1), recent)
         form_hit = jnp.all((feed.forms == FORM_ANY) | (feed.forms == recent[:, None, :]), axis=-1).any(axis=-1)
         hit_stop = jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1) | form_hit
-        hit_context = cache.sequence_lengths + 1 >= max_context
-        code = jnp.where(hit_stop, 1, jnp.where(count >= remaining, 2, jnp.where(hit_context, 3, 0)))
+        code = _finish_code(hit_stop, count, remaining, cache.sequence_lengths, max_context)
         finish = jnp.where(active, code, finish)
         fed_now = jnp.where(feeding, jnp.minimum(feed.length - fed, chunk), 0)
 

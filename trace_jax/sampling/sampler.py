@@ -169,7 +169,7 @@ class Sampler:
         """A session of the sampler's policy over a fresh cache of `batch` rows (see `Session`; `stops`:
         stop_token_ids, stop_strings); a fused one has every program it can run compiled."""
         session = self._session_class()(self, self.new_cache(batch), **stops)
-        warm = (session.cache.batch, tuple(np.asarray(session._stop_ids).tolist()))
+        warm = (session.cache.batch, frozenset(stops.get("stop_token_ids", ())))
         if self.policy == FUSED and warm not in self._warm:
             session.warm_up()
             self._warm.add(warm)
