@@ -11,7 +11,8 @@ the 140 train tickets of TRACE's analysis.
 
 A second training seed: the same command into another workdir with --config.trace.seed=1 (the greedy base
 agent, the analysis and the held-out tickets do not depend on it; calibration's and every GRPO job's sampling
-do), keeping the arms to compare (--config.arms=grpo_target,grpo_target_hinted).
+do), keeping the arms to compare (--config.arms=grpo_target,grpo_target_hinted) and writing its compact record
+beside the first's (--config.results_file=docs/results/comparison_embedded_seed1.json).
 """
 
 import ml_collections
@@ -30,6 +31,8 @@ def get_config() -> ml_collections.ConfigDict:
     # settings are taken, not played again
     config.trace.calibration.resume_from = "docs/results/calibration_embedded"
     config.trace_run = ""  # "" runs the pipeline in <workdir>/trace; else a TRACE run's workdir
+    # the compact comparison, rewritten after every arm (committed as results come; the second seed's beside it)
+    config.results_file = "docs/results/comparison_embedded.json"
     config.budget = config_dict.placeholder(int)  # None: TRACE's own training episodes
     config.arms = ARMS
     config.grpo_target = ml_collections.ConfigDict(dict(split="train"))

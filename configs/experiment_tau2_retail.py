@@ -19,6 +19,7 @@ def with_trace(trace: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The τ² comparison around the TRACE config `trace` (a configs/trace_tau2_*.py one)."""
     config = experiment_embedded.get_config()
     config.trace = trace
+    config.results_file = ""  # the embedded comparison's committed record is not this one's
     config.trace.training.train.steps = 20  # x 64 episodes x 4 capabilities = 5,120
     config.gepa.update(train_tasks=200, val_tasks=20)
     return config

@@ -33,6 +33,7 @@ from trace_jax.models.embedded import AGENT_MARKER, EMBEDDED_AGENTS, agents_dir
 AGENTS = {
     "smollm2-135m-retail-agent": "configs.warmstart_embedded",
     "smollm2-135m-tiny-agent": "configs.warmstart_tiny",
+    "gemma-3-270m-retail-agent": "configs.warmstart_embedded_gemma",
 }
 assert set(AGENTS) == set(EMBEDDED_AGENTS), "every embedded agent name needs its build config"
 

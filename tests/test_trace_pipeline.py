@@ -277,6 +277,7 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     trace_dir = tiny_run[0]
     overrides = [
         f"--config.trace_run={trace_dir}",
+        f"--config.results_file={tmp_path / 'committed' / 'comparison.json'}",
         *(f"--config.trace.{o[len('--config.') :]}" for o in [*LLM_PATH, *_model(tiny_chat_model)]),
     ]
     command = [
@@ -401,6 +402,23 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
                 (arms["TRACE"]["success"] - row["success"]) * heldout
             ), name
             assert f"| {name} | {pair['only_a']} | {pair['only_b']} | {pair['p_value']:.3g} |" in report, name
+    # The compact record committed as results come: the same counts as the table.
+    record = json.loads((tmp_path / "committed" / "comparison.json").read_text())
+    assert list(record["arms"]) == names and record["budget"] == budget and record["pending"] == []
+    for name, row in arms.items():
+        kept = record["arms"][name]
+        assert kept["successes"] == round(row["success"] * heldout) and kept["episodes"] == heldout, name
+        assert (kept["training_episodes"], kept["wall_s"]) == (row["rollouts"], row["seconds"]), name
+        assert sum(s for s, _ in kept["families"].values()) == kept["successes"], name
+        assert sum(n for _, n in kept["families"].values()) == heldout, name
+        if name != "TRACE":
+            pair = row["vs_trace"]
+            assert record["vs_trace"][name] == {
+                "only_trace": pair["only_a"],
+                "only_arm": pair["only_b"],
+                "p": pair["p_value"],
+            }
+    assert "TRACE" not in record["vs_trace"]
     # The scaling curve: each arm from the base agent to its finished run through its shares of the budget.
     # TRACE's one GRPO step per adapter rounds to step 0 or 1, so its points are the base and itself; GRPO on
     # the target (2 steps) is evaluated at its snapshot of step 1; GEPA with its seed texts (found at call 0).

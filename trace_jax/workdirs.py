@@ -42,6 +42,7 @@ NOT_DECISIVE = frozenset(
         "remat",
         "base_run",
         "resume_from",
+        "results_file",  # where a copy of the results is also written
         "timeout_s",
         "max_retries",
         "every",

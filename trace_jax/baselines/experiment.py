@@ -98,6 +98,9 @@ class ExperimentSettings:
     trace_run: str = setting("", '"" (run the pipeline here) or a TRACE run\'s workdir', is_str)
     budget: int | None = setting(None, "None (TRACE's own rollouts) or a positive int", none_or(positive_int))
     arms: tuple[str, ...] = setting(ARMS, f"a subset of {ARMS}", lambda v: isinstance(v, tuple) and set(v) <= set(ARMS))
+    results_file: str = setting(
+        "", '"" (none) or a path the compact comparison (`comparison_record`) is also written to', is_str
+    )
 
 
 def validate_config(config: ml_collections.ConfigDict) -> tuple[ExperimentSettings, PipelineSettings]:
@@ -177,6 +180,8 @@ class Experiment:
         results = self._results(trace, budget, [name for name in stages if name not in self.stages.done])
         if distributed.is_main():
             write_json_atomic(self.workdir / "results.json", results)
+            if self.settings.results_file:
+                write_json_atomic(pathlib.Path(self.settings.results_file), comparison_record(results))
             (self.workdir / "report.md").write_text(report(results), encoding="utf-8")
             if results["scaling"]:
                 plot_scaling(results["scaling"], self.workdir / "plots" / "scaling.png")
@@ -426,7 +431,38 @@ def _row(arm: str, records: list[dict], rollouts: int, seconds: float) -> dict:
         "rollouts": int(rollouts),
         "seconds": round(float(seconds), 1),
         "families": {row["family"]: row["success"] for row in families},
+        "family_counts": {
+            row["family"]: [round(row["success"] * row["episodes"]), row["episodes"]] for row in families
+        },
     }
+
+
+def comparison_record(results: dict) -> dict:
+    """The comparison in the compact form results are committed in (`results_file`): per arm its held-out
+    successes, episodes, training episodes, wall time and per family [successes, episodes]; per arm paired with
+    TRACE the tasks only TRACE solves, those only the arm solves and the exact McNemar p."""
+    arms = {
+        row["arm"]: {
+            "successes": round(row["success"] * row["episodes"]),
+            "episodes": row["episodes"],
+            "success": row["success"],
+            "ci": [row["ci_low"], row["ci_high"]],
+            "training_episodes": row["rollouts"],
+            "wall_s": row["seconds"],
+            "families": row["family_counts"],
+        }
+        for row in results["arms"]
+    }
+    pairs = {
+        row["arm"]: {
+            "only_trace": row["vs_trace"]["only_a"],
+            "only_arm": row["vs_trace"]["only_b"],
+            "p": row["vs_trace"]["p_value"],
+        }
+        for row in results["arms"]
+        if "vs_trace" in row
+    }
+    return {"budget": results["budget"], "arms": arms, "vs_trace": pairs, "pending": results["pending"]}
 
 
 def scalar_name(kind: str, arm: str) -> str:

@@ -53,7 +53,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 }
 # Embedded agents: an embedded model with a warm-start adapter merged in, built into the cache by
 # `python -m launch.agents` (which every launch job runs for the names its config holds); resolving never builds.
-EMBEDDED_AGENTS = ("smollm2-135m-retail-agent", "smollm2-135m-tiny-agent")
+EMBEDDED_AGENTS = ("smollm2-135m-retail-agent", "smollm2-135m-tiny-agent", "gemma-3-270m-retail-agent")
 AGENT_MARKER = "trace_jax_warmstart.json"  # written last into a built agent's folder
 
 # GGUF tensor name (after "blk.{i}.") -> HF Llama parameter name (after "model.layers.{i}.").
