@@ -29,6 +29,8 @@ def test_the_settings_that_decide_results_leave_out_how_a_run_is_carried_out():
         "mesh": {"data": 2, "tensor": 1},
         "log_every_s": 30.0,
         "eval": {"base_run": "runs/base", "every": 4, "num_tasks": 20},
+        "arms": ("oracle", "gepa"),  # a comparison run arm by arm, its record copied elsewhere
+        "results_file": "docs/results/comparison.json",
     }
     assert decisive_settings(config) == {
         "train.steps": 8,

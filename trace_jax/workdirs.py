@@ -43,6 +43,7 @@ NOT_DECISIVE = frozenset(
         "base_run",
         "resume_from",
         "results_file",  # where a copy of the results is also written
+        "arms",  # which of a comparison's arms to run now; each arm's results are its own
         "timeout_s",
         "max_retries",
         "every",
