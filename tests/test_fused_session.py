@@ -92,6 +92,42 @@ def test_a_fused_session_samples_what_an_adaptive_one_does(each_family):
             assert np.abs(np.array(ours.logprobs) - np.array(theirs.logprobs)).max() <= 1e-5
 
 
+def test_a_started_row_copies_the_head_it_shares_with_a_held_conversation_and_samples_as_if_fed(tiny_checkpoints):
+    """Under the fused policy, a row starting a conversation whose first prompt shares a long head with one a row
+    holds copies those positions (as far as they are computed) before the next call instead of feeding them, also
+    when the row it copies from is released meanwhile; a row being copied to is no source. The copied rows then
+    draw the tokens (and logprobs) of rows fed their whole prompts, and nothing compiles after the warm-up."""
+    path, _ = tiny_checkpoints["qwen3"]
+    cfg = ModelConfig.from_dir(path)
+    options = dict(decode_chunk=8, min_cache=32, prefill_chunk=16, max_context=256, min_shared_prefix=16)
+    sampler = Sampler(cfg, load_params(path, cfg), policy="fused", feed_chunks=2, **options)
+    head = np.random.default_rng(5).integers(1, 100, size=40).tolist()
+    prompts = {0: head + [1, 2, 3], 1: head + [4, 5], 2: head[:20] + [7, 8, 9]}
+    key = jax.random.key(3)
+
+    def run(session, rows, held):
+        session.feed(rows, [prompts[r][held[r] :] for r in rows], max_new_tokens=6, temperature=1.0, stream=rows)
+        done = {}
+        while session.running:
+            done.update(session.step(key))
+        return done
+
+    session = sampler.session(3)
+    with counting_compiles() as compiles:
+        assert session.start(0, prompts[0]) == 0  # nothing held yet
+        run(session, [0], {0: 0})
+        held = {1: session.start(1, prompts[1]), 2: session.start(2, prompts[2])}
+        assert held == {1: 40, 2: 20}  # row 2 shares 20 with row 0's head; row 1, being copied to, is no source
+        session.release([0])  # its positions stay until the copies run, before the next call
+        copied = run(session, [1, 2], held)
+        assert (session.stats["copied_rows"], session.stats["copied_tokens"]) == (2, 60)
+        fed = run(sampler.session(3), [1, 2], {1: 0, 2: 0})
+    assert compiles[0] == 0
+    for row in (1, 2):
+        assert copied[row].token_ids == fed[row].token_ids and len(fed[row].token_ids) == 6
+        assert np.abs(np.array(copied[row].logprobs) - np.array(fed[row].logprobs)).max() <= 1e-5
+
+
 def test_a_fused_call_runs_many_steps_and_stops_on_the_device_where_the_host_cuts(tiny_checkpoints):
     """A call runs its `decode_chunk` steps while no row finishes, `return_early` or not (its first step feeds
     the prompt), and `step` reads a call after dispatching the next. A stop string whose token

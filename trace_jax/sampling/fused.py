@@ -6,9 +6,12 @@ On a GPU or TPU a step over [rows, chunk] positions costs little more than one o
 every host round trip and every program shape costs much. So a fed prompt is not prefilled by calls of its own:
 `feed` only queues it, and the next `step` runs one program (`kernels.fused`) whose steps append up to
 `prefill_chunk` queued tokens to each fed row while the other rows decode, for `decode_chunk` steps or until
-every row is done. Rows keep whole conversations in their own buffers (no shared prefix slots, no opening
-copies: both would add shapes), so the programs are one fused loop per cache capacity and one resize per pair of
-capacities, which `warm_up` compiles ahead of time. The CPU keeps `Session`, whose row-wise prefills and shared
+every row is done. Rows keep whole conversations in their own buffers (no shared prefix slots: they would add
+shapes); a row starting a conversation whose first prompt shares at least `min_copied_prefix` tokens with the
+first prompt of a conversation another row holds copies those positions from it before the next call, in one
+copy over all rows, and is fed only the rest (episodes of one environment share a long system prompt). So the
+programs are one fused loop and one copy per cache capacity and one resize per pair of capacities, which
+`warm_up` compiles ahead of time. The CPU keeps `Session`, whose row-wise prefills and shared
 prefixes avoid the padding a CPU pays for in full.
 """
 
@@ -35,6 +38,7 @@ from trace_jax.sampling.kernels import (
     FeedRows,
 )
 from trace_jax.sampling.session import Completion, Session
+from trace_jax.sampling.shapes import common_prefix_length
 
 
 def _like(a: jax.Array, shape: tuple[int, ...] | None = None) -> jax.ShapeDtypeStruct:
@@ -70,6 +74,8 @@ class FusedSession(Session):
         self._forms: dict[tuple[str, ...], np.ndarray] = {}  # stop strings -> their token forms
         self._lengths = np.asarray(cache.lengths).astype(np.int64)  # each row's own length, as the host knows it
         self._call: _Call | None = None
+        self._heads: dict[int, tuple[int, list[int]]] = {}  # row -> (adapter, its conversation's first prompt)
+        self._copies: dict[int, tuple[int, int]] = {}  # row -> (the row it copies from, positions) before the next call
 
     @property
     def feed_width(self) -> int:
@@ -77,11 +83,28 @@ class FusedSession(Session):
         return self.sampler.prefill_chunk * self.sampler.feed_chunks
 
     def start(self, row: int, prompt: Sequence[int], adapter_idx: int = lora_lib.NO_ADAPTER, group=None) -> int:
-        """Empties `row` for a new conversation; it holds none of `prompt` (no shared prefixes here): returns 0."""
-        del prompt, adapter_idx, group
+        """Empties `row` for a new conversation whose first prompt is `prompt`; returns how many of its leading
+        tokens the row holds (feed it the rest): those it shares with the first prompt of the row holding the
+        longest such head with the same adapter, as far as that row's cache has them, when at least
+        `min_copied_prefix` (the row copies them before the next call), else 0. `group` is not needed here."""
+        del group
         self._forget([row])
         self._empty(row)
-        return 0
+        self._heads[row] = (adapter_idx, list(prompt))
+        minimum = self.sampler.min_copied_prefix
+        if minimum is None or len(prompt) <= minimum:
+            return 0
+        source, shared = None, 0
+        for r, (adapter, head) in self._heads.items():
+            if r != row and r not in self._copies and adapter == adapter_idx:
+                held = min(common_prefix_length([head, prompt]), int(self._lengths[r]), len(prompt) - 1)
+                if held > shared:
+                    source, shared = r, held
+        if shared < minimum:
+            return 0
+        self._copies[row] = (source, shared)
+        self._lengths[row] = shared
+        return shared
 
     def _append(self, rows, parts, adapter_idx, max_new, lengths) -> None:
         """Queues parts[i] for row rows[i]: the next call appends it."""
@@ -94,6 +117,8 @@ class FusedSession(Session):
         super()._forget(rows)
         for r in rows:
             self._pending.pop(int(r), None)
+            self._heads.pop(int(r), None)
+            self._copies.pop(int(r), None)
 
     def _own_lengths(self) -> np.ndarray:
         return self._lengths.copy()
@@ -104,6 +129,9 @@ class FusedSession(Session):
     def _set_own_length(self, row: int, length: int) -> None:
         super()._set_own_length(row, length)
         self._lengths[row] = length
+        if row in self._heads:  # the positions after `length` will hold other tokens
+            adapter, head = self._heads[row]
+            self._heads[row] = (adapter, head[:length])
 
     def _empty(self, row: int) -> None:
         super()._empty(row)
@@ -134,6 +162,7 @@ class FusedSession(Session):
         """Dispatches a fused call over the sampling rows, each appending the head of its queue."""
         self._fit(self._needed())
         sampler, start = self.sampler, time.perf_counter()
+        self._copy_heads()
         feed, fed = self._feed_rows()
         tokens, logp, self._logits, self.cache, count, code, steps = sampler.programs.fused(
             sampler.params,
@@ -152,6 +181,37 @@ class FusedSession(Session):
         turns = {r: self._turns[r] for r in np.flatnonzero(self._rows.running).tolist()}
         self._call = _Call((tokens, logp, count, code, steps), turns, fed)
         self.stats.update(decode_s=time.perf_counter() - start, prefill_tokens=int(fed.sum()))
+
+    def _copy_heads(self) -> None:
+        """The started rows take the heads they share from the rows holding them (`start`), in one copy over all
+        rows (ids past the batch pad it: copied from nowhere, written nowhere)."""
+        if not self._copies:
+            return
+        batch, put = self.cache.batch, lambda a: self.sampler.put(a, "batch")
+        src, dst, lengths = (
+            np.full((batch,), batch, np.int32),
+            np.full((batch,), batch, np.int32),
+            np.zeros((batch,), np.int32),
+        )
+        for i, (r, (source, shared)) in enumerate(self._copies.items()):
+            src[i], dst[i], lengths[i] = source, r, shared
+        k, v, all_lengths, self._logits = self.sampler.programs.copy_rows(
+            self.cache.k,
+            self.cache.v,
+            self.cache.lengths,
+            self._logits,
+            put(src),
+            put(dst),
+            put(lengths),
+            self._no_logits(),
+        )
+        self.cache = self.cache.replace(k=k, v=v, lengths=all_lengths)
+        self.stats.update(copied_rows=len(self._copies), copied_tokens=int(lengths.sum()))
+        self._copies.clear()
+
+    def _no_logits(self) -> jax.Array:
+        """Zero next-token logits for the copied rows (each is fed a token before it samples)."""
+        return self.sampler.put(np.zeros(self._logits.shape, np.float32), "batch")
 
     def _collect(self) -> None:
         """Waits for the call in flight and takes its tokens into the turns it sampled (a row cancelled, or
@@ -205,10 +265,10 @@ class FusedSession(Session):
         return self._forms[stops]
 
     def warm_up(self) -> None:
-        """Compiles every program this session can run, ahead of time: the fused loop at each cache capacity of
-        `ShapePolicy.capacities`, the resize between each two of them, and the row updates `start` makes, the
-        compiles in parallel threads. Nothing compiles after it (the programs also go to the persistent compilation
-        cache where it is on)."""
+        """Compiles every program this session can run, ahead of time: the fused loop and the head copy at each
+        cache capacity of `ShapePolicy.capacities`, the resize between each two of them, and the row updates `start`
+        makes, the compiles in parallel threads. Nothing compiles after it (the programs also go to the persistent
+        compilation cache where it is on)."""
         sampler, cache = self.sampler, self.cache
         self.cache = sampler.start_row(cache, 0)  # the row updates, run once (row 0 is empty before any feed)
         capacities = sampler.shapes.capacities()
@@ -228,6 +288,13 @@ class FusedSession(Session):
         lowered += [
             sampler.programs.resize.lower(own(old), own(old), capacity=new)
             for old, new in itertools.permutations(capacities, 2)
+        ]
+        ids = _like(sampler.put(np.zeros((cache.batch,), np.int32), "batch"))
+        lowered += [
+            sampler.programs.copy_rows.lower(
+                own(capacity), own(capacity), _like(cache.lengths), self._logits, ids, ids, ids, self._logits
+            )
+            for capacity in capacities
         ]
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             list(pool.map(lambda program: program.compile(), lowered))  # XLA compiles outside the GIL

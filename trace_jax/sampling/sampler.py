@@ -34,8 +34,9 @@ class Sampler:
     A fresh batch whose prompts share at least `min_shared_prefix` leading tokens
     prefills that prefix once per adapter into a prefix slot of the cache that the rows
     continue from (None: never); `add_prefix` and `start_row` do the same for rows
-    started one by one. Other prompt tokens are prefilled in calls of at most
-    `prefill_chunk` tokens per row: little padding, and few compiled widths.
+    started one by one (under the fused policy, a started row copies such a prefix from a row that holds it).
+    Other prompt tokens are prefilled in calls of at most `prefill_chunk` tokens per row: little padding, and
+    few compiled widths.
 
     `policy` picks how sessions run (None: by backend): "adaptive" (`Session`: row-wise prefills, shared prefixes,
     shapes fitted to each call; what a CPU runs fastest) or "fused" (`FusedSession`: fed tokens folded into
@@ -76,6 +77,8 @@ class Sampler:
         self.min_cache = min_cache
         self.detokenize = detokenize
         self.min_shared_prefix = min_shared_prefix if self.policy == ADAPTIVE else None
+        # fused: a started row copies the head of a conversation another row holds when they share this many tokens
+        self.min_copied_prefix = min_shared_prefix if self.policy == FUSED else None
         self.shapes = ShapePolicy(plan.batch_multiple if plan else 1, min_cache, self.max_context)
         self.params = plan.shard_params(params) if plan else params
         self.adapters = None if adapters is None else (plan.shard_params(adapters) if plan else adapters)
