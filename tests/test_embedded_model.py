@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from launch import agents
+from trace_jax.files import read_json
 from trace_jax.models import embedded
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.embedded import embedded_gguf_path, embedded_model_dir, resolve_model_dir
@@ -254,3 +256,22 @@ def test_tool_aware_template_gets_tools_and_dict_arguments(model_dir):
     call = {"function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     assert tok.render_chat(messages, TOOLS) == 'TOOL:get_weather;user:Hi;assistant: CALL:{"city": "Paris"};'
+
+
+def test_the_retail_agent_builds_from_its_pinned_adapter_to_the_weights_recorded_where_it_was_trained(
+    tmp_path, monkeypatch
+):
+    """The embedded base agent is the pinned warm-start adapter merged into SmolLM2, nothing trained: its weights
+    fingerprint is the one the pin recorded on the machine that trained it (whatever this machine's CPU), so
+    results recorded against it hold here."""
+    name = embedded.EMBEDDED_AGENTS[0]
+
+    def no_training(*_):
+        raise AssertionError(f"{name} was trained, not built from its pin")
+
+    monkeypatch.setattr(agents, "run_build", no_training)
+    folder = agents.agent_dir(name, tmp_path)
+    record = read_json(agents.PINNED / name / agents.PIN_RECORD)
+    marker = read_json(folder / embedded.AGENT_MARKER)
+    assert marker["pinned"] is True and marker["build"] == record["build"]
+    assert weights_fingerprint(folder) == record["agent_fingerprint"]

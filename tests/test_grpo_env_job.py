@@ -28,6 +28,7 @@ from launch import agents
 from trace_jax import lora
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.embedded import resolve_model_dir
+from trace_jax.models.model import weights_fingerprint
 from trace_jax.rl.trainer import snapshot_step
 
 pytestmark = pytest.mark.optimized_xla  # SmolLM2 runs long here (tests/conftest.py)
@@ -74,6 +75,27 @@ def test_the_tiny_agent_is_built_once_per_config(tiny_agent, monkeypatch):
     monkeypatch.setattr(agents, "build_config", lambda name: config)
     with pytest.raises(AssertionError, match="built again"):  # another config: another agent
         agents.agent_dir(AGENT, cache)
+
+
+def test_a_pinned_adapter_rebuilds_the_trained_agent_byte_for_byte_without_training(tiny_agent, tmp_path, monkeypatch):
+    """`--pin` writes the built agent's warm-start adapter (its all-zero layers dropped) with the agent's weights
+    fingerprint; a build from the pin in another cache trains nothing and gives the same bytes."""
+    cache, folder = tiny_agent
+    monkeypatch.setattr(agents, "PINNED", tmp_path / "pinned")
+    pinned = agents.pin(AGENT, cache)
+    record = json.loads((pinned / agents.PIN_RECORD).read_text())
+    first = warmstart_tiny.get_config().lora.first_layer
+    assert json.loads((pinned / "adapter_config.json").read_text())["layers_to_transform"] == list(range(first, 30))
+    assert record["agent_fingerprint"] == weights_fingerprint(folder)
+
+    def no_training(*_):
+        raise AssertionError("a pinned agent was trained")
+
+    monkeypatch.setattr(agents, "run_build", no_training)
+    rebuilt = agents.agent_dir(AGENT, tmp_path / "cache")
+    assert json.loads((rebuilt / "trace_jax_warmstart.json").read_text())["pinned"] is True
+    assert weights_fingerprint(rebuilt) == record["agent_fingerprint"]
+    assert (rebuilt / "model.safetensors").read_bytes() == (folder / "model.safetensors").read_bytes()
 
 
 def _command(workdir):

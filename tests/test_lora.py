@@ -171,27 +171,40 @@ def test_fresh_adapter_equals_base(models):
 
 
 # 3. Merging the adapter into the weights == applying it per row; all 7 targets.
-def test_merged_equals_unmerged(models):
+def test_the_merged_folder_equals_the_adapter_applied_per_row(models, tmp_path):
+    """`merge_peft_folder` writes the base folder's weights with a PEFT adapter folded in: the merged model's
+    logits equal the base's with the adapter applied per row, every target's kernel moved, each by
+    fp32(W + scale * B @ A) with the product in float64 (the merge's bytes follow no CPU's BLAS)."""
     m = models("llama")
     stack = three_adapters(m.cfg)
     assert sorted(stack.weights) == sorted(ALL_TARGETS)
     tokens = random_tokens(m.cfg, 4, seed=2)
-    base = logits(m, tokens)
-    before = jax.tree.map(np.asarray, m.params)
+    base, base_bytes = logits(m, tokens), (m.path / "model.safetensors").read_bytes()
+    base_tensors = load_file(str(m.path / "model.safetensors"))
     worst = 0.0
     for i in range(stack.num_adapters):
-        merged = lora.merge(m.params, stack, i)
-        for target in ALL_TARGETS:  # every target's kernel was changed
-            assert max_diff(merged["layers"][0][target]["kernel"], m.params["layers"][0][target]["kernel"]) > 1e-4
-        out = logits(m, tokens, params=merged)
-        ref = logits(m, tokens, stack, [i] * 4)
-        assert max_diff(out, base) > 1e-3
-        worst = max(worst, max_diff(out, ref))
+        adapter, out = tmp_path / f"adapter_{i}", tmp_path / f"merged_{i}"
+        lora.save_peft(stack, adapter, index=i)
+        lora.merge_peft_folder(m.path, adapter, out)
+        merged = load_file(str(out / "model.safetensors"))
+        assert merged.keys() == base_tensors.keys()
+        scale = float(stack.scale[i])
+        for target in ALL_TARGETS:  # every target's kernel moved, by the float64 product rounded once
+            name = f"model.layers.0.{lora._MODULE_OF[target]}.{target}.weight"
+            a, b = (np.asarray(stack.weights[target][ab][i, 0], np.float64) for ab in ("a", "b"))
+            expected = (base_tensors[name].astype(np.float64) + scale * (a @ b).T).astype(np.float32)
+            np.testing.assert_array_max_ulp(merged[name], expected, maxulp=1)
+            assert max_diff(merged[name], base_tensors[name]) > 1e-4, target
+        out_logits = logits(m, tokens, params=load_params(out, m.cfg))
+        assert max_diff(out_logits, base) > 1e-3
+        worst = max(worst, max_diff(out_logits, logits(m, tokens, stack, [i] * 4)))
+        assert (out / "config.json").read_bytes() == (m.path / "config.json").read_bytes()
     assert worst <= 1e-4, worst
-    # merge leaves the base params as they were.
-    assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(m.params)))
-    with pytest.raises(ValueError, match="out of range"):
-        lora.merge(m.params, stack, NO_ADAPTER)
+    assert (m.path / "model.safetensors").read_bytes() == base_bytes  # the base folder as it was
+    lora.merge_peft_folder(m.path, tmp_path / "adapter_0", tmp_path / "again")  # the same bytes again
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == (
+        tmp_path / "merged_0" / "model.safetensors"
+    ).read_bytes()
     print(f"\n[lora] merged vs unmerged: max |diff| = {worst:.3g}")
 
 

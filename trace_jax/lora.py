@@ -25,6 +25,7 @@ from trace_jax.models.adapters import Adapters as Adapters
 from trace_jax.models.adapters import LoraSpec as LoraSpec
 from trace_jax.models.adapters import for_rows as for_rows
 from trace_jax.models.config import ModelConfig
+from trace_jax.models.loading import write_hf_folder
 
 _MODULE_OF = {
     "q_proj": "self_attn",
@@ -104,16 +105,31 @@ def select_adapter(adapters: Adapters, index: int) -> Adapters:
     return Adapters(jax.tree.map(lambda w: w[index : index + 1], adapters.weights), adapters.scale[index : index + 1])
 
 
-def merge(params: dict, adapters: Adapters, index: int = 0) -> dict:
-    """Base params with adapter `index` folded in: W + scale * A @ B (for single-adapter serving)."""
-    _check_index(adapters, index)
-    layers = [dict(layer) for layer in params["layers"]]
-    for target, w in adapters.weights.items():
-        delta = adapters.scale[index] * jnp.einsum("lir,lro->lio", w["a"][index], w["b"][index])
-        for i, layer in enumerate(layers):
-            kernel = layer[target]["kernel"]
-            layer[target] = {**layer[target], "kernel": (kernel + delta[i]).astype(kernel.dtype)}
-    return {**params, "layers": layers}
+def merge_peft_folder(
+    base_dir: str | pathlib.Path, adapter_dir: str | pathlib.Path, out_dir: str | pathlib.Path
+) -> None:
+    """Writes to `out_dir` the HF folder of `base_dir`'s model with the PEFT LoRA adapter of `adapter_dir` folded
+    in: W + scale * B @ A for each adapted projection, in the base's dtype (for single-adapter serving, and the
+    embedded agents). The product is formed in float64 with the rank summed in a fixed order, not by a BLAS whose
+    summation order follows the CPU, so the same two folders give the same bytes on any machine."""
+    base_dir, adapter_dir = pathlib.Path(base_dir), pathlib.Path(adapter_dir)
+    scale, _ = _peft_scale(adapter_dir)
+    shards = sorted(base_dir.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"{base_dir}: no *.safetensors weights to merge an adapter into")
+    tensors = {name: value for shard in shards for name, value in load_file(str(shard)).items()}
+    pairs = _peft_tensors(adapter_dir)
+    for key in sorted(k for k in pairs if ".lora_A." in k):
+        name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        if name not in tensors:
+            raise ValueError(f"{adapter_dir}: adapter tensor {key!r} adapts {name!r}, which {base_dir} lacks")
+        a, b = (pairs[key.replace("lora_A", ab)].astype(np.float64) for ab in ("lora_A", "lora_B"))
+        delta = np.zeros((b.shape[0], a.shape[1]))
+        for r in range(a.shape[0]):
+            delta += np.multiply.outer(b[:, r], a[r])
+        kernel = tensors[name]
+        tensors[name] = (kernel.astype(np.float64) + scale * delta).astype(kernel.dtype)
+    write_hf_folder(tensors, base_dir, out_dir)
 
 
 def _peft_key(layer: int, target: str, ab: str) -> str:
@@ -155,9 +171,8 @@ def save_peft(adapters: Adapters, out_dir: str | pathlib.Path, *, index: int = 0
     write_if_changed(out_dir / "adapter_model.safetensors", save(tensors, metadata={"format": "pt"}))
 
 
-def load_peft(adapter_dir: str | pathlib.Path, cfg: ModelConfig, dtype=jnp.float32) -> Adapters:
-    """Reads a PEFT LoRA adapter folder into a stack of one."""
-    adapter_dir = pathlib.Path(adapter_dir)
+def _peft_scale(adapter_dir: pathlib.Path) -> tuple[float, dict]:
+    """The LoRA scale of a PEFT adapter folder and its adapter_config.json, which must describe a plain LoRA."""
     config = read_json(adapter_dir / "adapter_config.json")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{adapter_dir}: peft_type {config.get('peft_type')!r} is not LORA")
@@ -167,9 +182,21 @@ def load_peft(adapter_dir: str | pathlib.Path, cfg: ModelConfig, dtype=jnp.float
     if config.get("bias", "none") != "none":
         raise ValueError(f"{adapter_dir}: adapter_config.json key 'bias' must be 'none'")
     rank, alpha = int(config["r"]), float(config["lora_alpha"])
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return (alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank), config
+
+
+def _peft_tensors(adapter_dir: pathlib.Path) -> dict[str, np.ndarray]:
+    """A PEFT adapter folder's tensors by name, PEFT's ".default" infix dropped."""
     tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    tensors = {k.replace(".default.weight", ".weight"): v for k, v in tensors.items()}
+    return {k.replace(".default.weight", ".weight"): v for k, v in tensors.items()}
+
+
+def load_peft(adapter_dir: str | pathlib.Path, cfg: ModelConfig, dtype=jnp.float32) -> Adapters:
+    """Reads a PEFT LoRA adapter folder into a stack of one."""
+    adapter_dir = pathlib.Path(adapter_dir)
+    scale, config = _peft_scale(adapter_dir)
+    rank = int(config["r"])
+    tensors = _peft_tensors(adapter_dir)
     shapes = projection_shapes(cfg)
     layers = config.get("layers_to_transform")
     layers = range(cfg.num_layers) if layers is None else [layers] if isinstance(layers, int) else layers

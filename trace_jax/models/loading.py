@@ -137,12 +137,17 @@ def save_hf_checkpoint(
 ) -> None:
     """Writes `params` as an HF folder: config.json (and tokenizer files) copied from `cfg_dir`. Files that
     already hold the same bytes are left as they are (`files.write_file_if_changed`)."""
+    write_hf_folder(to_hf_tensors(params, cfg), cfg_dir, out_dir)
+
+
+def write_hf_folder(tensors: dict[str, np.ndarray], cfg_dir: str | pathlib.Path, out_dir: str | pathlib.Path) -> None:
+    """Writes HF `tensors` as model.safetensors in `out_dir` with config.json and the tokenizer files of `cfg_dir`
+    beside them; files that already hold the same bytes are left as they are (`files.write_file_if_changed`)."""
     cfg_dir, out_dir = pathlib.Path(cfg_dir), pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in cfg_dir.iterdir():
         if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".txt", ".model", ".jinja"):
             write_if_changed(out_dir / f.name, f.read_bytes())
-    tensors = to_hf_tensors(params, cfg)
     write_file_if_changed(
         out_dir / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"})
     )

@@ -32,7 +32,6 @@ from trace_jax.envs import check_environment, make_environment
 from trace_jax.envs.scripted import GoldAgent, ScriptedUser
 from trace_jax.files import write_json_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
-from trace_jax.models.loading import save_hf_checkpoint
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, learned_tokens, pack_sequences, padded_tokens
 from trace_jax.rl.checkpoint import TrainState
@@ -230,8 +229,7 @@ def _train(settings: SftSettings, workdir: str | pathlib.Path) -> dict:
     run.state = state
     export_adapter(run, workdir / "adapter")
     if settings.export.merged and distributed.is_main():
-        merged = lora.merge(run.model.params, jax.device_get(run.sampler_adapters()), ADAPTER)
-        save_hf_checkpoint(merged, run.model.path, workdir / "merged", run.model.cfg)
+        lora.merge_peft_folder(run.model.path, workdir / "adapter", workdir / "merged")
     summary = {
         "steps": int(state.step),
         "trajectories": len(kept),
