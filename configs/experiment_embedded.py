@@ -11,7 +11,7 @@ the 140 train tickets of TRACE's analysis.
 
 A second training seed: the same command into another workdir with --config.trace.seed=1 (the greedy base
 agent, the analysis and the held-out tickets do not depend on it; calibration's and every GRPO job's sampling
-do), keeping the arms to compare (--config.arms=grpo_target,grpo_target_hinted) and writing its compact record
+do), keeping the arms to compare (--config.arms="('grpo_target','grpo_target_hinted')") and writing its compact record
 beside the first's (--config.results_file=docs/results/comparison_embedded_seed1.json).
 """
 

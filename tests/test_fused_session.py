@@ -95,7 +95,8 @@ def test_a_fused_session_samples_what_an_adaptive_one_does(each_family):
 def test_a_started_row_copies_the_head_it_shares_with_a_held_conversation_and_samples_as_if_fed(tiny_checkpoints):
     """Under the fused policy, a row starting a conversation whose first prompt shares a long head with one a row
     holds copies those positions (as far as they are computed) before the next call instead of feeding them, also
-    when the row it copies from is released meanwhile; a row being copied to is no source. The copied rows then
+    when the row it copies from is released meanwhile, whose head stays a source until it is fed again; a row being
+    copied to is no source. The copied rows then
     draw the tokens (and logprobs) of rows fed their whole prompts, and nothing compiles after the warm-up."""
     path, _ = tiny_checkpoints["qwen3"]
     cfg = ModelConfig.from_dir(path)
@@ -115,14 +116,18 @@ def test_a_started_row_copies_the_head_it_shares_with_a_held_conversation_and_sa
     session = sampler.session(3)
     with counting_compiles() as compiles:
         assert session.start(0, prompts[0]) == 0  # nothing held yet
-        run(session, [0], {0: 0})
+        first = run(session, [0], {0: 0})
         held = {1: session.start(1, prompts[1]), 2: session.start(2, prompts[2])}
         assert held == {1: 40, 2: 20}  # row 2 shares 20 with row 0's head; row 1, being copied to, is no source
         session.release([0])  # its positions stay until the copies run, before the next call
         copied = run(session, [1, 2], held)
         assert (session.stats["copied_rows"], session.stats["copied_tokens"]) == (2, 60)
+        # A released row's head stays a source until the row is fed again: here for the row itself, restarted.
+        assert session.start(0, prompts[0]) == len(prompts[0]) - 1
+        again = run(session, [0], {0: len(prompts[0]) - 1})
         fed = run(sampler.session(3), [1, 2], {1: 0, 2: 0})
     assert compiles[0] == 0
+    assert again[0].token_ids == first[0].token_ids and len(first[0].token_ids) == 6
     for row in (1, 2):
         assert copied[row].token_ids == fed[row].token_ids and len(fed[row].token_ids) == 6
         assert np.abs(np.array(copied[row].logprobs) - np.array(fed[row].logprobs)).max() <= 1e-5

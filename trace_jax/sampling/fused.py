@@ -75,6 +75,9 @@ class FusedSession(Session):
         self._lengths = np.asarray(cache.lengths).astype(np.int64)  # each row's own length, as the host knows it
         self._call: _Call | None = None
         self._heads: dict[int, tuple[int, list[int]]] = {}  # row -> (adapter, its conversation's first prompt)
+        # row -> (adapter, the head's tokens its buffer still holds): rows released, or started anew, whose positions
+        # stay on the device until the row is fed again
+        self._left: dict[int, tuple[int, list[int]]] = {}
         self._copies: dict[int, tuple[int, int]] = {}  # row -> (the row it copies from, positions) before the next call
 
     @property
@@ -84,27 +87,34 @@ class FusedSession(Session):
 
     def start(self, row: int, prompt: Sequence[int], adapter_idx: int = lora_lib.NO_ADAPTER, group=None) -> int:
         """Empties `row` for a new conversation whose first prompt is `prompt`; returns how many of its leading
-        tokens the row holds (feed it the rest): those it shares with the first prompt of the row holding the
-        longest such head with the same adapter, as far as that row's cache has them, when at least
-        `min_copied_prefix` (the row copies them before the next call), else 0. `group` is not needed here."""
+        tokens the row holds (feed it the rest): the most it shares with the first prompt of a conversation a row
+        holds or left (released, its positions not yet overwritten) with the same adapter, as far as that row's
+        buffer has it, when at least `min_copied_prefix` (copied before the next call), else 0. `group` is not
+        needed here."""
         del group
+        source, shared = self._best_head(prompt, adapter_idx)
         self._forget([row])
+        self._left.pop(row, None)  # it is fed or copied into next
         self._empty(row)
         self._heads[row] = (adapter_idx, list(prompt))
         minimum = self.sampler.min_copied_prefix
-        if minimum is None or len(prompt) <= minimum:
-            return 0
-        source, shared = None, 0
-        for r, (adapter, head) in self._heads.items():
-            if r != row and r not in self._copies and adapter == adapter_idx:
-                held = min(common_prefix_length([head, prompt]), int(self._lengths[r]), len(prompt) - 1)
-                if held > shared:
-                    source, shared = r, held
-        if shared < minimum:
+        if minimum is None or shared < minimum:
             return 0
         self._copies[row] = (source, shared)
         self._lengths[row] = shared
         return shared
+
+    def _best_head(self, prompt: Sequence[int], adapter_idx: int) -> tuple[int | None, int]:
+        """(row, positions) of the computed head sharing the most leading tokens with `prompt` (one left to feed)
+        among the rows with adapter `adapter_idx` that no copy is pending into."""
+        held = [(r, head[: self._lengths[r]]) for r, (a, head) in self._heads.items() if a == adapter_idx]
+        held += [(r, head) for r, (a, head) in self._left.items() if a == adapter_idx]
+        best: tuple[int | None, int] = (None, 0)
+        for r, head in held:
+            if r not in self._copies:
+                shared = min(common_prefix_length([head, prompt]), len(prompt) - 1)
+                best = max(best, (r, shared), key=lambda pair: pair[1])
+        return best
 
     def _append(self, rows, parts, adapter_idx, max_new, lengths) -> None:
         """Queues parts[i] for row rows[i]: the next call appends it."""
@@ -112,13 +122,22 @@ class FusedSession(Session):
         for r, part in zip(rows.tolist(), parts):
             if part:
                 self._pending[r] = list(part)
+                self._left.pop(r, None)  # a row fed without `start`: what it left is overwritten
 
     def _forget(self, rows: Sequence[int]) -> None:
+        """`rows` drop what they were to feed and copy; the heads they hold stay as long as their positions do."""
         super()._forget(rows)
-        for r in rows:
-            self._pending.pop(int(r), None)
-            self._heads.pop(int(r), None)
-            self._copies.pop(int(r), None)
+        for r in map(int, rows):
+            self._pending.pop(r, None)
+            self._copies.pop(r, None)
+            if r in self._heads:
+                adapter, head = self._heads.pop(r)
+                self._left[r] = (adapter, head[: self._lengths[r]])
+
+    def _fit(self, needed: np.ndarray, shrink: bool = False) -> None:
+        super()._fit(needed, shrink)
+        capacity = self.cache.max_len  # a shrink cuts what released rows left
+        self._left = {r: (adapter, head[:capacity]) for r, (adapter, head) in self._left.items()}
 
     def _own_lengths(self) -> np.ndarray:
         return self._lengths.copy()
