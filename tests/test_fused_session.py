@@ -125,9 +125,13 @@ def test_a_started_row_copies_the_head_it_shares_with_a_held_conversation_and_sa
         # A released row's head stays a source until the row is fed again: here for the row itself, restarted.
         assert session.start(0, prompts[0]) == len(prompts[0]) - 1
         again = run(session, [0], {0: len(prompts[0]) - 1})
+        session.release([0, 1, 2])  # the cache keeps room for the heads they leave
+        assert session.start(1, prompts[1]) == len(prompts[1]) - 1
+        once_more = run(session, [1], {1: len(prompts[1]) - 1})
         fed = run(sampler.session(3), [1, 2], {1: 0, 2: 0})
     assert compiles[0] == 0
     assert again[0].token_ids == first[0].token_ids and len(first[0].token_ids) == 6
+    assert once_more[1].token_ids == fed[1].token_ids
     for row in (1, 2):
         assert copied[row].token_ids == fed[row].token_ids and len(fed[row].token_ids) == 6
         assert np.abs(np.array(copied[row].logprobs) - np.array(fed[row].logprobs)).max() <= 1e-5

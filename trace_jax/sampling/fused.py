@@ -134,11 +134,6 @@ class FusedSession(Session):
                 adapter, head = self._heads.pop(r)
                 self._left[r] = (adapter, head[: self._lengths[r]])
 
-    def _fit(self, needed: np.ndarray, shrink: bool = False) -> None:
-        super()._fit(needed, shrink)
-        capacity = self.cache.max_len  # a shrink cuts what released rows left
-        self._left = {r: (adapter, head[:capacity]) for r, (adapter, head) in self._left.items()}
-
     def _own_lengths(self) -> np.ndarray:
         return self._lengths.copy()
 
@@ -157,14 +152,18 @@ class FusedSession(Session):
         self._lengths[row] = 0
 
     def _needed(self) -> np.ndarray:
-        """Per row: its own positions, and for a sampling row those the call in flight and the next one append."""
+        """Per row: its own positions, for a sampling row those the call in flight and the next one append, and for
+        a released row the head it left."""
         fed = np.zeros((self.cache.batch,), np.int64)
         for r, pending in self._pending.items():
             fed[r] = min(len(pending), self.feed_width)
         if self._call is not None:
             fed += self._call.fed
         steps = np.minimum(self._rows.remaining, self.sampler.decode_chunk)
-        return self._lengths + np.where(self._rows.running, fed + steps, 0)
+        needed = self._lengths + np.where(self._rows.running, fed + steps, 0)
+        for r, (_, head) in self._left.items():  # kept while released rows' heads may be copied (the next
+            needed[r] = max(needed[r], len(head))  # conversations of an environment share its system prompt)
+        return needed
 
     def step(self, key: jax.Array, *, return_early: bool = False) -> dict[int, Completion]:
         """Reads the call in flight (its finished turns complete), dispatches the next call if a row samples, and
