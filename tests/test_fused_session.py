@@ -252,12 +252,20 @@ def test_a_fused_session_on_a_mesh_compiles_nothing_after_its_warm_up(tiny_check
     adapters = lora.Adapters(jax.tree.map(lambda w: w + 0.05, adapters.weights), adapters.scale)
     options = dict(adapters=adapters, decode_chunk=8, min_cache=32, prefill_chunk=16, max_context=256)
     plan = ShardingPlan(make_mesh(data=2, fsdp=2, tensor=2))
-    fused = Sampler(cfg, params, plan=plan, policy="fused", **options)
+    fused = Sampler(cfg, params, plan=plan, policy="fused", min_shared_prefix=16, **options)
     prompts = [[1, 2, 3], list(range(5, 60)), [7] * 9, [4, 4]]
     play = lambda sampler: _play_all(sampler, prompts, adapter_idx=[0, 1, -1, 1])
     session = fused.session(4)
     with counting_compiles() as compiles:
         ours = play(fused)
+        for row, last in ((0, 1), (1, 2)):  # the second conversation copies the first one's head
+            assert session.start(row, prompts[1] + [last], adapter_idx=1) == (0 if row == 0 else len(prompts[1]))
+            session.feed(
+                [row], [[*prompts[1], last][session.stats["copied_tokens"] :]], max_new_tokens=2, adapter_idx=1
+            )
+            while session.running:
+                session.step(jax.random.key(0))
+        assert session.stats["copied_rows"] == 1
     theirs = play(Sampler(cfg, params, policy="adaptive", **options))
     assert compiles[0] == 0 and isinstance(session, FusedSession)
     for a, b in zip(ours, theirs):
