@@ -25,7 +25,7 @@ from trace_jax.models.adapters import Adapters as Adapters
 from trace_jax.models.adapters import LoraSpec as LoraSpec
 from trace_jax.models.adapters import for_rows as for_rows
 from trace_jax.models.config import ModelConfig
-from trace_jax.models.loading import write_hf_folder
+from trace_jax.models.loading import iter_hf_tensors, write_hf_folder
 
 _MODULE_OF = {
     "q_proj": "self_attn",
@@ -109,15 +109,12 @@ def merge_peft_folder(
     base_dir: str | pathlib.Path, adapter_dir: str | pathlib.Path, out_dir: str | pathlib.Path
 ) -> None:
     """Writes to `out_dir` the HF folder of `base_dir`'s model with the PEFT LoRA adapter of `adapter_dir` folded
-    in: W + scale * B @ A for each adapted projection, in the base's dtype (for single-adapter serving, and the
-    embedded agents). The product is formed in float64 with the rank summed in a fixed order, not by a BLAS whose
+    in: W + scale * B @ A for each adapted projection, in float32 (for single-adapter serving, and the embedded
+    agents). The product is formed in float64 with the rank summed in a fixed order, not by a BLAS whose
     summation order follows the CPU, so the same two folders give the same bytes on any machine."""
     base_dir, adapter_dir = pathlib.Path(base_dir), pathlib.Path(adapter_dir)
     scale, _ = _peft_scale(adapter_dir)
-    shards = sorted(base_dir.glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"{base_dir}: no *.safetensors weights to merge an adapter into")
-    tensors = {name: value for shard in shards for name, value in load_file(str(shard)).items()}
+    tensors = dict(iter_hf_tensors(base_dir))
     pairs = _peft_tensors(adapter_dir)
     for key in sorted(k for k in pairs if ".lora_A." in k):
         name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
@@ -127,8 +124,7 @@ def merge_peft_folder(
         delta = np.zeros((b.shape[0], a.shape[1]))
         for r in range(a.shape[0]):
             delta += np.multiply.outer(b[:, r], a[r])
-        kernel = tensors[name]
-        tensors[name] = (kernel.astype(np.float64) + scale * delta).astype(kernel.dtype)
+        tensors[name] = (tensors[name].astype(np.float64) + scale * delta).astype(np.float32)
     write_hf_folder(tensors, base_dir, out_dir)
 
 

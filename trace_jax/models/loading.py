@@ -64,7 +64,8 @@ def _safetensors_files(model_dir: pathlib.Path) -> list[pathlib.Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
-def _iter_tensors(model_dir: pathlib.Path) -> Iterator[tuple[str, np.ndarray]]:
+def iter_hf_tensors(model_dir: pathlib.Path) -> Iterator[tuple[str, np.ndarray]]:
+    """The checkpoint's tensors by HF name, as float32 NumPy arrays (bfloat16 files included)."""
     for path in _safetensors_files(model_dir):
         with safe_open(str(path), framework="flax") as f:
             for name in f.keys():
@@ -74,7 +75,7 @@ def _iter_tensors(model_dir: pathlib.Path) -> Iterator[tuple[str, np.ndarray]]:
 def load_params(model_dir: str | pathlib.Path, cfg: ModelConfig, dtype=jnp.float32) -> dict:
     """Reads the checkpoint in `model_dir` into the parameter tree, cast to `dtype`."""
     model_dir = pathlib.Path(model_dir)
-    tensors = dict(_iter_tensors(model_dir))
+    tensors = dict(iter_hf_tensors(model_dir))
     params: dict = {}
     for hf_name, key, transpose in _GLOBAL_TENSORS:
         if hf_name in tensors:
