@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -221,14 +222,16 @@ class FusedSession(Session):
             put(src),
             put(dst),
             put(lengths),
-            self._no_logits(),
+            self._no_logits,
         )
         self.cache = self.cache.replace(k=k, v=v, lengths=all_lengths)
         self.stats.update(copied_rows=len(self._copies), copied_tokens=int(lengths.sum()))
         self._copies.clear()
 
+    @functools.cached_property
     def _no_logits(self) -> jax.Array:
-        """Zero next-token logits for the copied rows (each is fed a token before it samples)."""
+        """Zero next-token logits for the copied rows (each is fed a token before it samples); the copy reads them
+        without donating them, so one array serves every copy."""
         return self.sampler.put(np.zeros(self._logits.shape, np.float32), "batch")
 
     def _collect(self) -> None:
