@@ -4,7 +4,7 @@ TRACE adapter is, run on its own, for measuring how the agent learns a capabilit
 
   python -m launch.grpo --config=configs/grpo_capability_embedded.py --workdir=runs/grpo_return \\
       [--config.env.difficulty=-3] [--config.loss.tis_cap=2.0] \\
-      [--config.train.updates_per_step=4 --config.optimizer.lr=5e-4]
+      [--config.train.updates_per_step=1 --config.optimizer.lr=1e-4]
 
 By default tool_calling's return family at level 0 (the write of the target's return_delivered tickets, which
 the base agent never makes); `loss.tis_cap` None learns the hinted rows as on-policy ones, a number with the

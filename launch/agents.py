@@ -89,8 +89,8 @@ def agent_dir(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.
         return target
     pinned = pinned_adapter(name, fingerprint)
     if pinned is not None:
-        logging.info("building the embedded agent %s from its pinned warm-start adapter %s", name, pinned)
-        adapter, summary = pinned, read_json(pinned / PIN_RECORD)["build"]
+        logging.info("building the embedded agent %s from its pinned warm-start adapter %s", name, PINNED / name)
+        adapter, summary = PINNED / name, pinned["build"]
     else:
         logging.info("building the embedded agent %s (once; config %s, workdir %s)", name, AGENTS[name], workdir)
         adapter, summary = workdir / "adapter", run_build(AGENTS[name], workdir)
@@ -106,18 +106,22 @@ def agent_dir(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.
     return target
 
 
-def pinned_adapter(name: str, fingerprint: str) -> pathlib.Path | None:
-    """The repository's pinned warm-start adapter of agent `name` if it was made by the config of `fingerprint`."""
+def pinned_adapter(name: str, fingerprint: str) -> dict | None:
+    """The record (`PIN_RECORD`) of the repository's pinned warm-start adapter of agent `name` (in `PINNED`/name)
+    if it was made by the config of `fingerprint`, else None."""
     folder = PINNED / name
     if not (folder / PIN_RECORD).is_file():
         return None
-    made_by = read_json(folder / PIN_RECORD)["fingerprint"]
-    if made_by != fingerprint:
+    record = read_json(folder / PIN_RECORD)
+    if record["fingerprint"] != fingerprint:
         logging.warning(
-            "the pinned adapter %s was made by another config (%s, now %s): training", folder, made_by, fingerprint
+            "the pinned adapter %s was made by another config (%s, now %s): training",
+            folder,
+            record["fingerprint"],
+            fingerprint,
         )
         return None
-    return folder
+    return record
 
 
 def pin(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
@@ -129,8 +133,9 @@ def pin(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     out, adapter = PINNED / name, folder / ADAPTER_DIR
     out.mkdir(parents=True, exist_ok=True)
     tensors = load_file(str(adapter / "adapter_model.safetensors"))
-    layers = sorted({int(k.split(".layers.")[1].split(".")[0]) for k, v in tensors.items() if np.any(v)})
-    kept = {k: v for k, v in tensors.items() if int(k.split(".layers.")[1].split(".")[0]) in layers}
+    layer_of = {k: int(k.split(".layers.")[1].split(".")[0]) for k in tensors}
+    layers = sorted({layer_of[k] for k, v in tensors.items() if np.any(v)})
+    kept = {k: v for k, v in tensors.items() if layer_of[k] in layers}
     save_file(kept, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     adapter_config = {**read_json(adapter / "adapter_config.json"), "layers_to_transform": layers}
     (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2), encoding="utf-8")
