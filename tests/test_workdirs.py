@@ -93,6 +93,30 @@ def test_fresh_takes_the_next_folder_that_is_free_or_holds_this_run(tmp_path):
     assert fresh_workdir(tmp_path / "run", "grpo", mine) == tmp_path / "run-3"  # resumed there
 
 
+def test_fresh_in_a_multi_process_job_takes_the_main_process_choice(tmp_path, monkeypatch):
+    """A worker that sees the folder free on its own disk still runs where process 0 found room."""
+    import jax
+    from absl import flags
+    from absl.testing import flagsaver
+
+    from launch.workdir import job_workdir
+    from trace_jax import distributed
+
+    mine = {"train": {"steps": 8}}
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(distributed, "allgather_objects", lambda value: [str(tmp_path / "run-2"), value])
+    parsed = flags.FLAGS.is_parsed()
+    flags.FLAGS.mark_as_parsed()
+    try:
+        with flagsaver.flagsaver(fresh=True):
+            assert job_workdir(str(tmp_path / "run"), "grpo", mine) == str(tmp_path / "run-2")
+    finally:
+        if not parsed:
+            flags.FLAGS.unparse_flags()
+    assert not (tmp_path / "run").exists()  # nothing written where the worker alone would have gone
+
+
 def test_a_held_workdir_is_refused_to_another_process_and_nests_within_one(tmp_path):
     code = f"from trace_jax.workdirs import locked\nwith locked({str(tmp_path)!r}):\n    pass\n"
     take = lambda: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
