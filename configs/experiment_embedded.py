@@ -9,10 +9,13 @@ the 140 train tickets of TRACE's analysis.
   python -m launch.experiment --config=configs/experiment_embedded.py --workdir=runs/experiment_embedded \
       [--config.trace_run=runs/trace_embedded]
 
-A second training seed: the same command into another workdir with --config.trace.seed=1 (the greedy base
-agent, the analysis and the held-out tickets do not depend on it; calibration's and every GRPO job's sampling
-do), keeping the arms to compare (--config.arms="('grpo_target','grpo_target_hinted')") and writing its compact record
-beside the first's (--config.results_file=docs/results/comparison_embedded_seed1.json).
+A second training seed: the same command into another workdir with --config.trace.training.seed=1 (every GRPO
+job's draws change; the base agent's episodes, calibration's and the diagnostics' do not), taking the first run's
+held-out base episodes and calibration tries
+(--config.trace.target.base_run=<first>/trace/heldout/base
+--config.trace.calibration.resume_from=<first>/trace/environments), with the first run's best baseline as its
+only arm beside TRACE (as --config.arms="('grpo_target_hinted',)") and its compact record beside the first's
+(--config.results_file=docs/results/comparison_embedded_seed1.json).
 """
 
 import ml_collections

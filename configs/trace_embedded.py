@@ -63,6 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
     # episode counts toward the budget (trace_jax/rl/resampling.py).
     config.training.rollout.update(group_size=8, resamples=3, min_informative=0.5)
     config.training.train.rollout_budget = None
+    config.training.seed = config_dict.placeholder(int)  # None: `seed`; a number: another training seed alone
     config.training.train.steps = 8  # per capability, the same for each
     # 4 updates a step (PPO's mini-batches, at the gradient cost of one) at lr 5e-4: a capability the agent
     # lacks is learned from its hinted episodes, and one update a step at lr 1e-4 moved nothing in two steps on

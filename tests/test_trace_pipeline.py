@@ -36,15 +36,17 @@ from trace_jax.baselines.gepa import joined_guidance
 from trace_jax.envs import make_environment
 from trace_jax.envs.capability import example_airline, example_retail
 from trace_jax.rl.trainer import snapshot_step
-from trace_jax.trace.calibration import calibrate_builtin
+from trace_jax.trace.calibration import calibrate_builtin, environment_config
 from trace_jax.trace.pipeline import (
     STAGES,
     Pipeline,
     StageClock,
     calibrate_in_order,
     calibration_evaluation,
+    grpo_config,
     heldout_evaluation,
     target_domain,
+    training_config,
     validate_config,
 )
 from trace_jax.trace.trace_report import oracle_routes
@@ -648,6 +650,18 @@ def test_a_bad_value_in_any_block_of_the_pipeline_fails_naming_the_users_key(key
         written = re.escape(f"config.{prefix}{key} = {value!r}")
         with pytest.raises(ValueError, match=rf"^{written} is invalid"):
             validate(config)
+
+
+def test_a_training_seed_changes_the_grpo_jobs_draws_alone():
+    """`training.seed` (a second training seed of a comparison) reaches TRACE's GRPO jobs and the GRPO baselines;
+    the evaluations that calibration, the base agent and the diagnostics play keep the pipeline's seed, so their
+    episodes can be taken from the first run."""
+    config = importlib.import_module("configs.experiment_embedded").get_config().trace
+    env = {"env": environment_config("tool_calling", 0, config.calibration)}
+    assert config.seed == 0 and training_config(config, env).seed == 0  # unset: the pipeline's
+    config.training.seed = 1
+    assert training_config(config, env).seed == 1 and grpo_config(config, env["env"], hints=False).seed == 1
+    assert calibration_evaluation(config).seed == heldout_evaluation(config).seed == 0
 
 
 @pytest.mark.parametrize(

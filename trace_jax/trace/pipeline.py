@@ -236,9 +236,12 @@ def training_config(config: ml_collections.ConfigDict, calibrated: dict) -> ml_c
 
 def grpo_config(config: ml_collections.ConfigDict, env: dict, hints: bool) -> ml_collections.ConfigDict:
     """The GRPO job's config from the pipeline's `training` block, model and seed, on `env` (`hints`: keep the
-    block's hinted share, for environments that offer hints)."""
+    block's hinted share, for environments that offer hints). The seed is `training.seed` where the block sets
+    one, else the pipeline's: a second training seed then leaves the base agent's, calibration's and the
+    diagnostics' draws, and so their episodes, as they were."""
     training = ml_collections.ConfigDict(config.training.to_dict())
-    training.update(model=config.model, dtype=config.dtype, seed=config.seed, log_every_s=config.log_every_s)
+    seed = config.seed if training.get("seed") is None else training.seed
+    training.update(model=config.model, dtype=config.dtype, seed=seed, log_every_s=config.log_every_s)
     training.env = env
     if not hints:
         training.rollout.hint_share = 0.0
