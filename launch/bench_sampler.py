@@ -7,7 +7,8 @@ embedded SmolLM2-135M-Instruct by default, Gemma 3 270M with the `gemma` extra);
 128 new tokens, every row forced to run the full 128 tokens (no stop tokens) so both
 sides generate exactly the same number. Compilation is excluded (one warm-up call).
 The final line is JSON: per model, tokens_per_s for each side and the ratios ours / theirs,
-all measured in one process on one machine, so the models compare with each other too.
+all measured in one process on one machine, so the models compare with each other too, and
+`same_tokens_batch<n>`: the rows both sides decoded to the same tokens (the same work, timed).
 """
 
 from __future__ import annotations
@@ -43,27 +44,29 @@ def _prompts(tok, batch: int) -> list[list[int]]:
     return [tok.apply_chat([{"role": "user", "content": _QUESTIONS[i % len(_QUESTIONS)]}]) for i in range(batch)]
 
 
-def _best_time(fn, repeats: int) -> float:
-    fn()  # warm-up (compilation for ours)
+def _best_time(fn, repeats: int) -> tuple[float, list[list[int]]]:
+    """The best of `repeats` timed calls of `fn` after a warm-up one, and the tokens `fn` returned."""
+    tokens = fn()  # warm-up (compilation for ours)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        tokens = fn()
         best = min(best, time.perf_counter() - start)
-    return best
+    return best, tokens
 
 
-def _time_ours(model, prompts, new_tokens, repeats) -> float:
+def _time_ours(model, prompts, new_tokens, repeats) -> tuple[float, list[list[int]]]:
     sampler = Sampler(model.cfg, model.params)
 
     def run():
         outs, _ = sampler.generate(prompts, key=jax.random.key(0), max_new_tokens=new_tokens)
         assert all(len(o.token_ids) == new_tokens for o in outs)
+        return [list(o.token_ids) for o in outs]
 
     return _best_time(run, repeats)
 
 
-def _time_transformers(model, prompts, new_tokens, repeats) -> float:
+def _time_transformers(model, prompts, new_tokens, repeats) -> tuple[float, list[list[int]]]:
     import torch  # benchmark-only dependency (the project's test extra)
     import transformers
 
@@ -84,22 +87,26 @@ def _time_transformers(model, prompts, new_tokens, repeats) -> float:
                 pad_token_id=pad,
             )
         assert out.shape[1] == width + new_tokens
+        return out[:, width:].tolist()
 
     return _best_time(run, repeats)
 
 
 def _bench_model(name: str) -> dict:
-    """Tokens per second of ours and of transformers for each batch size, on model `name`."""
+    """Tokens per second of ours and of transformers for each batch size, on model `name`, and how many rows
+    both decoded greedily to the same tokens (fp32: all, but where a near-tie flips a token)."""
     model = load_model(name)
     result = {}
     for batch in map(int, _BATCHES.value):
         prompts = _prompts(model.tokenizer, batch)
         tokens = batch * _NEW.value
-        ours = tokens / _time_ours(model, prompts, _NEW.value, _REPEATS.value)
-        theirs = tokens / _time_transformers(model, prompts, _NEW.value, _REPEATS.value)
+        ours_s, ours_tokens = _time_ours(model, prompts, _NEW.value, _REPEATS.value)
+        theirs_s, theirs_tokens = _time_transformers(model, prompts, _NEW.value, _REPEATS.value)
+        ours, theirs = tokens / ours_s, tokens / theirs_s
         result[f"tokens_per_s_ours_batch{batch}"] = round(ours, 1)
         result[f"tokens_per_s_transformers_batch{batch}"] = round(theirs, 1)
         result[f"ratio_batch{batch}"] = round(ours / theirs, 2)
+        result[f"same_tokens_batch{batch}"] = sum(a == b for a, b in zip(ours_tokens, theirs_tokens))
         if not _JSON.value:
             print(
                 f"{name} batch {batch}: trace-jax {ours:.1f} tok/s, transformers {theirs:.1f} tok/s, "
