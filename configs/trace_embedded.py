@@ -17,6 +17,7 @@ from ml_collections import config_dict
 
 from configs import embedded_retail, grpo_target_embedded
 from trace_jax.llm import LlmSettings
+from trace_jax.rl.curriculum import CurriculumConfig
 from trace_jax.settings import defaults
 from trace_jax.trace.analysis import AnalysisSettings
 from trace_jax.trace.calibration import CalibrationSettings
@@ -63,6 +64,9 @@ def get_config() -> ml_collections.ConfigDict:
     # episode counts toward the budget (trace_jax/rl/resampling.py).
     config.training.rollout.update(group_size=8, resamples=3, min_informative=0.5)
     config.training.train.rollout_budget = None
+    # Off, as the paper (which calibrates once) and the comparison run; `--config.training.curriculum.patience=2`
+    # lets each part of an environment climb a level after 2 steps above the gate (and fall back after 2 below).
+    config.training.curriculum = defaults(CurriculumConfig)
     config.training.seed = config_dict.placeholder(int)  # None: `seed`; a number: another training seed alone
     config.training.train.steps = 8  # per capability, the same for each
     # 4 updates a step (PPO's mini-batches, at the gradient cost of one) at lr 5e-4: a capability the agent

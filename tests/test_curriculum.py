@@ -1,5 +1,6 @@
 """The curriculum that follows the agent: a scripted sequence of training rewards moves each part of a training
-environment up a level after `patience` steps in a row above the gate, never past its top level; the GRPO
+environment up a level after `patience` steps in a row above the gate, never past its top level, and back down
+after as many below the lower gate, never below its starting level; the GRPO
 job's environment source rebuilds its training tasks at the new level and keeps the held-out ones."""
 
 import ml_collections
@@ -32,6 +33,21 @@ def test_a_part_moves_up_after_patience_steps_above_the_gate_and_stops_at_its_to
     assert off["levels"] == [0] and off["streaks"] == [1]  # off: counts, never moves
 
 
+def test_a_part_that_climbed_too_far_goes_back_down_but_never_below_where_it_started():
+    config = CurriculumConfig(patience=2, upper=0.6, lower=0.3)
+    state = start_state([-3])
+    levels = []
+    # above, above (climbs to -2), 0 and 0 there (back to -3), 0, 0 at its floor (stays), 0.4 holds, 0.1 counts anew
+    for reward in (0.7, 0.8, 0.0, 0.0, 0.0, 0.0, 0.4, 0.1):
+        state, moved = climb(state, [reward], [0], config)
+        levels.append((state["levels"][0], moved))
+    assert levels == [(-3, []), (-2, [0]), (-2, []), (-3, [0]), (-3, []), (-3, []), (-3, []), (-3, [])]
+    assert state["streaks"] == [-1]
+    # a state saved before floors were kept takes its current levels as floors
+    old, _ = climb({"levels": [-2], "streaks": [-1]}, [0.0], [0], config)
+    assert old["levels"] == [-2] and old["floors"] == [-2]
+
+
 def test_the_levels_go_into_the_environment_config_and_bad_settings_name_their_key():
     part = dict(name="capability", capability="tool_calling", seed=0, difficulty=-1, policy=False, variant="return")
     mixed = ml_collections.ConfigDict(dict(name="mixed", parts=[part, {**part, "variant": "address"}], split="train"))
@@ -42,6 +58,8 @@ def test_the_levels_go_into_the_environment_config_and_bad_settings_name_their_k
         from_config(CurriculumConfig, {"patience": -1}, "curriculum")
     with pytest.raises(ValueError, match="config.training.curriculum.upper = 2 is invalid"):
         from_config(CurriculumConfig, {"patience": 1, "upper": 2}, "training.curriculum")
+    with pytest.raises(ValueError, match=r"config.curriculum.lower = 0.6 is invalid; it must be below upper = 0.5"):
+        from_config(CurriculumConfig, {"patience": 1, "upper": 0.5, "lower": 0.6}, "curriculum")
     with pytest.raises(ValueError, match="needs a capability environment"):
         with_levels(ml_collections.ConfigDict(dict(name="embedded_retail")), [0])
     from configs import grpo_target_embedded
