@@ -4,12 +4,12 @@ nothing after its warm-up, and its device-side stops end rows where the host wou
 
 from __future__ import annotations
 
-import contextlib
 import re
 
 import jax
 import numpy as np
 import pytest
+from compiles import counting_compiles
 
 from trace_jax import lora
 from trace_jax.agent.rollout import MODEL, EpisodeSpec, RolloutConfig, RolloutEngine
@@ -21,23 +21,6 @@ from trace_jax.models.model import load_model
 from trace_jax.sampling import FINISH_LENGTH, FINISH_STOP, FusedSession, Sampler, Session
 from trace_jax.sampling import sampler as sampler_module
 from trace_jax.sharding import ShardingPlan, make_mesh
-
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def counting_compiles():
-    """The number of XLA compiles while the block runs, in `counted[0]`."""
-    counted = [0]
-
-    def listener(name, _seconds, **_):
-        counted[0] += name == COMPILE_EVENT
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield counted
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma3"])

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from compiles import counting_compiles
 
 from trace_jax import lora
 from trace_jax.models.config import ModelConfig
@@ -247,8 +248,8 @@ def test_a_session_compiles_few_programs_whatever_it_is_fed(model):
     cfg, params, _ = model
     sampler = Sampler(cfg, params, decode_chunk=4, min_cache=32, prefill_chunk=64)
     session, rng, capacities = sampler.session(16), np.random.default_rng(0), set()
-    programs = lambda name: getattr(sampler.programs, name)._cache_size()  # take_rows's cache is shared by all samplers
-    before = programs("take_rows")
+    programs = lambda name: getattr(sampler.programs, name)._cache_size()  # shared by the samplers of one model
+    before = {name: programs(name) for name in ("prefill_rows", "take_rows", "decode")}
     for _ in range(10):
         rows = rng.choice(16, size=int(rng.integers(1, 17)), replace=False)
         session.feed(
@@ -262,9 +263,23 @@ def test_a_session_compiles_few_programs_whatever_it_is_fed(model):
             capacities.add(session.cache.max_len)
     assert all(c & (c - 1) == 0 for c in capacities), capacities
     windows = [w for w in (32, 64, 128, 256) if w <= max(capacities)]
-    assert programs("prefill_rows") <= 3 * 2 * len(windows)
-    assert programs("take_rows") - before <= 3 * len(windows) * len(capacities)
-    assert programs("decode") <= len(capacities)
+    assert programs("prefill_rows") - before["prefill_rows"] <= 3 * 2 * len(windows)
+    assert programs("take_rows") - before["take_rows"] <= 3 * len(windows) * len(capacities)
+    assert programs("decode") - before["decode"] <= len(capacities)
+
+
+def test_samplers_of_one_model_share_their_compiled_programs(model):
+    """A job builds a sampler per evaluation (each calibration try, each adapter's evaluation): the second one
+    compiles nothing, where kernels jitted anew would compile some programs again and hold both copies."""
+    cfg, params, _ = model
+    prompts, outputs, compiled = [[1, 2, 3, 4, 5], [6, 7, 8]], [], []
+    for _ in range(2):
+        with counting_compiles() as counted:
+            sampler = Sampler(cfg, params, decode_chunk=3)
+            outputs.append(sampler.generate(prompts, max_new_tokens=7, key=jax.random.key(0))[0])
+        compiled.append(counted[0])
+    assert compiled[0] > 0 and compiled[1] == 0, compiled
+    assert [o.token_ids for o in outputs[0]] == [o.token_ids for o in outputs[1]]
 
 
 def test_sampling_parameters_do_not_recompile_and_key_decides(model):

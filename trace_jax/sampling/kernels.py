@@ -284,15 +284,25 @@ class Programs:
 
     @classmethod
     def compile(cls, cfg: ModelConfig, constrain: Callable, steps: int, chunk: int, max_context: int) -> Programs:
-        fill = functools.partial(prefill, cfg=cfg, constrain=constrain)
-        loop = dict(cfg=cfg, constrain=constrain, steps=steps, max_context=max_context)
-        return cls(
-            prefill=jax.jit(fill, donate_argnums=(2,)),
-            prefill_rows=jax.jit(fill),
-            take_rows=jax.jit(take_rows, static_argnames="window"),
-            put_rows=jax.jit(put_rows, donate_argnums=(0, 1, 2, 3)),
-            copy_rows=jax.jit(copy_rows, donate_argnums=(0, 1, 2, 3)),
-            decode=jax.jit(functools.partial(decode, **loop), donate_argnums=(2,)),
-            fused=jax.jit(functools.partial(fused, chunk=chunk, **loop), donate_argnums=(2,)),
-            resize=jax.jit(resize, static_argnames="capacity"),
-        )
+        """The kernels for these arguments: a sampler's own `Programs`, holding the jitted functions that every
+        sampler of the same model in the process shares (`_jitted`)."""
+        return cls(**_jitted(cfg, constrain, steps, chunk, max_context))
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted(cfg: ModelConfig, constrain: Callable, steps: int, chunk: int, max_context: int) -> dict[str, Callable]:
+    """The kernels jitted once a process for these arguments: a job's samplers (its evaluations, calibration
+    tries, GRPO's) run the same jitted functions and so the same compiled programs (jitting the kernels anew
+    compiles some programs again and holds both copies)."""
+    fill = functools.partial(prefill, cfg=cfg, constrain=constrain)
+    loop = dict(cfg=cfg, constrain=constrain, steps=steps, max_context=max_context)
+    return dict(
+        prefill=jax.jit(fill, donate_argnums=(2,)),
+        prefill_rows=jax.jit(fill),
+        take_rows=jax.jit(take_rows, static_argnames="window"),
+        put_rows=jax.jit(put_rows, donate_argnums=(0, 1, 2, 3)),
+        copy_rows=jax.jit(copy_rows, donate_argnums=(0, 1, 2, 3)),
+        decode=jax.jit(functools.partial(decode, **loop), donate_argnums=(2,)),
+        fused=jax.jit(functools.partial(fused, chunk=chunk, **loop), donate_argnums=(2,)),
+        resize=jax.jit(resize, static_argnames="capacity"),
+    )
