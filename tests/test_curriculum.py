@@ -43,7 +43,7 @@ def test_a_part_that_climbed_too_far_goes_back_down_but_never_below_where_it_sta
         levels.append((state["levels"][0], moved))
     assert levels == [(-3, []), (-2, [0]), (-2, []), (-3, [0]), (-3, []), (-3, []), (-3, []), (-3, [])]
     assert state["streaks"] == [-1]
-    # a state saved before floors were kept takes its current levels as floors
+    # a state without floors takes its current levels as floors
     old, _ = climb({"levels": [-2], "streaks": [-1]}, [0.0], [0], config)
     assert old["levels"] == [-2] and old["floors"] == [-2]
 
