@@ -63,6 +63,17 @@ def test_a_killed_evaluation_resumes_and_a_rerun_keeps_its_episodes_or_refuses_o
     assert _tensorboard_success(tmp_path) == [(14, round(full["success"], 6))]
 
 
+def test_an_evaluation_hands_its_freed_heap_back_when_it_ends(tmp_path, monkeypatch):
+    """Under `retain_freed_memory` nothing goes back to the OS unless asked: a job of many evaluations (each
+    calibration try) would keep the largest one's heap for the rest of the process."""
+    released = []
+    monkeypatch.setattr("trace_jax.runtime.release_freed_memory", lambda: released.append(1))
+    config = embedded_retail.get_config()
+    config.num_tasks, config.log_every_s = 2, 0.0
+    evaluate(config, tmp_path, agent="gold")
+    assert released == [1]
+
+
 def test_a_second_evaluation_on_a_held_workdir_refuses_at_start_naming_the_holder(tmp_path):
     config = embedded_retail.get_config()
     config.num_tasks, config.log_every_s = 2, 0.0

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import jax
 import ml_collections
 
-from trace_jax import distributed, lora
+from trace_jax import distributed, lora, runtime
 from trace_jax.agent.episodes import (
     Routes,
     jsonable,
@@ -230,6 +230,9 @@ def _evaluate_together(
         key=jax.random.key(config.seed),
         log_every_s=config.log_every_s,
     )
+    # The engine's heap goes back to the OS: a job of many evaluations (calibration's tries, each adapter's) would
+    # otherwise keep the largest one's, fragments included, for the rest of the process (runtime.py).
+    runtime.release_freed_memory()
     summaries, tables = [], []
     for records in played:
         summary, table = summarize_run(records, config.trials)
