@@ -15,11 +15,14 @@ needed: compiled, or loaded from the persistent compilation cache that an earlie
 `efficiency` measures the engine's own overhead rather than its workload: `ideal_s` / the engine's wall time,
 where `ideal_s` is what the sampler's jitted calls take, timed in the same run after a warm-up, to do the same
 token work with no host work and no compiles: the tokens the timed run prefilled (its rows' own and its shared
-system prompts'; not the openings it copied from rows holding them) prefilled in full-batch rows (the run's own
-tokens, cut into `batch_size` equal rows) and its generated tokens decoded at the engine's mean busy rows per
-decode step. Beside it: `programs_compiled_timed` (XLA compiles during the timed run, each a program the
-engine did not have after its warm-up), `programs_total`, `decode_steps_per_call`, `host_s`, the backend and
-the device.
+system prompts'; not the openings it copied from rows holding them) prefilled in `batch_size` equal rows, and its
+generated tokens decoded at the engine's mean busy rows per decode step. The rows are the run's own
+conversations, and each token sits at the mean position where the run fed, or generated, such a token: a token
+attends to every position before it (one after the 3.4k-token system prompt costs about twice one near the
+start) and rows sharing that prompt may share its cache, so an ideal of short prompts would count the workload's
+attention as the engine's overhead. Beside it: `programs_compiled_timed` (XLA compiles during the timed run,
+each a program the engine did not have after its warm-up), `programs_total`, `decode_steps_per_call`, `host_s`,
+the backend and the device.
 """
 
 from __future__ import annotations
@@ -60,23 +63,75 @@ def _time_sampler(sampler: Sampler, prompts: list[list[int]], new_tokens: int) -
     return seconds
 
 
+def _tokens_after(sampler: Sampler, prompts: list[list[int]], position: int, new_tokens: int) -> float:
+    """Seconds `generate` spends on `prompts` past their first `position` tokens with `new_tokens` new ones: the
+    time with the prompts' heads minus the time of the heads alone (each timed as `_time_sampler` does)."""
+    seconds = _time_sampler(sampler, prompts, new_tokens)
+    if position:
+        seconds -= _time_sampler(sampler, [p[:position] for p in prompts], 1)
+    return max(seconds, 0.0)
+
+
+def _conversations(conversations: list[list[int]], rows: int, length: int) -> list[list[int]]:
+    """`rows` prompts of `length` tokens: the run's conversations from their start (so that rows share the system
+    prompt as the run's episodes do), each continued where it is shorter by the run's other tokens."""
+    stream = [token for ids in conversations for token in ids]
+    prompts = []
+    for row in range(rows):
+        ids = conversations[row % len(conversations)][:length]
+        offset = row * length % len(stream)
+        while len(ids) < length:
+            ids = ids + stream[offset : offset + length - len(ids)]
+            offset = 0
+        prompts.append(ids)
+    return prompts
+
+
 def _ideal_seconds(
-    sampler: Sampler, tokens: list[int], fed: int, generated: int, rows: int, busy_rows: float
+    sampler: Sampler,
+    conversations: list[list[int]],
+    fed: int,
+    fed_position: float,
+    generated: int,
+    generated_position: float,
+    rows: int,
+    busy_rows: float,
 ) -> dict[str, float]:
     """The sampler's own time for the token work of a run (see the module docstring): `fed` tokens prefilled in
-    `rows` rows of equal length (cut from `tokens`, cycled; in rounds where a row would overflow the context),
-    and `generated` tokens decoded at `busy_rows` rows."""
+    `rows` rows of equal length whose mean position is `fed_position`, and `generated` tokens decoded at `busy_rows`
+    rows whose mean position is `generated_position`; rows are the run's `conversations` (`_conversations`), in
+    rounds where a row would overflow the context."""
+    room = sampler.max_context - 2
     length = max(1, math.ceil(fed / rows))
-    rounds = math.ceil(length / (sampler.max_context - 2))
+    rounds = math.ceil(length / room)
     length = math.ceil(length / rounds)
-    stream = (tokens * math.ceil(rows * length / len(tokens)))[: rows * length]
-    prompts = [stream[i * length : (i + 1) * length] for i in range(rows)]
-    prefill_s = rounds * _time_sampler(sampler, prompts, 1)
+    head = min(max(0, round(fed_position - length / 2)), room - length)
+    prompts = _conversations(conversations, rows, head + length)
+    prefill_s = rounds * _tokens_after(sampler, prompts, head, 1)
     busy = max(1, round(busy_rows))
-    short = [stream[i * 16 : (i + 1) * 16] for i in range(busy)]
     steps = max(1, round(generated / busy))
-    decode_s = max(0.0, _time_sampler(sampler, short, steps + 1) - _time_sampler(sampler, short, 1))
-    return {"prefill_s": round(prefill_s, 2), "decode_s": round(decode_s, 2), "ideal_s": round(prefill_s + decode_s, 2)}
+    rounds = math.ceil(steps / max(1, room - 1))
+    steps = math.ceil(steps / rounds)
+    start = min(max(1, round(generated_position - steps / 2)), room - steps)
+    prompts = _conversations(conversations, busy, start)
+    decode_s = rounds * max(0.0, _time_sampler(sampler, prompts, steps + 1) - _time_sampler(sampler, prompts, 1))
+    return {
+        "prefill_s": round(prefill_s, 2),
+        "decode_s": round(decode_s, 2),
+        "ideal_s": round(prefill_s + decode_s, 2),
+        "prefill_position": round(fed_position),
+        "decode_position": round(generated_position),
+    }
+
+
+def _mean_positions(trajectories) -> tuple[float, float]:
+    """The mean position in its conversation of a fed token and of a generated one, over `trajectories`."""
+    sums, counts = [0, 0], [0, 0]
+    for t in trajectories:
+        for position, generated in enumerate(t.loss_mask):
+            sums[generated] += position
+            counts[generated] += 1
+    return sums[0] / max(counts[0], 1), sums[1] / max(counts[1], 1)
 
 
 def _programs(sampler: Sampler) -> dict[str, int]:
@@ -115,11 +170,14 @@ def main(argv: list[str]) -> None:
     sampler_seconds = _time_sampler(sampler, first_prompts, per_row)
     engine_rate, sampler_rate = generated / seconds, len(first_prompts) * per_row / sampler_seconds
     profile = rollout_profile(engine.stats)
+    fed_position, generated_position = _mean_positions(trajectories)
     ideal = _ideal_seconds(
         sampler,
-        [token for t in trajectories for token in t.token_ids],
+        [t.token_ids for t in trajectories],
         profile["prefill_tokens"] + profile["prefix_tokens"],
+        fed_position,
         generated,
+        generated_position,
         _BATCH.value,
         profile["rows_per_decode_step"],
     )
