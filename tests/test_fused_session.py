@@ -55,19 +55,21 @@ def _play(sampler: Sampler) -> dict[int, list]:
     feed([2], [prompts[2]])
     while session.running:
         take(session.step(key, return_early=True))
-    return outputs
+    return outputs, session.stats
 
 
 def test_a_fused_session_samples_what_an_adaptive_one_does(each_family):
     """The same rows fed at different times, sampled at temperature 1: every turn of every row draws the same
     tokens with the same logprobs under either policy (each token's key is its row's stream and position, and
-    a fused call's chunked feeds compute what row-wise prefills do), Gemma's sliding window included."""
+    a fused call's chunked feeds compute what row-wise prefills do, whether a step feeds its rows in full or
+    takes the one fed row out into a lane), Gemma's sliding window included."""
     cfg, params = each_family
     options = dict(decode_chunk=8, min_cache=32, prefill_chunk=16, max_context=256)
-    adaptive = _play(Sampler(cfg, params, policy="adaptive", **options))
+    adaptive, _ = _play(Sampler(cfg, params, policy="adaptive", **options))
     fused_sampler = Sampler(cfg, params, policy="fused", feed_chunks=2, **options)
-    fused = _play(fused_sampler)
+    fused, stats = _play(fused_sampler)
     assert fused_sampler.min_shared_prefix is None  # no prefix slots: they would add shapes
+    assert stats["full_feed_steps"] >= 1 and stats["lane_feed_steps"] >= 1  # three rows fed at once, then one
     for row in range(4):
         assert len(fused[row]) == len(adaptive[row]) == 3
         for ours, theirs in zip(fused[row], adaptive[row]):
@@ -238,7 +240,8 @@ def test_a_fused_session_on_a_mesh_compiles_nothing_after_its_warm_up(tiny_check
     fused = Sampler(cfg, params, plan=plan, policy="fused", min_shared_prefix=16, **options)
     prompts = [[1, 2, 3], list(range(5, 60)), [7] * 9, [4, 4]]
     play = lambda sampler: _play_all(sampler, prompts, adapter_idx=[0, 1, -1, 1])
-    session = fused.session(4)
+    fused.session(4)  # compiles the programs of `play`'s 4-row sessions
+    session = fused.session(8)  # lanes of 4 rows (the mesh's batch axes): the rows fed apart from the others
     with counting_compiles() as compiles:
         ours = play(fused)
         for row, last in ((0, 1), (1, 2)):  # the second conversation copies the first one's head
@@ -248,7 +251,7 @@ def test_a_fused_session_on_a_mesh_compiles_nothing_after_its_warm_up(tiny_check
             )
             while session.running:
                 session.step(jax.random.key(0))
-        assert session.stats["copied_rows"] == 1
+        assert session.stats["copied_rows"] == 1 and session.stats["lane_feed_steps"] >= 2
     theirs = play(Sampler(cfg, params, policy="adaptive", **options))
     assert compiles[0] == 0 and isinstance(session, FusedSession)
     for a, b in zip(ours, theirs):

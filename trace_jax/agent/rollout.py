@@ -431,7 +431,8 @@ def session_rows(used: int, batch_size: int, all_rows: bool) -> int:
 def rollout_profile(stats: collections.Counter) -> dict:
     """Where a run went (`RolloutEngine.stats`): decoding, prefilling (shared system prompts, tool results, user
     turns, new episodes; openings copied from rows holding them) and the host (tools, the evaluator, encoding
-    turns), with the rows busy per decode step."""
+    turns), with the rows busy per decode step and, under the fused policy, the decode steps that fed rows in lanes
+    and in full (`kernels.fused`)."""
     host = stats["run_s"] - stats["decode_s"] - stats["prefill_s"]
     return {
         "decode_s": round(stats["decode_s"], 1),
@@ -450,6 +451,8 @@ def rollout_profile(stats: collections.Counter) -> dict:
         "copied_rows": stats["copied_rows"],
         "copied_tokens": stats["copied_tokens"],
         "cache_resizes": stats["resizes"],
+        "lane_feed_steps": stats["lane_feed_steps"],
+        "full_feed_steps": stats["full_feed_steps"],
     }
 
 

@@ -6,7 +6,9 @@ On a GPU or TPU a step over [rows, chunk] positions costs little more than one o
 every host round trip and every program shape costs much. So a fed prompt is not prefilled by calls of its own:
 `feed` only queues it, and the next `step` runs one program (`kernels.fused`) whose steps append up to
 `prefill_chunk` queued tokens to each fed row while the other rows decode, for `decode_chunk` steps or until
-every row is done. Rows keep whole conversations in their own buffers (no shared prefix slots: they would add
+every row is done (a step in which few rows feed computes their chunks in lanes of their own and one position
+for each decoding row: with many rows or a large model, [rows, chunk] positions are compute the decode step
+does not have to spare). Rows keep whole conversations in their own buffers (no shared prefix slots: they would add
 shapes); a row starting a conversation whose first prompt shares at least `min_copied_prefix` tokens with the
 first prompt of a conversation another row holds copies those positions from it before the next call, in one
 copy over all rows, and is fed only the rest (episodes of one environment share a long system prompt). So the
@@ -183,7 +185,7 @@ class FusedSession(Session):
         sampler, start = self.sampler, time.perf_counter()
         self._copy_heads()
         feed, fed = self._feed_rows()
-        tokens, logp, self._logits, self.cache, count, code, steps = sampler.programs.fused(
+        tokens, logp, self._logits, self.cache, count, code, steps, fed_steps = sampler.programs.fused(
             sampler.params,
             sampler.adapters,
             self.cache,
@@ -198,7 +200,7 @@ class FusedSession(Session):
             if not self._pending[r]:
                 del self._pending[r]
         turns = {r: self._turns[r] for r in np.flatnonzero(self._rows.running).tolist()}
-        self._call = _Call((tokens, logp, count, code, steps), turns, fed)
+        self._call = _Call((tokens, logp, count, code, steps, fed_steps), turns, fed)
         self.stats.update(decode_s=time.perf_counter() - start, prefill_tokens=int(fed.sum()))
 
     def _copy_heads(self) -> None:
@@ -238,7 +240,7 @@ class FusedSession(Session):
         """Waits for the call in flight and takes its tokens into the turns it sampled (a row cancelled, or
         cancelled and fed anew, since it was dispatched keeps none of them)."""
         call, self._call, start = self._call, None, time.perf_counter()
-        step_tokens, step_logp, count, code, steps = map(np.asarray, call.outputs)
+        step_tokens, step_logp, count, code, steps, fed_steps = map(np.asarray, call.outputs)
         rows = [r for r, turn in call.turns.items() if self._turns.get(r) is turn]
         for r in rows:
             self._lengths[r] += call.fed[r] + count[r]
@@ -248,6 +250,8 @@ class FusedSession(Session):
             decode_calls=1,
             decode_steps=int(steps),
             decode_tokens=int(count.sum()),
+            lane_feed_steps=int(fed_steps[0]),
+            full_feed_steps=int(fed_steps[1]),
         )
 
     def _feed_rows(self) -> tuple[FeedRows, np.ndarray]:

@@ -192,18 +192,23 @@ def fused(
     steps,
     chunk,
     max_context,
+    batch_multiple,
 ):
     """Up to `steps` steps over every row not `rows.done`: a row with tokens to feed appends up to `chunk` of them
     per step (its prompt rides along the decoding rows' steps: chunked prefill), then samples as in `decode`, its
-    first token from the logits after its last fed one. A step with fed tokens computes [B, chunk] positions, a
-    step without [B, 1]. Rows end at a stop token, at a stop string's token form (`feed.forms`), at their
-    `remaining` tokens or at the context limit, and idle until the call returns, which it does after `steps`
-    steps or when every row is done. Returns what `decode` does (tokens written from each row's first column)
-    and the steps it ran."""
+    first token from the logits after its last fed one. A step without fed tokens computes [B, 1] positions. A
+    step in which at most `feed_lanes(B, batch_multiple)` rows feed takes those rows out of the cache and computes
+    [lanes, chunk] positions for them and [B, 1] for the decoding rows (two passes over the weights, which
+    accelerators read fast, for a fraction of the positions); a step in which more rows feed computes [B, chunk].
+    Rows end at a stop token, at a stop string's token form (`feed.forms`), at their `remaining` tokens or at the
+    context limit, and idle until the call returns, which it does after `steps` steps or when every row is done.
+    Returns what `decode` does (tokens written from each row's first column), the steps it ran, and how many of
+    them fed rows in lanes and in full."""
     temperature, top_p, top_k, streams, adapter_idx, remaining, done = rows
     row_lora = lora_lib.for_rows(adapters, adapter_idx)
     batch, width = feed.tokens.shape
     offsets = jnp.arange(chunk)
+    lanes = feed_lanes(batch, batch_multiple)
 
     def forward(tokens, num_new, cache):
         hidden, cache = decoder.forward_hidden(
@@ -212,12 +217,38 @@ def fused(
         last = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)
         return last, cache
 
+    def in_lanes(cache, tokens, fed_tokens, num_fed, feeding, active):
+        """The feeding rows (all within `lanes`) append their tokens, taken out of the cache; then the decoding rows
+        their sampled one."""
+        ids = jnp.argsort(~feeding, stable=True)[:lanes]
+        ids = jnp.where(feeding[ids], ids, batch)  # past the batch: padding, read as empty and written nowhere
+        k, v, lengths, prefix_slot, prefix_len = take_rows(
+            cache.k, cache.v, cache.lengths, cache.prefix_slot, cache.prefix_len, ids, window=cache.max_len
+        )
+        taken = cache.replace(k=k, v=v, lengths=lengths, prefix_slot=prefix_slot, prefix_len=prefix_len)
+        lane = lambda a, fill=0: a.at[ids].get(mode="fill", fill_value=fill)
+        hidden, taken = decoder.forward_hidden(
+            params,
+            lane(fed_tokens),
+            cfg,
+            row_lora=lora_lib.for_rows(adapters, lane(adapter_idx, lora_lib.NO_ADAPTER)),
+            cache=taken,
+            num_new=lane(num_fed),
+            constrain=constrain,
+        )
+        fed_last = jnp.take_along_axis(hidden, jnp.maximum(lane(num_fed) - 1, 0)[:, None, None], axis=1)
+        put = lambda a, b: a.at[ids].set(b, mode="drop")
+        k, v = tuple(map(put, cache.k, taken.k)), tuple(map(put, cache.v, taken.v))
+        cache = cache.replace(k=k, v=v, lengths=put(cache.lengths, taken.lengths))
+        last, cache = forward(tokens[:, None], active.astype(jnp.int32), cache)
+        return put(last, fed_last), cache
+
     def cond(state):
         step, _, _, _, _, done, *_ = state
         return (step < steps) & ~jnp.all(done)
 
     def body(state):
-        step, cache, logits, fed, count, done, recent, out_tokens, out_logp, finish = state
+        step, cache, logits, fed, count, done, recent, out_tokens, out_logp, finish, fed_steps = state
         feeding = ~done & (fed < feed.length)
         active = ~done & ~feeding
         keys = row_keys(key, streams, cache.sequence_lengths)
@@ -232,22 +263,31 @@ def fused(
         code = _finish_code(hit_stop, count, remaining, cache.sequence_lengths, max_context)
         finish = jnp.where(active, code, finish)
         fed_now = jnp.where(feeding, jnp.minimum(feed.length - fed, chunk), 0)
-
-        def with_feeds(cache):
-            at = jnp.minimum(fed[:, None] + offsets[None, :], width - 1)
-            fed_tokens = jnp.take_along_axis(feed.tokens, at, axis=1)
-            sampled = jnp.where(offsets[None, :] == 0, tokens[:, None], 0)
-            return forward(jnp.where(feeding[:, None], fed_tokens, sampled), fed_now + active, cache)
+        at = jnp.minimum(fed[:, None] + offsets[None, :], width - 1)
+        fed_tokens = jnp.take_along_axis(feed.tokens, at, axis=1)
 
         def decoding_only(cache):
             return forward(tokens[:, None], active.astype(jnp.int32), cache)
 
-        last, cache = jax.lax.cond(jnp.any(feeding), with_feeds, decoding_only, cache)
+        def lanes_and_decoding(cache):
+            return in_lanes(cache, tokens, fed_tokens, fed_now, feeding, active)
+
+        def in_full(cache):
+            sampled = jnp.where(offsets[None, :] == 0, tokens[:, None], 0)
+            return forward(jnp.where(feeding[:, None], fed_tokens, sampled), fed_now + active, cache)
+
+        feeding_rows = jnp.sum(feeding)
+        branch = jnp.where(feeding_rows == 0, 0, jnp.where(feeding_rows <= lanes, 1, 2))
+        if lanes:
+            last, cache = jax.lax.switch(branch, (decoding_only, lanes_and_decoding, in_full), cache)
+        else:
+            last, cache = jax.lax.cond(branch > 0, in_full, decoding_only, cache)
         moved = active | feeding
         logits = jnp.where(moved[:, None], decoder.logits_from_hidden(params, last, cfg)[:, 0], logits)
         fed = fed + fed_now
         done = done | (finish > 0) | (feeding & (fed >= feed.length) & feed.more)
-        return step + 1, cache, logits, fed, count, done, recent, out_tokens, out_logp, finish
+        fed_steps = fed_steps.at[branch].add(1)
+        return step + 1, cache, logits, fed, count, done, recent, out_tokens, out_logp, finish, fed_steps
 
     init = (
         jnp.int32(0),
@@ -260,10 +300,22 @@ def fused(
         jnp.full((batch, steps), -1, jnp.int32),
         jnp.zeros((batch, steps), jnp.float32),
         jnp.zeros((batch,), jnp.int32),
+        jnp.zeros((3,), jnp.int32),
     )
-    ran, cache, logits, _, count, _, _, out_tokens, out_logp, finish = jax.lax.while_loop(cond, body, init)
+    ran, cache, logits, _, count, _, _, out_tokens, out_logp, finish, fed_steps = jax.lax.while_loop(cond, body, init)
     # placed as the logits come in (rows over the batch axes), so that the next call's program is this one
-    return out_tokens, out_logp, constrain(logits, "batch"), cache, count, finish, ran
+    return out_tokens, out_logp, constrain(logits, "batch"), cache, count, finish, ran, fed_steps[1:]
+
+
+FEED_LANE_SHARE = 4  # a fused step feeds in lanes when at most this share of its rows feed
+
+
+def feed_lanes(batch: int, batch_multiple: int) -> int:
+    """How many rows a fused step feeds apart from the decoding rows: a quarter of the batch, rounded down to a
+    multiple of the mesh's batch axes (so the lanes shard as rows do) and at least one such multiple; 0 (no lanes)
+    where that is the whole batch."""
+    lanes = max(batch // FEED_LANE_SHARE // batch_multiple * batch_multiple, batch_multiple)
+    return lanes if lanes < batch else 0
 
 
 @dataclasses.dataclass
@@ -283,14 +335,18 @@ class Programs:
     resize: Callable
 
     @classmethod
-    def compile(cls, cfg: ModelConfig, constrain: Callable, steps: int, chunk: int, max_context: int) -> Programs:
+    def compile(
+        cls, cfg: ModelConfig, constrain: Callable, steps: int, chunk: int, max_context: int, batch_multiple: int
+    ) -> Programs:
         """The kernels for these arguments: a sampler's own `Programs`, holding the jitted functions that every
         sampler of the same model in the process shares (`_jitted`)."""
-        return cls(**_jitted(cfg, constrain, steps, chunk, max_context))
+        return cls(**_jitted(cfg, constrain, steps, chunk, max_context, batch_multiple))
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted(cfg: ModelConfig, constrain: Callable, steps: int, chunk: int, max_context: int) -> dict[str, Callable]:
+def _jitted(
+    cfg: ModelConfig, constrain: Callable, steps: int, chunk: int, max_context: int, batch_multiple: int
+) -> dict[str, Callable]:
     """The kernels jitted once a process for these arguments: a job's samplers (its evaluations, calibration
     tries, GRPO's) run the same jitted functions and so the same compiled programs (jitting the kernels anew
     compiles some programs again and holds both copies)."""
@@ -303,6 +359,8 @@ def _jitted(cfg: ModelConfig, constrain: Callable, steps: int, chunk: int, max_c
         put_rows=jax.jit(put_rows, donate_argnums=(0, 1, 2, 3)),
         copy_rows=jax.jit(copy_rows, donate_argnums=(0, 1, 2, 3)),
         decode=jax.jit(functools.partial(decode, **loop), donate_argnums=(2,)),
-        fused=jax.jit(functools.partial(fused, chunk=chunk, **loop), donate_argnums=(2,)),
+        fused=jax.jit(
+            functools.partial(fused, chunk=chunk, batch_multiple=batch_multiple, **loop), donate_argnums=(2,)
+        ),
         resize=jax.jit(resize, static_argnames="capacity"),
     )

@@ -83,7 +83,12 @@ class Sampler:
         self.params = plan.shard_params(params) if plan else params
         self.adapters = None if adapters is None else (plan.shard_params(adapters) if plan else adapters)
         self.programs = Programs.compile(
-            cfg, plan.constrain if plan else decoder.no_constraint, decode_chunk, prefill_chunk, self.max_context
+            cfg,
+            plan.constrain if plan else decoder.no_constraint,
+            decode_chunk,
+            prefill_chunk,
+            self.max_context,
+            self.shapes.batch_multiple,
         )
 
     @property
