@@ -15,14 +15,14 @@ needed: compiled, or loaded from the persistent compilation cache that an earlie
 `efficiency` measures the engine's own overhead rather than its workload: `ideal_s` / the engine's wall time,
 where `ideal_s` is what the sampler's jitted calls take, timed in the same run after a warm-up, to do the same
 token work with no host work and no compiles: the tokens the timed run prefilled (its rows' own and its shared
-system prompts'; not the openings it copied from rows holding them) prefilled in `batch_size` equal rows, and its
-generated tokens decoded at the engine's mean busy rows per decode step. The rows are the run's own
-conversations, and each token sits at the mean position where the run fed, or generated, such a token: a token
-attends to every position before it (one after the 3.4k-token system prompt costs about twice one near the
-start) and rows sharing that prompt may share its cache, so an ideal of short prompts would count the workload's
-attention as the engine's overhead. Beside it: `programs_compiled_timed` (XLA compiles during the timed run,
-each a program the engine did not have after its warm-up), `programs_total`, `decode_steps_per_call`, `host_s`,
-the backend and the device.
+system prompts'; not the openings it copied from rows holding them) prefilled in `batch_size` equal rows of
+the run's tokens sharing no prefix, and its generated tokens decoded at the engine's mean busy rows per decode
+step in rows of the run's own conversations (which share their system prompt, as the run's rows do). Each token
+sits at the mean position where the run fed, or generated, such a token: a token attends to every position
+before it (one after the 3.4k-token system prompt costs about twice one near the start), so an ideal of short
+prompts would count the workload's attention as the engine's overhead. Beside it: `programs_compiled_timed`
+(XLA compiles during the timed run, each a program the engine did not have after its warm-up),
+`programs_total`, `decode_steps_per_call`, `host_s`, the backend and the device.
 """
 
 from __future__ import annotations
@@ -72,6 +72,13 @@ def _tokens_after(sampler: Sampler, prompts: list[list[int]], position: int, new
     return max(seconds, 0.0)
 
 
+def _distinct_rows(conversations: list[list[int]], rows: int, length: int) -> list[list[int]]:
+    """`rows` prompts of `length` tokens that share no prefix: consecutive cuts of the run's tokens, cycled."""
+    stream = [token for ids in conversations for token in ids]
+    stream = stream * math.ceil(rows * length / len(stream))
+    return [stream[i * length : (i + 1) * length] for i in range(rows)]
+
+
 def _conversations(conversations: list[list[int]], rows: int, length: int) -> list[list[int]]:
     """`rows` prompts of `length` tokens: the run's conversations from their start (so that rows share the system
     prompt as the run's episodes do), each continued where it is shorter by the run's other tokens."""
@@ -98,15 +105,16 @@ def _ideal_seconds(
     busy_rows: float,
 ) -> dict[str, float]:
     """The sampler's own time for the token work of a run (see the module docstring): `fed` tokens prefilled in
-    `rows` rows of equal length whose mean position is `fed_position`, and `generated` tokens decoded at `busy_rows`
-    rows whose mean position is `generated_position`; rows are the run's `conversations` (`_conversations`), in
-    rounds where a row would overflow the context."""
+    `rows` rows of equal length whose mean position is `fed_position` (rows sharing no prefix: `_distinct_rows`),
+    and `generated` tokens decoded at `busy_rows` rows whose mean position is `generated_position` (rows of the
+    run's `conversations`, which share their system prompt: `_conversations`), in rounds where a row would
+    overflow the context."""
     room = sampler.max_context - 2
     length = max(1, math.ceil(fed / rows))
     rounds = math.ceil(length / room)
     length = math.ceil(length / rounds)
     head = min(max(0, round(fed_position - length / 2)), room - length)
-    prompts = _conversations(conversations, rows, head + length)
+    prompts = _distinct_rows(conversations, rows, head + length)  # as fed tokens are: each row its own
     prefill_s = rounds * _tokens_after(sampler, prompts, head, 1)
     busy = max(1, round(busy_rows))
     steps = max(1, round(generated / busy))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ from trace_jax.models.embedded import embedded_model_dir
 from trace_jax.models.model import load_model
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import pack_sequences
-from trace_jax.rl.environment_rollouts import EnvironmentRollouts, unhinted_sequence
+from trace_jax.rl.environment_rollouts import EnvironmentRollouts, unhinted_sequence, variant_metrics
 from trace_jax.rl.learner import make_rescore_fn, token_logprobs
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.trainer import _loss_config, train, validate_config
@@ -243,6 +244,23 @@ def test_a_grpo_step_with_hints_learns_from_the_hinted_row_and_logs_the_hint_met
     assert 0.0 < logged["learner/hinted_is_weight"] <= TIS_CAP and 0.0 <= logged["learner/hinted_capped"] <= 1.0
     assert "learner/hinted_logp_gain" in logged
     assert logged["learner/tis_weight"] != 1.0 and logged["learner/sampler_abs_diff"] > 1e-2  # the hinted row's
+
+
+def test_a_mixed_environments_variants_are_logged_apart_with_their_unhinted_reward():
+    """A step over two variants logs each one's mean reward and that of its unhinted episodes (what the adapter
+    does without help), so a variant learned only under hints shows; one variant alone logs nothing extra."""
+    played = lambda family, hint, reward: types.SimpleNamespace(
+        spec=types.SimpleNamespace(task=types.SimpleNamespace(family=family), hint=hint),
+        outcome=types.SimpleNamespace(reward=reward),
+    )
+    step = [played("return", True, 1.0), played("return", False, 0.0), played("cancel", False, 1.0)]
+    step.append(played("cancel", False, 0.5))
+    assert variant_metrics(step, "rollout") == {
+        "rollout/cancel/reward": 0.75,
+        "rollout/return/reward": 0.5,
+        "rollout/return/unhinted_reward": 0.0,
+    }
+    assert variant_metrics(step[:2], "rollout") == {}
 
 
 @pytest.mark.parametrize(

@@ -258,6 +258,7 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
     assert list(kinds["families"]) == ["cancel", "return", "address", "default_address"]
     assert [part["variant"] for part in kinds["env"]["parts"]] == list(kinds["families"])
     assert "| tool_calling[return] | 0 | 4 |" in report
+    assert "| tool_calling | all |" in report and "| tool_calling | return |" in report  # training per variant
     diagnostics = stages["diagnostics"]["result"]  # sampled pass@k on each capability's targeted families
     assert set(diagnostics) == set(summary["trained"]) and "## 5. Partial learning" in report
     assert all(not r["families"] or {"pass@1", "pass@2"} <= set(r["adapter"]) for r in diagnostics.values())

@@ -91,6 +91,24 @@ def hint_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float
     return out
 
 
+def variant_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
+    """Where the episodes span several task variants (a mixed capability environment's families): each variant's
+    mean reward, and with hints that of its unhinted episodes (what the adapter does on its own), as
+    "<prefix>/<variant>/reward" and "<prefix>/<variant>/unhinted_reward"."""
+    by_variant: dict[str, list[Trajectory]] = {}
+    for t in trajectories:
+        by_variant.setdefault(t.spec.task.family, []).append(t)
+    if len(by_variant) < 2:
+        return {}
+    out = {}
+    for variant, played in sorted(by_variant.items()):
+        out[f"{prefix}/{variant}/reward"] = float(np.mean([t.outcome.reward for t in played]))
+        unhinted = [t.outcome.reward for t in played if not t.spec.hint]
+        if unhinted and len(unhinted) < len(played):
+            out[f"{prefix}/{variant}/unhinted_reward"] = float(np.mean(unhinted))
+    return out
+
+
 def trajectory_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
     """Mean reward and success, reward components, turns, sampled tokens and end-reason shares."""
     n = len(trajectories)
@@ -243,7 +261,7 @@ class EnvironmentRollouts:
         ]
         rewards = np.array([t.outcome.reward for t in trajectories], np.float64)
         groups = np.repeat(np.arange(len(tasks)), rollout_cfg.group_size)
-        metrics = trajectory_metrics(trajectories, "rollout")
+        metrics = trajectory_metrics(trajectories, "rollout") | variant_metrics(trajectories, "rollout")
         if self.hinted_per_group:
             metrics.update(hint_metrics(trajectories, "rollout"))
         return StepRollouts(sequences, rewards, groups, metrics, [t.record() for t in trajectories])

@@ -98,25 +98,49 @@ def _plot_calibration(results: list[dict], settings: dict, path: pathlib.Path) -
     plt.close(fig)
 
 
-def _training_curves(workdir: pathlib.Path, names: list[str]) -> dict[str, list[tuple[int, float]]]:
+def _training_curves(workdir: pathlib.Path, names: list[str]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """Per adapter, its training reward by GRPO step: "all" episodes, and where its environment mixes variants
+    each variant's ("<variant>") and its unhinted episodes' ("<variant> unhinted"), from the job's metrics."""
     curves = {}
     for name in names:
-        lines = logged_lines(workdir / "adapters" / name)
-        curves[name] = [(line["step"], line["rollout/reward"]) for line in lines if "rollout/reward" in line]
+        series: dict[str, list[tuple[int, float]]] = collections.defaultdict(list)
+        for line in logged_lines(workdir / "adapters" / name):
+            for key, value in line.items():
+                parts = key.split("/")
+                if key == "rollout/reward":
+                    series["all"].append((line["step"], value))
+                elif len(parts) == 3 and parts[0] == "rollout" and parts[2] in ("reward", "unhinted_reward"):
+                    label = parts[1] if parts[2] == "reward" else f"{parts[1]} unhinted"
+                    series[label].append((line["step"], value))
+        curves[name] = dict(series)
     return curves
 
 
-def _plot_training(curves: dict[str, list[tuple[int, float]]], path: pathlib.Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    for name, points in curves.items():
-        if points:
-            ax.plot(*zip(*points), marker="o", label=name)
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("mean training reward")
-    ax.legend()
+def _plot_training(curves: dict[str, dict[str, list[tuple[int, float]]]], path: pathlib.Path) -> None:
+    """One panel per adapter: its training reward, and each variant's (dashed: its unhinted episodes)."""
+    fig, axes = plt.subplots(1, max(len(curves), 1), figsize=(6 * max(len(curves), 1), 3.8), squeeze=False)
+    for ax, (name, series) in zip(axes[0], curves.items()):
+        for label, points in sorted(series.items()):
+            if points:
+                style = dict(color="black", linewidth=2) if label == "all" else {}
+                ax.plot(*zip(*points), marker="o", linestyle="--" if "unhinted" in label else "-", label=label, **style)
+        ax.set_title(name)
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel("mean training reward")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _variant_table(curves: dict[str, dict[str, list[tuple[int, float]]]]) -> str:
+    """Each adapter's training reward per variant at its first and last step."""
+    lines = ["| adapter | episodes | first step | last step |", "|---|---|---:|---:|"]
+    for name, series in curves.items():
+        for label, points in sorted(series.items(), key=lambda item: (item[0] != "all", item[0])):
+            if points:
+                lines.append(f"| {name} | {label} | {points[0][1]:.3f} | {points[-1][1]:.3f} |")
+    return "\n".join(lines)
 
 
 def _plot_heldout(rows: dict[str, list[dict]], path: pathlib.Path) -> None:
@@ -174,7 +198,8 @@ def write_report(workdir: pathlib.Path, stages: dict, config: ml_collections.Con
     rows = {"base": summarize(base_records, 1), "TRACE": summarize(trace_records, 1)}
     _plot_selection(analysis["candidates"], analysis["settings"], plots / "selection.png")
     _plot_calibration([c for c in calibrations if c["tries"]], config.calibration.to_dict(), plots / "calibration.png")
-    _plot_training(_training_curves(workdir, list(adapters)), plots / "training.png")
+    curves = _training_curves(workdir, list(adapters))
+    _plot_training(curves, plots / "training.png")
     _plot_heldout(rows, plots / "heldout.png")
     counts = collections.Counter(routing["by_task"].values())
     labels = routing["labels"]
@@ -199,6 +224,8 @@ def write_report(workdir: pathlib.Path, stages: dict, config: ml_collections.Con
         "\n![calibration](plots/calibration.png)\n",
         "## 3. Adapters\n",
         *(f"- {name}: `{folder}`" for name, folder in adapters.items()),
+        "\nTraining reward per variant (unhinted: the episodes played without the hint):\n",
+        _variant_table(curves),
         "\n![training](plots/training.png)\n",
         "## 4. Routing\n",
         "| label | held-out tasks |",
