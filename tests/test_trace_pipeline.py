@@ -49,7 +49,7 @@ from trace_jax.trace.pipeline import (
     training_config,
     validate_config,
 )
-from trace_jax.trace.trace_report import oracle_routes
+from trace_jax.trace.trace_report import _training_curves, _variant_table, oracle_routes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = trace_tiny.get_config()
@@ -258,7 +258,7 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
     assert list(kinds["families"]) == ["cancel", "return", "address", "default_address"]
     assert [part["variant"] for part in kinds["env"]["parts"]] == list(kinds["families"])
     assert "| tool_calling[return] | 0 | 4 |" in report
-    assert "| tool_calling | all |" in report and "| tool_calling | return |" in report  # training per variant
+    assert "| tool_calling | all |" in report  # the training reward table (one task a step here: no variants)
     diagnostics = stages["diagnostics"]["result"]  # sampled pass@k on each capability's targeted families
     assert set(diagnostics) == set(summary["trained"]) and "## 5. Partial learning" in report
     assert all(not r["families"] or {"pass@1", "pass@2"} <= set(r["adapter"]) for r in diagnostics.values())
@@ -268,6 +268,33 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
         k: v for k, v in summary.items() if k != "this_run_seconds"
     }
     assert again["this_run_seconds"] < 120  # nothing replayed, nothing retrained (a replay takes minutes)
+
+
+def test_the_report_shows_each_variants_training_reward_and_its_unhinted_episodes(tmp_path):
+    """A mixed environment's GRPO metrics (as `variant_metrics` logs them) become one series per variant in the
+    report's table and plot: the adapter's mean first, then each variant and its unhinted episodes."""
+    folder = tmp_path / "adapters" / "tool_calling"
+    folder.mkdir(parents=True)
+    lines = [
+        {"step": 0, "eval/reward": 0.2},
+        {"step": 1, "rollout/reward": 0.5, "rollout/return/reward": 0.5, "rollout/return/unhinted_reward": 0.0},
+        {"step": 2, "rollout/reward": 0.6, "rollout/return/reward": 0.75, "rollout/return/unhinted_reward": 0.5},
+    ]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    curves = _training_curves(tmp_path, ["tool_calling"])
+    assert curves == {
+        "tool_calling": {
+            "all": [(1, 0.5), (2, 0.6)],
+            "return": [(1, 0.5), (2, 0.75)],
+            "return unhinted": [(1, 0.0), (2, 0.5)],
+        }
+    }
+    table = _variant_table(curves).splitlines()
+    assert table[2:] == [
+        "| tool_calling | all | 0.500 | 0.600 |",
+        "| tool_calling | return | 0.500 | 0.750 |",
+        "| tool_calling | return unhinted | 0.000 | 0.500 |",
+    ]
 
 
 def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budget(

@@ -2,14 +2,14 @@
 decode calls run many steps with stops detected on the device, and whose programs are all compiled before the
 first feed.
 
-On a GPU or TPU a step over [rows, chunk] positions costs little more than one over [rows, 1], while every call,
-every host round trip and every program shape costs much. So a fed prompt is not prefilled by calls of its own:
-`feed` only queues it, and the next `step` runs one program (`kernels.fused`) whose steps append up to
-`prefill_chunk` queued tokens to each fed row while the other rows decode, for `decode_chunk` steps or until
-every row is done (a step in which few rows feed computes their chunks in lanes of their own and one position
-for each decoding row: with many rows or a large model, [rows, chunk] positions are compute the decode step
-does not have to spare). Rows keep whole conversations in their own buffers (no shared prefix slots: they would add
-shapes); a row starting a conversation whose first prompt shares at least `min_copied_prefix` tokens with the
+On a GPU or TPU a step over [rows, chunk] positions of a small model costs little more than one over [rows, 1],
+while every call, every host round trip and every program shape costs much. So a fed prompt is not prefilled
+by calls of its own: `feed` only queues it, and the next `step` runs one program (`kernels.fused`) whose steps
+append up to `prefill_chunk` queued tokens to each fed row while the other rows decode, for `decode_chunk` steps
+or until every row is done. A step in which few rows feed computes their chunks in lanes of their own and one position
+for each decoding row: with many rows or a large model, [rows, chunk] positions are compute that a decode step
+does not have to spare. Rows keep whole conversations in their own buffers (no shared prefix slots: they would
+add shapes); a row starting a conversation whose first prompt shares at least `min_copied_prefix` tokens with the
 first prompt of a conversation another row holds copies those positions from it before the next call, in one
 copy over all rows, and is fed only the rest (episodes of one environment share a long system prompt). So the
 programs are one fused loop and one copy per cache capacity and one resize per pair of capacities, which
