@@ -210,16 +210,17 @@ def fused(
     offsets = jnp.arange(chunk)
     lanes = feed_lanes(batch, batch_multiple)
 
-    def forward(tokens, num_new, cache):
+    def forward(tokens, num_new, cache, lora=row_lora):
         hidden, cache = decoder.forward_hidden(
-            params, tokens, cfg, row_lora=row_lora, cache=cache, num_new=num_new, constrain=constrain
+            params, tokens, cfg, row_lora=lora, cache=cache, num_new=num_new, constrain=constrain
         )
         last = jnp.take_along_axis(hidden, jnp.maximum(num_new - 1, 0)[:, None, None], axis=1)
         return last, cache
 
     def in_lanes(cache, tokens, fed_tokens, num_fed, feeding, active):
-        """The feeding rows (all within `lanes`) append their tokens, taken out of the cache; then the decoding rows
-        their sampled one."""
+        """The feeding rows (all within `lanes`) append their tokens, taken out of the cache, while the decoding rows
+        append their sampled one; the fed rows then go back (`put_rows`), replacing what the decoding pass left in
+        them."""
         ids = jnp.argsort(~feeding, stable=True)[:lanes]
         ids = jnp.where(feeding[ids], ids, batch)  # past the batch: padding, read as empty and written nowhere
         k, v, lengths, prefix_slot, prefix_len = take_rows(
@@ -227,21 +228,13 @@ def fused(
         )
         taken = cache.replace(k=k, v=v, lengths=lengths, prefix_slot=prefix_slot, prefix_len=prefix_len)
         lane = lambda a, fill=0: a.at[ids].get(mode="fill", fill_value=fill)
-        hidden, taken = decoder.forward_hidden(
-            params,
-            lane(fed_tokens),
-            cfg,
-            row_lora=lora_lib.for_rows(adapters, lane(adapter_idx, lora_lib.NO_ADAPTER)),
-            cache=taken,
-            num_new=lane(num_fed),
-            constrain=constrain,
+        lane_lora = lora_lib.for_rows(adapters, lane(adapter_idx, lora_lib.NO_ADAPTER))
+        fed_last, taken = forward(lane(fed_tokens), lane(num_fed), taken, lane_lora)
+        last, cache = forward(tokens[:, None], active.astype(jnp.int32), cache)  # the lanes' rows idle here
+        k, v, lengths, last = put_rows(
+            cache.k, cache.v, cache.lengths, last, ids, taken.k, taken.v, taken.lengths, fed_last
         )
-        fed_last = jnp.take_along_axis(hidden, jnp.maximum(lane(num_fed) - 1, 0)[:, None, None], axis=1)
-        put = lambda a, b: a.at[ids].set(b, mode="drop")
-        k, v = tuple(map(put, cache.k, taken.k)), tuple(map(put, cache.v, taken.v))
-        cache = cache.replace(k=k, v=v, lengths=put(cache.lengths, taken.lengths))
-        last, cache = forward(tokens[:, None], active.astype(jnp.int32), cache)
-        return put(last, fed_last), cache
+        return last, cache.replace(k=k, v=v, lengths=lengths)
 
     def cond(state):
         step, _, _, _, _, done, *_ = state
