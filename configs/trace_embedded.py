@@ -76,6 +76,12 @@ def get_config() -> ml_collections.ConfigDict:
     # there and on the old tool_calling environment: episodes that loop on look-ups after a write.
     config.training.train.updates_per_step = 4
     config.training.optimizer.lr = 5e-4
+    # Every token of a step weighs the same (DAPO), not each episode's token mean (the paper's): with the paper's
+    # mean, an unhinted failure of a few tokens ("Your request is complete." right after the look-ups) weighs each
+    # of them as much as a hinted success's whole write call and closing, so closing is pushed down far harder
+    # than the write is taught, and the episodes grow into loops of look-ups (Dr. GRPO's length bias; measured on
+    # the comparison's tool_calling job: docs/comparison.md, "What the first three steps show").
+    config.training.loss.aggregation = "token_mean"
     config.training.eval.update(num_tasks=16, every=1000)  # the capability environment's held-out tasks
     # "batch": a 135M router otherwise puts every ticket on label A (trace_jax/trace/routing.py)
     config.routing = ml_collections.ConfigDict(dict(max_messages=10, batch_size=8, calibration="batch"))
