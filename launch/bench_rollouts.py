@@ -21,7 +21,8 @@ step in rows of the run's own conversations (which share their system prompt, as
 sits at the mean position where the run fed, or generated, such a token: a token attends to every position
 before it (one after the 3.4k-token system prompt costs about twice one near the start), so an ideal of short
 prompts would count the workload's attention as the engine's overhead. Beside it: `programs_compiled_timed`
-(XLA compiles during the timed run, each a program the engine did not have after its warm-up),
+(programs XLA compiled during the timed run, each one the engine did not have after its warm-up; by name in
+`profile.compiled_in_timed_run`, and those loaded from the persistent compilation cache apart),
 `programs_total`, `decode_steps_per_call`, `host_s`, the backend and the device.
 """
 
@@ -159,15 +160,11 @@ def main(argv: list[str]) -> None:
     engine = RolloutEngine(env, sampler=sampler, tokenizer=model.tokenizer, config=config)
     tasks = env.tasks("heldout", _BATCH.value + _EPISODES.value)
     engine.run([EpisodeSpec(task) for task in tasks[: _BATCH.value]], key=jax.random.key(0))  # warm-up: compiles
-    events = collections.Counter()
-    jax.monitoring.register_event_listener(lambda name, **_: events.update([name]))
-    jax.monitoring.register_event_duration_secs_listener(lambda name, _, **__: events.update([name]))
     programs, start = _programs(sampler), time.perf_counter()
-    trajectories = engine.run([EpisodeSpec(task) for task in tasks[_BATCH.value :]], key=jax.random.key(1))
+    with runtime.ProgramLog() as built:
+        trajectories = engine.run([EpisodeSpec(task) for task in tasks[_BATCH.value :]], key=jax.random.key(1))
     seconds = time.perf_counter() - start
     new_programs = {name: count - programs[name] for name, count in _programs(sampler).items()}
-    loaded = events["/jax/compilation_cache/cache_hits"]
-    compiled = events["/jax/core/compile/backend_compile_duration"]
     programs_total = sum(_programs(sampler).values())  # the engine's, before the timings below add theirs
     generated = sum(t.generated_tokens for t in trajectories)
     fed = sum(len(t.token_ids) for t in trajectories) - generated
@@ -214,14 +211,15 @@ def main(argv: list[str]) -> None:
         "ratio": round(engine_rate / sampler_rate, 3),
         "efficiency": round(ideal["ideal_s"] / seconds, 3),
         "ideal": ideal,
-        "programs_compiled_timed": compiled,
+        "programs_compiled_timed": built.compiled.total(),
         "programs_total": programs_total,
         "decode_steps_per_call": round(profile["decode_steps"] / max(profile["decode_calls"], 1), 2),
         "host_s": profile["host_s"],
         "profile": {
             **profile,
             "new_programs_in_timed_run": new_programs,
-            "of_which_loaded_from_compilation_cache": loaded,
+            "compiled_in_timed_run": dict(built.compiled),
+            "loaded_in_timed_run": dict(built.loaded),  # from the persistent compilation cache: not compiled
         },
         "batch_size": _BATCH.value,
         "max_turns": _TURNS.value,

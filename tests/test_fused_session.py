@@ -9,7 +9,6 @@ import re
 import jax
 import numpy as np
 import pytest
-from compiles import counting_compiles
 
 from trace_jax import lora
 from trace_jax.agent.rollout import MODEL, EpisodeSpec, RolloutConfig, RolloutEngine
@@ -18,6 +17,7 @@ from trace_jax.envs.scripted import StoppingUser
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.loading import load_params
 from trace_jax.models.model import load_model
+from trace_jax.runtime import ProgramLog
 from trace_jax.sampling import FINISH_LENGTH, FINISH_STOP, FusedSession, Sampler, Session
 from trace_jax.sampling import sampler as sampler_module
 from trace_jax.sharding import ShardingPlan, make_mesh
@@ -99,7 +99,7 @@ def test_a_started_row_copies_the_head_it_shares_with_a_held_conversation_and_sa
         return done
 
     session = sampler.session(3)
-    with counting_compiles() as compiles:
+    with ProgramLog() as programs:
         assert session.start(0, prompts[0]) == 0  # nothing held yet
         first = run(session, [0], {0: 0})
         held = {1: session.start(1, prompts[1]), 2: session.start(2, prompts[2])}
@@ -114,7 +114,7 @@ def test_a_started_row_copies_the_head_it_shares_with_a_held_conversation_and_sa
         assert session.start(1, prompts[1]) == len(prompts[1]) - 1
         once_more = run(session, [1], {1: len(prompts[1]) - 1})
         fed = run(sampler.session(3), [1, 2], {1: 0, 2: 0})
-    assert compiles[0] == 0
+    assert programs.built == 0
     assert again[0].token_ids == first[0].token_ids and len(first[0].token_ids) == 6
     assert once_more[1].token_ids == fed[1].token_ids
     for row in (1, 2):
@@ -189,9 +189,9 @@ def test_an_engine_compiles_nothing_after_the_warm_up(tiny_chat_model):
     )
     sampler.session(config.batch_size, stop_token_ids=model.tokenizer.eos_token_ids)  # the warm-up
     specs, key = [EpisodeSpec(task, trial) for task in env.tasks("heldout", 5) for trial in range(2)], jax.random.key(1)
-    with counting_compiles() as compiles:
+    with ProgramLog() as programs:
         played = engine.run(specs, key=key)
-    assert compiles[0] == 0
+    assert programs.built == 0
     assert len({len(t.token_ids) for t in played}) >= 5 and all(t.generated_tokens > 0 for t in played)
     assert engine.stats["resizes"] >= 1  # the cache changed capacity on the way
 
@@ -242,7 +242,7 @@ def test_a_fused_session_on_a_mesh_compiles_nothing_after_its_warm_up(tiny_check
     play = lambda sampler: _play_all(sampler, prompts, adapter_idx=[0, 1, -1, 1])
     fused.session(4)  # compiles the programs of `play`'s 4-row sessions
     session = fused.session(8)  # lanes of 4 rows (the mesh's batch axes): the rows fed apart from the others
-    with counting_compiles() as compiles:
+    with ProgramLog() as programs:
         ours = play(fused)
         for row, last in ((0, 1), (1, 2)):  # the second conversation copies the first one's head
             assert session.start(row, prompts[1] + [last], adapter_idx=1) == (0 if row == 0 else len(prompts[1]))
@@ -253,7 +253,7 @@ def test_a_fused_session_on_a_mesh_compiles_nothing_after_its_warm_up(tiny_check
                 session.step(jax.random.key(0))
         assert session.stats["copied_rows"] == 1 and session.stats["lane_feed_steps"] >= 2
     theirs = play(Sampler(cfg, params, policy="adaptive", **options))
-    assert compiles[0] == 0 and isinstance(session, FusedSession)
+    assert programs.built == 0 and isinstance(session, FusedSession)
     for a, b in zip(ours, theirs):
         assert a.token_ids == b.token_ids and np.abs(np.array(a.logprobs) - np.array(b.logprobs)).max() <= 1e-4
 

@@ -1,6 +1,7 @@
 """Process-wide settings: the malloc setting applies only where JAX computes on the CPU (on GPU and
 TPU hosts it serialises XLA's compile threads), and the memory it keeps is given back on request; compiled
-programs persist per machine, and are dropped when a process nears the kernel's limit on memory maps."""
+programs persist per machine, and are dropped when a process nears the kernel's limit on memory maps; a log
+of the programs a block builds tells a compile from a load of the persistent cache."""
 
 import json
 import os
@@ -56,6 +57,35 @@ def test_compiled_programs_persist_in_a_folder_named_after_the_machine(tmp_path,
     )
     assert out.returncode == 0, failure_report(out)
     assert out.stdout.strip() == str(folder)
+
+
+_BUILD_TWICE = """
+import json, sys, jax, jax.numpy as jnp
+from trace_jax.runtime import ProgramLog
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+def square_sum(x):
+    return jnp.sum(x * x)
+logs = []
+for _ in range(2):
+    jax.clear_caches()  # the second call finds the program in the persistent cache only
+    with ProgramLog() as log:
+        jax.jit(square_sum)(jnp.arange(7.0)).block_until_ready()
+    logs.append([dict(log.compiled), dict(log.loaded), log.built])
+print(json.dumps(logs))
+"""
+
+
+def test_the_program_log_tells_a_compile_from_a_load_of_the_persistent_cache(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    out = subprocess.run(
+        [sys.executable, "-c", _BUILD_TWICE, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, failure_report(out)
+    (compiled, loaded, built), (compiled_again, loaded_again, built_again) = json.loads(out.stdout)
+    assert compiled.get("jit(square_sum)") == 1 and not loaded and built == sum(compiled.values())
+    assert loaded_again.get("jit(square_sum)") == 1 and "jit(square_sum)" not in compiled_again
+    assert built_again == built  # the same programs, built by loading
 
 
 def test_memory_the_retained_heap_keeps_is_given_back_on_request():

@@ -5,12 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from compiles import counting_compiles
 
 from trace_jax import lora
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.decoder import forward, init_cache
 from trace_jax.models.loading import load_params
+from trace_jax.runtime import ProgramLog
 from trace_jax.sampling import (
     FINISH_CONTEXT,
     FINISH_LENGTH,
@@ -274,10 +274,10 @@ def test_samplers_of_one_model_share_their_compiled_programs(model):
     cfg, params, _ = model
     prompts, outputs, compiled = [[1, 2, 3, 4, 5], [6, 7, 8]], [], []
     for _ in range(2):
-        with counting_compiles() as counted:
+        with ProgramLog() as programs:
             sampler = Sampler(cfg, params, decode_chunk=3)
             outputs.append(sampler.generate(prompts, max_new_tokens=7, key=jax.random.key(0))[0])
-        compiled.append(counted[0])
+        compiled.append(programs.built)
     assert compiled[0] > 0 and compiled[1] == 0, compiled
     assert [o.token_ids for o in outputs[0]] == [o.token_ids for o in outputs[1]]
 

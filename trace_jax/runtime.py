@@ -1,6 +1,6 @@
 """Process-wide settings that make XLA:CPU fast on Linux (call `retain_freed_memory()` first thing),
 a persistent compilation cache, a bound on the memory maps compiled programs hold, the project's cache
-folder, and the CPU's name for benchmark output.
+folder, the CPU's name for benchmark output, and a log of the programs XLA builds while a block runs.
 
 XLA:CPU allocates one temporary arena per executable run (gigabytes for a learner step) and
 frees it afterwards. glibc hands such blocks straight back to the OS, so every run page-faults
@@ -22,7 +22,9 @@ import pathlib
 import platform
 import re
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from absl import logging
@@ -202,3 +204,44 @@ def enable_compilation_cache() -> pathlib.Path:
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return folder
+
+
+class ProgramLog:
+    """The XLA programs built while it is open (`with ProgramLog() as log:`), by JAX's name for each:
+    `compiled`, and `loaded` from the persistent compilation cache. JAX reports a load as a backend compile
+    right after a cache hit on the same thread, so a count of compile events alone counts loads as compiles."""
+
+    COMPILE = "/jax/core/compile/backend_compile_duration"
+    CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+    def __init__(self):
+        self.compiled: Counter[str] = Counter()
+        self.loaded: Counter[str] = Counter()
+        self._hit = threading.local()
+
+    def _event(self, name: str, **_) -> None:
+        if name == self.CACHE_HIT:
+            self._hit.pending = True
+
+    def _duration(self, name: str, _seconds: float, fun_name: str = "?", **_) -> None:
+        if name == self.COMPILE:
+            (self.loaded if getattr(self._hit, "pending", False) else self.compiled).update([fun_name])
+            self._hit.pending = False
+
+    @property
+    def built(self) -> int:
+        """Programs compiled or loaded."""
+        return self.compiled.total() + self.loaded.total()
+
+    def __enter__(self) -> ProgramLog:
+        import jax  # noqa: PLC0415 (see enable_compilation_cache)
+
+        jax.monitoring.register_event_listener(self._event)
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        return self
+
+    def __exit__(self, *_) -> None:
+        import jax  # noqa: PLC0415
+
+        jax.monitoring.unregister_event_listener(self._event)
+        jax.monitoring.unregister_event_duration_listener(self._duration)
