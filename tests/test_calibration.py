@@ -141,6 +141,25 @@ def test_too_hard_at_level_0_walks_into_the_scaffolded_levels_and_drops_only_at_
     assert walk_bounds(("prefill", "exact_hint", "opened_call", "written_call"), 1, 0.25) == (-4, 1)
 
 
+def test_a_try_no_episode_solves_sends_the_walk_to_the_most_scaffolded_level_then_up():
+    config = CalibrationSettings()
+    levels = {0: 0.0, -1: 0.0, -2: 0.0, -3: 0.45}
+    jumped = calibrate(_measure(levels), config, (-3, 2))
+    assert jumped["difficulty"] == -3 and [t["difficulty"] for t in jumped["tries"]] == [0, -3]
+    stepwise = calibrate(_measure(levels), dataclasses.replace(config, jump_unsolved=False), (-3, 2))
+    assert stepwise["difficulty"] == -3 and [t["difficulty"] for t in stepwise["tries"]] == [0, -1, -2, -3]
+    # too easy at the bottom: up again, one level at a time; an unsolved level above it does not jump twice
+    up = calibrate(_measure({0: 0.0, -3: 0.9, -2: 0.45}), config, (-3, 2))
+    assert up["difficulty"] == -2 and [t["difficulty"] for t in up["tries"]] == [0, -3, -2]
+    between = calibrate(_measure({0: 0.0, -3: 0.9, -2: 0.0, -2.5: 0.5}), config, (-3, 2))
+    assert between["difficulty"] == -2.5 and [t["difficulty"] for t in between["tries"]] == [0, -3, -2, -2.5]
+    # a try with some success steps down one level as before; unsolved at the bottom drops it, saying so
+    assert [t["difficulty"] for t in calibrate(_measure({0: 0.05, -1: 0.45}), config, (-3, 2))["tries"]] == [0, -1]
+    dropped = calibrate(_measure({0: 0.0, -3: 0.0}), config, (-3, 2))
+    assert not dropped["calibrated"] and [t["difficulty"] for t in dropped["tries"]] == [0, -3]
+    assert dropped["reason"].startswith("too hard even at its most scaffolded level (-3)")
+
+
 def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_calibrate(tmp_path):
     base = ml_collections.ConfigDict(
         dict(

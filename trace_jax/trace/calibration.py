@@ -96,6 +96,9 @@ class CalibrationSettings:
     start_difficulty: int = setting(0, "an int (below 0: a scaffolded level)", is_int)
     # the finest difficulty step between levels (0.5: one mix of two levels; 1: none)
     min_step: float = setting(0.5, "a number in (0, 1]", lambda v: number(v) and 0 < v <= 1)
+    # a too-hard try that no episode solved, hinted ones included, sends the walk straight to the most scaffolded
+    # level (then up as usual) instead of one level down (`next_difficulty`)
+    jump_unsolved: bool = setting(True, "True or False", is_bool)
     policy: bool = setting(True, "True or False", is_bool)  # τ²'s retail policy in the prompt
     # what an episode cut at a limit keeps of its reward (`trace_jax.envs.capability.environment`)
     cut_share: float = setting(CUT_SHARE, "a number in [0, 1]", share)
@@ -206,9 +209,17 @@ def next_difficulty(tries: list[dict], config: CalibrationSettings, bounds: tupl
     """Where the walk goes after its last try: a level further the way its mean points (within `bounds`, the most
     scaffolded and the top level), or, where a try lies within that level the other side of the gates, halfway to
     the nearest such try (while that half is >= `min_step`); None where it may not move (the gates failed on
-    spread, a bound, a try repeated)."""
+    spread, a bound, a try repeated).
+
+    With `jump_unsolved`, a too-hard try in which no episode succeeded, hinted ones included, goes straight to the
+    most scaffolded level where no try has been: the levels between scaffold less, so they rarely do better (on the
+    embedded agent every level between a 0-of-128 try and the written call was 0 of 128 too), and each costs a try.
+    From there the walk goes up as usual while a level is too easy."""
     last = tries[-1]
     step = _side(last["mean"], config)
+    bottom_untried = all(t["difficulty"] != bounds[0] for t in tries)
+    if config.jump_unsolved and step < 0 and last["success"] == 0 and bottom_untried:
+        return bounds[0]
     ahead = [t for t in tries if 0 < (t["difficulty"] - last["difficulty"]) * step <= 1]
     if not ahead:
         after = last["difficulty"] + step
