@@ -183,7 +183,7 @@ def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_cal
             ),
         )
     )
-    config = CalibrationSettings(seeds=3, samples=2)
+    config = CalibrationSettings(seeds=3, samples=2, jump_unsolved=False)  # one level at a time (jumps: below)
     gold = calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "gold", agent="gold")
     assert not gold["calibrated"] and [t["difficulty"] for t in gold["tries"]] == [0, 1, 2]  # too easy everywhere
     assert all(t["mean"] == 1.0 and t["episodes"] == 6 for t in gold["tries"]) and gold["env"] is None
@@ -195,6 +195,9 @@ def test_a_real_calibration_runs_the_evaluation_job_and_drops_what_it_cannot_cal
     assert [t["difficulty"] for t in noop["tries"]] == [0, -1, -2] and noop["tries"][-1]["mean"] == 0.0
     assert noop["reason"].startswith("too hard even at its most scaffolded level (-2)")
     assert calibrate_capability("multi_step", (-2, 2), base, config, tmp_path / "noop", agent="gold") == noop
+    jumping = dataclasses.replace(config, jump_unsolved=True)  # no episode solved at 0: straight to -2
+    jumped = calibrate_capability("multi_step", (-2, 2), base, jumping, tmp_path / "jump", agent="noop")
+    assert jumped["tries"] == [noop["tries"][0], noop["tries"][2]] and jumped["reason"] == noop["reason"]
     walks = tmp_path / "walks" / "multi_step"  # launch.calibrate's layout: <workdir>/<capability>/difficulty_<d>
     shutil.copytree(tmp_path / "gold", walks)
     groups = json.loads((walks / "difficulty_0" / "groups.json").read_text())
