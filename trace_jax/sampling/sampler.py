@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from trace_jax import lora as lora_lib
@@ -102,9 +101,11 @@ class Sampler:
         self.adapters = None if adapters is None else (self.plan.shard_params(adapters) if self.plan else adapters)
 
     def put(self, x, name: str):
-        """`x` as a device array, placed on the mesh as the activation `name` where the sampler is sharded."""
-        x = jnp.asarray(x)
-        return jax.device_put(x, self.plan.activation_sharding(name, x.shape)) if self.plan else x
+        """`x` as a device array, placed on the mesh as the activation `name` where the sampler is sharded. A host
+        value goes by `jax.device_put`, which copies it; `jnp.asarray` would compile a program for each new shape."""
+        if not isinstance(x, jax.Array):
+            x = np.asarray(x)
+        return jax.device_put(x, self.plan.activation_sharding(name, x.shape) if self.plan else None)
 
     def new_cache(self, batch: int, capacity: int | None = None) -> decoder.KVCache:
         """An empty cache for `batch` rows (rounded up to a bucket)."""

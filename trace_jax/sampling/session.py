@@ -121,7 +121,7 @@ class Session:
             raise ValueError("stop_strings need a Sampler built with detokenize=")
         self.sampler, self.cache = sampler, cache
         self.stop_strings = tuple(stop_strings)
-        self._stop_ids = jnp.asarray(sorted(set(stop_token_ids)) or [-1], jnp.int32)
+        self._stop_ids = jax.device_put(np.asarray(sorted(set(stop_token_ids)) or [-1], np.int32))
         batch = cache.batch
         self._logits = sampler.put(np.zeros((batch, sampler.cfg.vocab_size), np.float32), "batch")
         self._rows = _RowArrays.empty(batch)
