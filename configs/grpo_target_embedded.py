@@ -55,8 +55,15 @@ def get_config() -> ml_collections.ConfigDict:
         )
     )
     config.loss = ml_collections.ConfigDict(
-        dict(aggregation="seq_mean_token_mean", eps_low=0.2, eps_high=0.28, kl_coef=0.0, tis_cap=2.0)
-    )  # tis_cap: used with hints only
+        dict(
+            aggregation="seq_mean_token_mean",
+            eps_low=0.2,
+            eps_high=0.28,
+            kl_coef=0.0,
+            tis_cap=2.0,
+            hinted_upper_clip=True,
+        )
+    )  # tis_cap, hinted_upper_clip: used with hints only
     config.optimizer = ml_collections.ConfigDict(dict(lr=5e-4, weight_decay=0.0, clip_norm=1.0))
     config.train = ml_collections.ConfigDict(
         dict(

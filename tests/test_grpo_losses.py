@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import jax
@@ -43,7 +44,7 @@ def np_advantages(name: str, rewards, groups) -> tuple[np.ndarray, np.ndarray, i
     return adv, keep, dropped
 
 
-def np_loss(new, old, adv, mask, cfg: LossConfig, ref=None, sampler=None):
+def np_loss(new, old, adv, mask, cfg: LossConfig, ref=None, sampler=None, hinted=None):
     """(sum, denom), d(sum)/d(new) token by token, and the same sum over |token losses|."""
     total, scale, denom, grad, n_tokens = 0.0, 0.0, 0.0, np.zeros_like(new), mask.sum()
     for b in range(new.shape[0]):
@@ -51,9 +52,10 @@ def np_loss(new, old, adv, mask, cfg: LossConfig, ref=None, sampler=None):
         if len(tok) == 0:
             continue
         row, row_abs, row_grad = 0.0, 0.0, np.zeros(new.shape[1])
+        upper = np.inf if hinted is not None and hinted[b] and not cfg.hinted_upper_clip else 1 + cfg.eps_high
         for t in tok:
             r = np.exp(new[b, t] - old[b, t])
-            unclipped, clipped = r * adv[b], np.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * adv[b]
+            unclipped, clipped = r * adv[b], np.clip(r, 1 - cfg.eps_low, upper) * adv[b]
             w = 1.0 if cfg.tis_cap is None else min(np.exp(old[b, t] - sampler[b, t]), cfg.tis_cap)
             loss, g = -min(unclipped, clipped) * w, (-r * adv[b] * w if unclipped <= clipped else 0.0)
             if cfg.kl_coef:
@@ -90,7 +92,11 @@ def make_batch(seed: int, estimator: str = "group_normalized"):
     new = (old + 0.3 * rng.randn(B, T)).astype(np.float32)  # ratios on both sides of the clip range
     ref = (old + 0.2 * rng.randn(B, T)).astype(np.float32)
     sampler = (old + 0.3 * rng.randn(B, T)).astype(np.float32)
-    return dict(new=new, old=old, adv=adv, mask=mask, ref=ref, sampler=sampler, keep=keep)
+    hinted = rng.rand(B) < 0.5
+    gaining = np.flatnonzero((adv > 0) & (mask.sum(axis=1) > 0))[0]  # a hinted token past the upper clip
+    hinted[gaining] = True
+    new[gaining, np.flatnonzero(mask[gaining])[0]] = old[gaining, np.flatnonzero(mask[gaining])[0]] + 0.5
+    return dict(new=new, old=old, adv=adv, mask=mask, ref=ref, sampler=sampler, hinted=hinted, keep=keep)
 
 
 def jax_loss(cfg: LossConfig, d, sl=slice(None)):
@@ -103,6 +109,7 @@ def jax_loss(cfg: LossConfig, d, sl=slice(None)):
             cfg,
             ref_logp=jnp.asarray(d["ref"][sl]),
             sampler_logp=jnp.asarray(d["sampler"][sl]),
+            hinted=jnp.asarray(d["hinted"][sl]),
         )
         return s, (n, diag)
 
@@ -114,6 +121,7 @@ CONFIGS = {
     "plain": {},
     "kl": dict(kl_coef=0.1),
     "kl_tis": dict(kl_coef=0.05, tis_cap=1.5),
+    "hinted_unclipped_above": dict(hinted_upper_clip=False),
 }
 
 
@@ -148,15 +156,17 @@ def test_loss_value_and_gradient_match_numpy(aggregation, estimator, terms):
     cfg = LossConfig(aggregation=aggregation, max_len=T + 4, **CONFIGS[terms])
     d = make_batch(seed=zlib.crc32(f"{aggregation}/{estimator}/{terms}".encode()) % 1000, estimator=estimator)
     assert not d["keep"].all()  # the batch has a dropped (zero-advantage) group
-    f64 = {k: np.asarray(v, np.float64) for k, v in d.items()}
+    f64 = {k: v if k == "hinted" else np.asarray(v, np.float64) for k, v in d.items()}
     ref_s, ref_n, ref_g, ref_scale = np_loss(
-        f64["new"], f64["old"], f64["adv"], f64["mask"], cfg, f64["ref"], f64["sampler"]
+        f64["new"], f64["old"], f64["adv"], f64["mask"], cfg, f64["ref"], f64["sampler"], d["hinted"]
     )
     # fp32: advantages sum to ~0 within a group, so the loss is a sum of cancelling terms and
     # its fp32 error is relative to the sum of their magnitudes (the conditioning), not to the
     # (small) result; each gradient entry is one product, so it is plainly relative.
     s, n, g, _ = jax_loss(cfg, d)
     assert n == ref_n
+    if not cfg.hinted_upper_clip:  # the batch has hinted tokens past the upper clip, which the setting frees
+        assert rel(g, jax_loss(dataclasses.replace(cfg, hinted_upper_clip=True), d)[2]) > 1e-3
     assert abs(s - ref_s) / ref_scale <= TOL, abs(s - ref_s) / ref_scale
     assert rel(g / n, ref_g / ref_n) <= TOL, rel(g / n, ref_g / ref_n)
     # float64: the same function agrees plainly (to rounding), value and gradient.
@@ -172,10 +182,34 @@ def test_loss_value_and_gradient_match_numpy(aggregation, estimator, terms):
         plus[b, t] += h
         minus[b, t] -= h
         fd = (
-            np_loss(plus, f64["old"], f64["adv"], f64["mask"], cfg, f64["ref"], f64["sampler"])[0]
-            - np_loss(minus, f64["old"], f64["adv"], f64["mask"], cfg, f64["ref"], f64["sampler"])[0]
+            np_loss(plus, f64["old"], f64["adv"], f64["mask"], cfg, f64["ref"], f64["sampler"], d["hinted"])[0]
+            - np_loss(minus, f64["old"], f64["adv"], f64["mask"], cfg, f64["ref"], f64["sampler"], d["hinted"])[0]
         ) / (2 * h)
         assert abs(fd - ref_g[b, t]) <= 1e-6 * max(1.0, abs(ref_g[b, t])), (b, t, fd, ref_g[b, t])
+
+
+def test_a_hinted_token_gains_past_the_upper_clip_only_where_the_setting_says_and_falls_no_further():
+    """Hinted rows unclipped above: a positive-advantage hinted token whose ratio is past 1 + eps_high keeps its
+    gradient (an unhinted one's is 0); below 1 - eps_low a negative-advantage hinted token is still clipped."""
+    old = np.log(np.full((4, 1), 0.01, np.float32))
+    new = old + np.log(np.array([[1.5], [1.5], [0.5], [0.5]], np.float32))  # ratios 1.5, 1.5, 0.5, 0.5
+    adv, mask, hinted = (
+        np.array([1.0, 1.0, -1.0, -1.0], np.float32),
+        np.ones((4, 1), np.float32),
+        np.array([1, 0, 1, 0], bool),
+    )
+
+    def grad(cfg):
+        loss = lambda n: policy_loss(n, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), cfg, hinted=hinted)[0]
+        return np.asarray(jax.grad(loss)(jnp.asarray(new)))[:, 0]
+
+    clipped, unclipped = grad(LossConfig()), grad(LossConfig(hinted_upper_clip=False))
+    np.testing.assert_allclose(clipped, [0.0, 0.0, 0.0, 0.0])
+    np.testing.assert_allclose(unclipped, [-1.5, 0.0, 0.0, 0.0], rtol=1e-6)  # d(-ratio * adv)/d logp = -ratio
+    np_grad = np_loss(
+        *(np.asarray(a, np.float64) for a in (new, old, adv, mask)), LossConfig(hinted_upper_clip=False), hinted=hinted
+    )[2]
+    np.testing.assert_allclose(unclipped, np_grad[:, 0] / 1.0, rtol=1e-6)
 
 
 @pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))

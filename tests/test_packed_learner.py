@@ -253,8 +253,11 @@ def test_rescoring_gives_hinted_rows_the_policys_logprobs_and_leaves_the_others_
     weights, seen = [], set()
     for mb, before in zip(rescored.micro_batches, batch.micro_batches):
         assert before["sampler_logp"] is None and mb["sampler_logp"] is not None
-        assert all(np.array_equal(mb[k], before[k]) for k in before if k not in ("old_logp", "sampler_logp"))
+        assert all(np.array_equal(mb[k], before[k]) for k in before if k not in ("old_logp", "sampler_logp", "hinted"))
         assert np.array_equal(mb["sampler_logp"], before["old_logp"])  # the sampler's, as packed
+        assert before["hinted"] is None and mb["hinted"].tolist() == [
+            index >= 0 and hinted[index].hinted for index in mb["sequence"]
+        ]  # the rows marked for the loss
         for row, index in enumerate(mb["sequence"]):
             if index < 0:
                 continue

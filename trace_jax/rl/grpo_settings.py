@@ -15,6 +15,7 @@ from trace_jax.rl.losses import AGGREGATIONS
 from trace_jax.sampling.sampler import POLICIES
 from trace_jax.settings import (
     REQUIRED,
+    is_bool,
     is_dict,
     non_negative_int,
     non_negative_number,
@@ -128,6 +129,8 @@ class EpisodeLossSettings(GrpoLossSettings):
         "weight (an unhinted token's is 1)",
         lambda v: v is None or (number(v) and v >= 1.0),
     )
+    # False: a hinted token's ratio is not clipped above (`losses.LossConfig.hinted_upper_clip`)
+    hinted_upper_clip: bool = setting(True, "True or False", is_bool)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -266,6 +266,7 @@ def make_rescore_fn(
     row keeps old_logp = sampler_logp. How the loss then weighs a hinted token is `loss_cfg.tis_cap`'s:
     None learns it as an on-policy token (weight 1, as the TRACE authors' code does: the tokens a hint made
     possible count in full); a cap weighs it min(exp(old - sampler), cap), truncated importance sampling.
+    The micro-batches mark those rows (`hinted`), for `loss_cfg.hinted_upper_clip`.
     metrics, where there are hinted rows: how much likelier the hint made their tokens (mean sampler - old
     logprob, "hinted_logp_gain") and, with a cap, the mean weight ("hinted_is_weight") and the share the cap
     cut ("hinted_capped").
@@ -283,7 +284,7 @@ def make_rescore_fn(
         parts, old, sampled = [], [], []
         for mb in batch.micro_batches:
             rows = np.isin(mb.sequence, marked)
-            mb = mb.replace(sampler_logp=mb.old_logp)
+            mb = mb.replace(sampler_logp=mb.old_logp, hinted=rows)
             if rows.any():
                 inputs = MicroBatch(
                     tokens=mb.tokens,
@@ -360,7 +361,14 @@ def make_grad_fn(
             if use_kl:
                 ref_logp = jax.lax.stop_gradient(_reference_logprobs(params, mb, prefix, how, ref_kv))
             loss_sum, denom, diagnostics = policy_loss(
-                logp, mb.old_logp, mb.advantages, mask, loss_cfg, ref_logp=ref_logp, sampler_logp=mb.sampler_logp
+                logp,
+                mb.old_logp,
+                mb.advantages,
+                mask,
+                loss_cfg,
+                ref_logp=ref_logp,
+                sampler_logp=mb.sampler_logp,
+                hinted=mb.hinted,
             )
         diagnostics["entropy"] = (jnp.sum(entropy * mask), jnp.sum(mask))
         return loss_sum, (loss_sum, denom, diagnostics)

@@ -23,7 +23,8 @@ class MicroBatch:
     logprobs alone need only tokens and adapter_idx. `sampler_logp`: the sampler's logprobs where old_logp was
     recomputed (hinted rows, `make_rescore_fn`); `prefix_of_row`: the shared head each row continues (with
     `LearnerBatch.prefix`); `frozen_hidden`: the residual stream entering the first adapted layer, when computed
-    once (`learner.frozen_inputs`); `sequence`: each row's index among the packed sequences (-1: padding)."""
+    once (`learner.frozen_inputs`); `sequence`: each row's index among the packed sequences (-1: padding);
+    `hinted`: the rows sampled under a hint (set with old_logp by `make_rescore_fn`)."""
 
     tokens: Array  # [R, W] int32
     adapter_idx: Array  # [R] int32
@@ -35,6 +36,7 @@ class MicroBatch:
     prefix_of_row: Array | None = None  # [R] int32
     frozen_hidden: Array | None = None  # [R, W - 1, D]
     sequence: Array | None = None  # [R] int32
+    hinted: Array | None = None  # [R] bool
 
     def check(self) -> None:
         """Fails naming the field whose rank or row count is wrong."""
@@ -49,6 +51,7 @@ class MicroBatch:
             "loss_positions": (rows, scored),
             "prefix_of_row": (rows,),
             "sequence": (rows,),
+            "hinted": (rows,),
         }
         for name, shape in shapes.items():
             value = getattr(self, name)

@@ -52,7 +52,14 @@ AGGREGATIONS: dict[str, Aggregation] = {
 class LossConfig:
     """Policy-loss settings. Ratios are clipped to [1 - eps_low, 1 + eps_high]; `kl_coef` weighs
     a k3 KL to the reference; `tis_cap` turns on truncated importance sampling against the
-    sampler's logprobs; `max_len` is Dr.GRPO's fixed length (required by seq_sum_fixed_len)."""
+    sampler's logprobs; `max_len` is Dr.GRPO's fixed length (required by seq_sum_fixed_len).
+
+    `hinted_upper_clip` False leaves the ratio of a hinted row's tokens (rows sampled under a hint they are
+    learned without) unclipped above, so a positive advantage raises their probability past 1 + eps_high
+    within a step, as off-policy guidance is learned in LUFFY (Yan et al., 2025). The clip keeps the policy near
+    the one that sampled a token; a hinted token was sampled by the hinted policy, and the tokens only the hint
+    made likely (a tool the agent never calls) would otherwise gain at most a factor 1 + eps_high a step. The
+    lower clip stays: a hinted failure is pushed down as any other row."""
 
     aggregation: str = "seq_mean_token_mean"
     eps_low: float = 0.2
@@ -60,6 +67,7 @@ class LossConfig:
     kl_coef: float = 0.0
     tis_cap: float | None = None
     max_len: int | None = None
+    hinted_upper_clip: bool = True
 
     def __post_init__(self):
         if self.aggregation not in AGGREGATIONS:
@@ -107,11 +115,13 @@ def policy_loss(
     *,
     ref_logp: jax.Array | None = None,
     sampler_logp: jax.Array | None = None,
+    hinted: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, dict[str, SumDenom]]:
     """(loss sum, denominator, diagnostics) of the clipped surrogate (+ kl_coef * k3 KL).
 
-    logp_new, logp_old, mask, ref_logp, sampler_logp: [B, T]; advantages: [B]. Diagnostics are
-    (sum, denominator) pairs too, so they accumulate over micro-batches the same way.
+    logp_new, logp_old, mask, ref_logp, sampler_logp: [B, T]; advantages, hinted (rows sampled under a hint;
+    None: none): [B]. Diagnostics are (sum, denominator) pairs too, so they accumulate over micro-batches the
+    same way.
     """
     if cfg.kl_coef > 0 and ref_logp is None:
         raise ValueError("LossConfig.kl_coef > 0 needs ref_logp")
@@ -128,7 +138,10 @@ def policy_loss(
     log_ratio = logp_new - logp_old
     ratio = jnp.exp(log_ratio)
     unclipped = ratio * adv
-    clipped = jnp.clip(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * adv
+    upper = jnp.asarray(1.0 + cfg.eps_high, logp_new.dtype)
+    if hinted is not None and not cfg.hinted_upper_clip:
+        upper = jnp.where(hinted[:, None], jnp.inf, upper)
+    clipped = jnp.clip(ratio, 1.0 - cfg.eps_low, upper) * adv
     pg = -jnp.minimum(unclipped, clipped)
     tokens = jnp.sum(mask)
     diagnostics = {
