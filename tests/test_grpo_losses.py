@@ -52,7 +52,8 @@ def np_loss(new, old, adv, mask, cfg: LossConfig, ref=None, sampler=None, hinted
         if len(tok) == 0:
             continue
         row, row_abs, row_grad = 0.0, 0.0, np.zeros(new.shape[1])
-        upper = np.inf if hinted is not None and hinted[b] and not cfg.hinted_upper_clip else 1 + cfg.eps_high
+        hinted_row = hinted is not None and hinted[b] and cfg.hinted_eps_high is not None
+        upper = 1 + (cfg.hinted_eps_high if hinted_row else cfg.eps_high)
         for t in tok:
             r = np.exp(new[b, t] - old[b, t])
             unclipped, clipped = r * adv[b], np.clip(r, 1 - cfg.eps_low, upper) * adv[b]
@@ -122,7 +123,8 @@ CONFIGS = {
     "plain": {},
     "kl": dict(kl_coef=0.1),
     "kl_tis": dict(kl_coef=0.05, tis_cap=1.5),
-    "hinted_unclipped_above": dict(hinted_upper_clip=False),
+    "hinted_clipped_higher": dict(hinted_eps_high=1.0),
+    "hinted_unclipped_above": dict(hinted_eps_high=float("inf")),
 }
 
 
@@ -166,8 +168,8 @@ def test_loss_value_and_gradient_match_numpy(aggregation, estimator, terms):
     # (small) result; each gradient entry is one product, so it is plainly relative.
     s, n, g, _ = jax_loss(cfg, d)
     assert n == ref_n
-    if not cfg.hinted_upper_clip:  # the batch has hinted tokens past the upper clip, which the setting frees
-        assert rel(g, jax_loss(dataclasses.replace(cfg, hinted_upper_clip=True), d)[2]) > 1e-3
+    if cfg.hinted_eps_high is not None:  # the batch has hinted tokens past the common clip, which the setting moves
+        assert rel(g, jax_loss(dataclasses.replace(cfg, hinted_eps_high=None), d)[2]) > 1e-3
     assert abs(s - ref_s) / ref_scale <= TOL, abs(s - ref_s) / ref_scale
     assert rel(g / n, ref_g / ref_n) <= TOL, rel(g / n, ref_g / ref_n)
     # float64: the same function agrees plainly (to rounding), value and gradient.
@@ -189,9 +191,15 @@ def test_loss_value_and_gradient_match_numpy(aggregation, estimator, terms):
         assert abs(fd - ref_g[b, t]) <= 1e-6 * max(1.0, abs(ref_g[b, t])), (b, t, fd, ref_g[b, t])
 
 
-def test_a_hinted_token_gains_past_the_upper_clip_only_where_the_setting_says_and_falls_no_further():
-    """Hinted rows unclipped above: a positive-advantage hinted token whose ratio is past 1 + eps_high keeps its
-    gradient (an unhinted one's is 0); below 1 - eps_low a negative-advantage hinted token is still clipped."""
+@pytest.mark.parametrize(
+    "hinted_eps_high, hinted_gradient", [(None, 0.0), (0.4, 0.0), (1.0, -1.5), (float("inf"), -1.5)]
+)
+def test_a_hinted_token_gains_past_the_upper_clip_only_where_the_setting_says_and_falls_no_further(
+    hinted_eps_high, hinted_gradient
+):
+    """A positive-advantage hinted token at ratio 1.5 (past 1 + eps_high) keeps its gradient only where
+    1 + hinted_eps_high lies above 1.5 (an unhinted one's is 0 whatever the setting); below 1 - eps_low a
+    negative-advantage hinted token is clipped as any other."""
     old = np.log(np.full((4, 1), 0.01, np.float32))
     new = old + np.log(np.array([[1.5], [1.5], [0.5], [0.5]], np.float32))  # ratios 1.5, 1.5, 0.5, 0.5
     adv, mask, hinted = (
@@ -204,13 +212,11 @@ def test_a_hinted_token_gains_past_the_upper_clip_only_where_the_setting_says_an
         loss = lambda n: policy_loss(n, jnp.asarray(old), jnp.asarray(adv), jnp.asarray(mask), cfg, hinted=hinted)[0]
         return np.asarray(jax.grad(loss)(jnp.asarray(new)))[:, 0]
 
-    clipped, unclipped = grad(LossConfig()), grad(LossConfig(hinted_upper_clip=False))
-    np.testing.assert_allclose(clipped, [0.0, 0.0, 0.0, 0.0])
-    np.testing.assert_allclose(unclipped, [-1.5, 0.0, 0.0, 0.0], rtol=1e-6)  # d(-ratio * adv)/d logp = -ratio
-    np_grad = np_loss(
-        *(np.asarray(a, np.float64) for a in (new, old, adv, mask)), LossConfig(hinted_upper_clip=False), hinted=hinted
-    )[2]
-    np.testing.assert_allclose(unclipped, np_grad[:, 0], rtol=1e-6)
+    cfg = LossConfig(hinted_eps_high=hinted_eps_high)
+    got = grad(cfg)
+    np.testing.assert_allclose(got, [hinted_gradient, 0.0, 0.0, 0.0], rtol=1e-6)  # d(-ratio * adv)/d logp = -ratio
+    np_grad = np_loss(*(np.asarray(a, np.float64) for a in (new, old, adv, mask)), cfg, hinted=hinted)[2]
+    np.testing.assert_allclose(got, np_grad[:, 0], rtol=1e-6)
 
 
 @pytest.mark.parametrize("aggregation", sorted(AGGREGATIONS))

@@ -15,7 +15,6 @@ from trace_jax.rl.losses import AGGREGATIONS
 from trace_jax.sampling.sampler import POLICIES
 from trace_jax.settings import (
     REQUIRED,
-    is_bool,
     is_dict,
     non_negative_int,
     non_negative_number,
@@ -129,8 +128,12 @@ class EpisodeLossSettings(GrpoLossSettings):
         "weight (an unhinted token's is 1)",
         lambda v: v is None or (number(v) and v >= 1.0),
     )
-    # False: a hinted token's ratio is not clipped above (`losses.LossConfig.hinted_upper_clip`)
-    hinted_upper_clip: bool = setting(True, "True or False", is_bool)
+    hinted_eps_high: float | None = setting(
+        None,
+        "None (hinted rows clipped as the others) or a number >= 0: a hinted token's ratio is clipped above at "
+        "1 + this (`losses.LossConfig.hinted_eps_high`; inf: not clipped above)",
+        lambda v: v is None or non_negative_number(v),
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

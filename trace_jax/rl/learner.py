@@ -266,7 +266,7 @@ def make_rescore_fn(
     row keeps old_logp = sampler_logp. How the loss then weighs a hinted token is `loss_cfg.tis_cap`'s:
     None learns it as an on-policy token (weight 1, as the TRACE authors' code does: the tokens a hint made
     possible count in full); a cap weighs it min(exp(old - sampler), cap), truncated importance sampling.
-    The micro-batches mark those rows (`hinted`), for `loss_cfg.hinted_upper_clip`.
+    The micro-batches mark those rows (`hinted`), for `loss_cfg.hinted_eps_high`.
     metrics, where there are hinted rows: how much likelier the hint made their tokens (mean sampler - old
     logprob, "hinted_logp_gain") and, with a cap, the mean weight ("hinted_is_weight") and the share the cap
     cut ("hinted_capped").

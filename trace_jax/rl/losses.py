@@ -54,12 +54,14 @@ class LossConfig:
     a k3 KL to the reference; `tis_cap` turns on truncated importance sampling against the
     sampler's logprobs; `max_len` is Dr.GRPO's fixed length (required by seq_sum_fixed_len).
 
-    `hinted_upper_clip` False leaves the ratio of a hinted row's tokens (rows sampled under a hint they are
-    learned without) unclipped above, so a positive advantage raises their probability past 1 + eps_high
-    within a step, as off-policy guidance is learned in LUFFY (Yan et al., 2025). The clip keeps the policy near
-    the one that sampled a token; a hinted token was sampled by the hinted policy, and the tokens only the hint
-    made likely (a tool the agent never calls) would otherwise gain at most a factor 1 + eps_high a step. The
-    lower clip stays: a hinted failure is pushed down as any other row."""
+    `hinted_eps_high` sets the upper clip of a hinted row's tokens (rows sampled under a hint they are learned
+    without) apart: 1 + hinted_eps_high (None: as every row, 1 + eps_high; `inf`: not clipped above). The clip
+    keeps the policy near the one that sampled a token; a hinted token was sampled by the hinted policy, and the
+    tokens only the hint made likely (a tool the agent never calls) gain at most a factor 1 + eps_high a step
+    under the common clip. Off-policy guidance is learned with a looser bound, as in LUFFY (Yan et al., 2025);
+    with none, the gradient of a hinted token grows with its ratio, so a step's updates all go to the hinted
+    calls and the policy moves far from the one that sampled. The lower clip stays: a hinted failure is pushed
+    down as any other row."""
 
     aggregation: str = "seq_mean_token_mean"
     eps_low: float = 0.2
@@ -67,7 +69,7 @@ class LossConfig:
     kl_coef: float = 0.0
     tis_cap: float | None = None
     max_len: int | None = None
-    hinted_upper_clip: bool = True
+    hinted_eps_high: float | None = None
 
     def __post_init__(self):
         if self.aggregation not in AGGREGATIONS:
@@ -78,6 +80,8 @@ class LossConfig:
             raise ValueError(f"LossConfig.eps_low must be in [0, 1), got {self.eps_low}")
         if not self.eps_high >= 0.0:
             raise ValueError(f"LossConfig.eps_high must be >= 0, got {self.eps_high}")
+        if self.hinted_eps_high is not None and not self.hinted_eps_high >= 0.0:
+            raise ValueError(f"LossConfig.hinted_eps_high must be None or >= 0, got {self.hinted_eps_high}")
         if not self.kl_coef >= 0.0:
             raise ValueError(f"LossConfig.kl_coef must be >= 0, got {self.kl_coef}")
         if self.tis_cap is not None and not self.tis_cap > 0.0:
@@ -139,8 +143,8 @@ def policy_loss(
     ratio = jnp.exp(log_ratio)
     unclipped = ratio * adv
     upper = jnp.asarray(1.0 + cfg.eps_high, logp_new.dtype)
-    if hinted is not None and not cfg.hinted_upper_clip:
-        upper = jnp.where(hinted[:, None], jnp.inf, upper)
+    if hinted is not None and cfg.hinted_eps_high is not None:
+        upper = jnp.where(hinted[:, None], jnp.asarray(1.0 + cfg.hinted_eps_high, logp_new.dtype), upper)
     clipped = jnp.clip(ratio, 1.0 - cfg.eps_low, upper) * adv
     pg = -jnp.minimum(unclipped, clipped)
     tokens = jnp.sum(mask)
