@@ -190,7 +190,7 @@ def test_frozen_bottom_layers_give_the_same_gradients(setup):
     """An adapter from layer 1 on (`LoraSpec.first_layer`): the learner running layer 0 forward only
     (`frozen_layers=1`, the shared head included), or starting from layer 0's outputs computed once
     (`frozen_inputs`), gives the gradients of the whole pass, and layer 0's adapter gradients are
-    exactly zero, so it never moves."""
+    exactly zero, so it never moves. With the KL term too: its base reference reuses layer 0's outputs."""
     cfg, params, _, sequences = setup
     fresh = lora.init_adapters(jax.random.key(3), cfg, lora.LoraSpec(rank=4, alpha=8.0, first_layer=1), 1)
     on_top = (jnp.arange(cfg.num_layers) >= 1)[None, :, None, None]
@@ -206,10 +206,13 @@ def test_frozen_bottom_layers_give_the_same_gradients(setup):
     streams = frozen_inputs(params, cfg, 1, batch)
     assert streams.prefix.hidden.shape == (1, batch.prefix.tokens.shape[1], cfg.hidden_size)
     # GRPO's loss only: the frozen layers sit below the objective, which the SFT tests above cover.
-    whole, _ = make_grad_fn(cfg, LOSS)(params, adapters.weights, adapters.scale, batch)
-    frozen_fn = make_grad_fn(cfg, LOSS, frozen_layers=1, remat=True)
+    kl = dataclasses.replace(LOSS, kl_coef=0.5)
+    whole, whole_metrics = make_grad_fn(cfg, kl)(params, adapters.weights, adapters.scale, batch)
+    frozen_fn = make_grad_fn(cfg, kl, frozen_layers=1, remat=True)
     frozen, _ = frozen_fn(params, adapters.weights, adapters.scale, batch)
-    cached, _ = frozen_fn(params, adapters.weights, adapters.scale, streams)
+    cached, cached_metrics = frozen_fn(params, adapters.weights, adapters.scale, streams)
+    assert float(whole_metrics["kl_ref"]) > 1e-6  # the adapters moved the policy off the base: the term counts
+    np.testing.assert_allclose(float(cached_metrics["kl_ref"]), float(whole_metrics["kl_ref"]), rtol=1e-5)
     err, err_cached = tree_rel(frozen, whole), tree_rel(cached, whole)
     print(
         f"\n[packed learner] layer 0 frozen vs the whole pass: grad rel diff {err:.2e}; "
@@ -222,7 +225,7 @@ def test_frozen_bottom_layers_give_the_same_gradients(setup):
     shifted = dataclasses.replace(streams, prefix=streams.prefix.replace(hidden=streams.prefix.hidden + 1.0))
     assert tree_rel(frozen_fn(params, adapters.weights, adapters.scale, shifted)[0], whole) > 1e-3
     with pytest.raises(ValueError, match="frozen_layers > 0"):
-        make_grad_fn(cfg, LOSS)(params, adapters.weights, adapters.scale, streams)
+        make_grad_fn(cfg, kl)(params, adapters.weights, adapters.scale, streams)
 
 
 @pytest.fixture(scope="module")

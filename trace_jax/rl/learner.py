@@ -190,9 +190,10 @@ def _reference_logprobs(
     params: dict, rows: MicroBatch, prefix: SharedPrefix | None, how: _Forward, prefix_kv: tuple | None
 ) -> jax.Array:
     """Token logprobs of `rows` under the frozen base (every row NO_ADAPTER, so no LoRA is computed): the KL
-    reference. `prefix_kv`: the prefixes' keys and values under the base."""
-    base_rows = rows.replace(adapter_idx=jnp.full(rows.tokens.shape[:1], NO_ADAPTER, jnp.int32), frozen_hidden=None)
-    return _forward_logprobs(params, None, base_rows, prefix, dataclasses.replace(how, frozen=0), prefix_kv)[0]
+    reference. `prefix_kv`: the prefixes' keys and values under the base. The layers below the first adapted one
+    are the base's under either, so their outputs (`rows.frozen_hidden`, the prefix's hidden) serve both."""
+    base_rows = rows.replace(adapter_idx=jnp.full(rows.tokens.shape[:1], NO_ADAPTER, jnp.int32))
+    return _forward_logprobs(params, None, base_rows, prefix, how, prefix_kv)[0]
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "frozen", "scan"))
@@ -380,8 +381,7 @@ def make_grad_fn(
         """The prefixes' keys and values, the pullback from their cotangents to adapter gradients, and
         (for the KL term) their keys and values under the base."""
         prefix_kv, pullback = jax.vjp(lambda w: _prefix_kv(params, Adapters(w, scale), prefix, how), weights)
-        base = dataclasses.replace(how, frozen=0)
-        ref_kv = _prefix_kv(params, None, prefix.replace(hidden=None), base) if use_kl else None
+        ref_kv = _prefix_kv(params, None, prefix, how) if use_kl else None
         return prefix_kv, pullback, ref_kv
 
     @jax.jit
