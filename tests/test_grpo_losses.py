@@ -275,6 +275,7 @@ def test_diagnostics_match_numpy():
         (dict(eps_high=-0.1), "eps_high"),
         (dict(kl_coef=-1.0), "kl_coef"),
         (dict(tis_cap=0.0), "tis_cap"),
+        (dict(hinted_eps_high=-0.5), "hinted_eps_high"),
         (dict(max_len=0), "max_len"),
         (dict(aggregation="seq_sum_fixed_len"), "max_len"),
     ],

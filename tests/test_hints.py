@@ -270,14 +270,19 @@ def test_a_mixed_environments_variants_are_logged_apart_with_their_unhinted_rewa
         (dict(hint_share=-0.25), "config.rollout.hint_share = -0.25 is invalid; it must be a number in [0, 1]"),
         (dict(hint_share=0.01), "config.rollout.hint_share = 0.01 is invalid: it hints no episode of a group of 16"),
         (dict(hint_share=0.25, tis_cap=0.5), "config.loss.tis_cap = 0.5 is invalid; it must be None (hinted rows"),
+        (
+            dict(hint_share=0.25, hinted_eps_high=-1.0),
+            "config.loss.hinted_eps_high = -1.0 is invalid; it must be None (hinted rows clipped as the others)",
+        ),
     ],
 )
 def test_bad_hint_settings_fail_at_start_naming_the_key(changes, message):
     config = grpo_env_tiny.get_config()
     validate_config(config)
     config.rollout.hint_share = changes["hint_share"]
-    if "tis_cap" in changes:
-        config.loss.tis_cap = changes["tis_cap"]
+    for key in ("tis_cap", "hinted_eps_high"):
+        if key in changes:
+            config.loss[key] = changes[key]
     with pytest.raises(ValueError, match=re.escape(message)):
         validate_config(config)
 
