@@ -95,7 +95,11 @@ def get_config() -> ml_collections.ConfigDict:
     # (exp(ref - new) - 1) and stays about kl_coef for one raised above it, so it holds what the agent did while
     # the hinted write is learned; at 0.2 a token may fall about 6x under a negative advantage of 1.
     config.training.loss.kl_coef = 0.2
-    config.training.eval.update(num_tasks=16, every=1000)  # the capability environment's held-out tasks
+    # Each adapter is the step's with the best greedy reward on 16 of the capability environment's held-out tasks
+    # (step 0, the base agent, included): under every setting above the agent learnt for some steps and then broke
+    # (docs/comparison.md, "Changes of settings"). GRPO on the target keeps its best step the same way, by tasks
+    # of its training split that it never trains on (`baselines.experiment`).
+    config.training.eval.update(num_tasks=16, every=1, keep_best=True)
     # "batch": a 135M router otherwise puts every ticket on label A (trace_jax/trace/routing.py)
     config.routing = ml_collections.ConfigDict(dict(max_messages=10, batch_size=8, calibration="batch"))
     config.final = ml_collections.ConfigDict(dict(per_adapter=True))

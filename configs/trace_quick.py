@@ -33,7 +33,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.training.rollout.update(tasks_per_step=1, group_size=4, max_turns=3, resamples=0)
     config.training.lora.first_layer = 20  # the learner back-propagates through the top 10 layers only
     config.training.train.steps = 2
-    config.training.eval.num_tasks = 0  # no held-out evaluation of the adapter alone: the final one routes to it
+    # no held-out evaluation of the adapter alone (so no best step: the last is kept): the final one routes to it
+    config.training.eval.update(num_tasks=0, keep_best=False)
     config.final.per_adapter = False
     config.diagnostics.update(samples=4, per_family=2)  # pass@4 on 2 tickets of each targeted family
     return config

@@ -49,8 +49,11 @@ def get_config() -> ml_collections.ConfigDict:
         tasks_per_step=4, group_size=16, batch_size=64, max_turns=30, max_tokens_per_turn=1024, max_errors=10
     )
     config.training.optimizer.lr = 1e-5
-    config.training.train.update(steps=40, micro_batch_tokens=16384, remat=True)
-    config.training.eval.update(num_tasks=32, batch_size=32)
+    config.training.train.update(steps=40, micro_batch_tokens=16384, remat=True, updates_per_step=1)
+    # the released code's loss, not the embedded config's compressed CPU schedule (its KL term, token_mean, the
+    # hinted rows' own clip)
+    config.training.loss.update(aggregation="seq_mean_token_mean", kl_coef=0.0, hinted_eps_high=None)
+    config.training.eval.update(num_tasks=32, batch_size=32, every=40, keep_best=False)  # the last step's adapter
     config.routing.calibration = "none"  # the paper's router: the raw label logits of the frozen base model
     config.environments.source = "auto"  # built-in generators, and the LLM writes the others (config.llm)
     return config

@@ -35,6 +35,7 @@ from trace_jax.baselines.experiment import validate_config as validate_experimen
 from trace_jax.baselines.gepa import joined_guidance
 from trace_jax.envs import make_environment
 from trace_jax.envs.capability import example_airline, example_retail
+from trace_jax.models.model import weights_fingerprint
 from trace_jax.rl.trainer import snapshot_step
 from trace_jax.trace.calibration import calibrate_builtin, environment_config
 from trace_jax.trace.pipeline import (
@@ -242,10 +243,14 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
             assert "| all |" in (folder / "eval" / f"step_{step}.md").read_text(), name
         events = EventAccumulator(str(folder / "tensorboard"))
         events.Reload()
-        assert [(e.step, round(e.value, 6)) for e in events.Scalars("eval/reward")] == [
-            (0, round(job["base_reward"], 6)),
-            (steps, round(job["final_reward"], 6)),
-        ], name
+        evaluated = [(e.step, round(e.value, 6)) for e in events.Scalars("eval/reward")]
+        assert [step for step, _ in evaluated] == list(range(steps + 1)) and evaluated[0][1] == round(
+            job["base_reward"], 6
+        ), name
+        # training.eval.keep_best: the adapter is the earliest step's of the highest held-out reward
+        best = max(evaluated, key=lambda point: (point[1], -point[0]))
+        assert (job["best_step"], round(job["final_reward"], 6)) == best, name
+        assert weights_fingerprint(folder / "adapter") == weights_fingerprint(folder / "best"), name
     routed = stages["routing"]["result"]["by_task"]
     records = _records(tmp_path / "heldout" / "trace")
     assert len(records) == heldout and all(r["adapter_idx"] == routed[r["task_id"]] for r in records)
@@ -378,6 +383,15 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
         for line in path.read_text().splitlines()
     ]
     assert any(r["hint"] for r in hinted) and not all(r["hint"] for r in hinted)  # TRACE's share of each group
+    # TRACE keeps each adapter's best step (training.eval.keep_best), so GRPO on the target keeps its own, chosen by
+    # train tickets it never trained on
+    played = {r["task_id"] for r in hinted}
+    chosen_by = {
+        json.loads(line)["task_id"]
+        for line in (tmp_path / "grpo_target_hinted" / "eval" / "step_0.jsonl").read_text().splitlines()
+    }
+    assert chosen_by and all("/train/" in t for t in played | chosen_by) and not played & chosen_by
+    assert "best_step" in json.loads((tmp_path / "grpo_target_hinted" / "summary.json").read_text())
     mixed = [
         json.loads(line)["task_id"]
         for path in sorted((tmp_path / "mixed" / "rollouts").glob("step_*.jsonl"))

@@ -244,13 +244,18 @@ class Experiment:
     def _grpo(self, arm: str, env: dict, budget: int, hints: bool, snapshots: bool) -> dict:
         """GRPO with TRACE's training settings on `env` for `budget` episodes, then its adapter on the held-out
         tasks (`hints`: keep TRACE's hinted share, where every environment offers a hint; `snapshots`: keep
-        TRACE's adapter snapshots along the run, for the scaling curve)."""
+        TRACE's adapter snapshots along the run, for the scaling curve). Where TRACE keeps each adapter's best
+        step (`training.eval.keep_best`), so does this arm, by as many tasks of `env`'s split that its training
+        never draws (never the held-out tickets every arm is reported on)."""
         trace, folder = self.config.trace, self.workdir / arm
         training = grpo_config(trace, env, hints)
         training.train.update(steps=None, rollout_budget=budget)
         if not snapshots:
             training.train.snapshot_fractions = ()
-        training.eval.num_tasks = 0  # held out below, as every arm is
+        if training.eval.get("keep_best", False):  # its best step as TRACE's: by tasks of its own training split
+            training.eval.update(split=env["split"], base_run="")
+        else:
+            training.eval.num_tasks = 0  # held out below, as every arm is
         summary = grpo.train(training, folder)
         heldout = heldout_evaluation(trace, str(folder / "adapter"))
         return {

@@ -149,8 +149,8 @@ class EnvironmentRollouts:
             )
         self.num_train_tasks = num_train_tasks
         self.eval_env = self.env  # the held-out tasks stay the starting level's while a curriculum climbs
-        self.heldout = self.env.tasks(config.eval.split, config.eval.num_tasks)
         self._set_train_tasks()
+        self.heldout = self._heldout_tasks()
         self.curriculum = config.curriculum
         self.curriculum_state, self._tops = None, []
         if self.curriculum.patience:
@@ -204,6 +204,22 @@ class EnvironmentRollouts:
         if not available:
             raise ValueError(f"config.env.split = {split!r} has no tasks")
         self.train_tasks = [available[i % len(available)] for i in range(num)]
+        self._train_reach = len(available)
+
+    def _heldout_tasks(self) -> list:
+        """The first `eval.num_tasks` tasks of `eval.split`; when that is the training split, the ones after every
+        task training may draw (a run that keeps its best step by them never trained on them)."""
+        split, num = self.config.eval.split, self.config.eval.num_tasks
+        if split != self.config.env["split"]:
+            return self.env.tasks(split, num)
+        tasks = self.env.tasks(split, self._train_reach + num)[self._train_reach :]
+        if len(tasks) < num:
+            raise ValueError(
+                f"config.eval.split = {split!r} is the training split, and only {len(tasks)} of its tasks are left "
+                f"after the {self._train_reach} training may draw, fewer than config.eval.num_tasks = {num}; name "
+                "another split, or fewer training tasks (config.rollout.train_tasks)"
+            )
+        return tasks
 
     def restore(self, cursor: dict) -> None:
         """Takes up the curriculum where a checkpoint's `cursor` left it."""

@@ -15,6 +15,8 @@ from trace_jax.rl.losses import AGGREGATIONS
 from trace_jax.sampling.sampler import POLICIES
 from trace_jax.settings import (
     REQUIRED,
+    Invalid,
+    is_bool,
     is_dict,
     non_negative_int,
     non_negative_number,
@@ -141,6 +143,17 @@ class GrpoEvalSettings:
     num_tasks: int = setting(REQUIRED, "an int >= 0 (0: no held-out evaluation)", non_negative_int)
     every: int = setting(REQUIRED, "a positive int", positive_int)
     batch_size: int = setting(REQUIRED, "a positive int", positive_int)
+    keep_best: bool = setting(
+        False,
+        "a bool: export the evaluated step's adapter with the highest held-out reward, step 0 (no change to the "
+        "model) included, instead of the last step's (`trace_jax.rl.best_adapter`)",
+        is_bool,
+        optional=True,
+    )
+
+    def __post_init__(self):
+        if self.keep_best and self.num_tasks == 0:
+            raise Invalid("keep_best", "False when num_tasks is 0 (no held-out evaluation to choose a step by)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

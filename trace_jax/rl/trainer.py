@@ -41,7 +41,9 @@ interrupted is made on resume (an environment's plays only the episodes it lacks
 workdir: checkpoints/, tensorboard/, metrics.jsonl, base_eval.json, summary.json (and, for
 environments, eval/ and rollouts/step_<k>.jsonl: every training episode of step k, messages and
 reward components, as the evaluation job records them), adapter/ (PEFT) at the end, and snapshots/step_<k>/
-(PEFT) at each of `train.snapshot_fractions` of the run's steps (a scaling curve's points along one run).
+(PEFT) at each of `train.snapshot_fractions` of the run's steps (a scaling curve's points along one run). With
+`eval.keep_best`, adapter/ is the evaluated step's with the highest held-out reward (step 0 included), kept in
+best/ as the run goes (`trace_jax.rl.best_adapter`), and the summary's final metrics are that step's.
 
 Run as several processes (`launch.multihost`), each plays its share of a step's episodes and of an evaluation
 on its own devices, all gather them and apply the same update on the mesh of every process's devices, orbax
@@ -68,6 +70,7 @@ from trace_jax.files import read_json, write_json_atomic, write_jsonl_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
 from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batching import pack_sequences, padded_tokens
+from trace_jax.rl.best_adapter import BestAdapter
 from trace_jax.rl.checkpoint import TrainState
 from trace_jax.rl.curriculum import env_parts
 from trace_jax.rl.environment_rollouts import EnvironmentRollouts, hinted_per_group
@@ -276,6 +279,9 @@ def _train(settings: EpisodeGrpoSettings | CompletionGrpoSettings, workdir: str 
             workdir, state.step, evaluate, writer, settings, budget_spent(settings, _episodes(state, settings))
         )
     )
+    best = BestAdapter(workdir, state.step) if settings.eval.keep_best else None
+    if best is not None and latest_eval is not None:  # step 0's base, or the step resumed from
+        best.offer(state.step, latest_eval, functools.partial(export_adapter, run, weights=state.adapter_weights))
     progress = Progress(steps, start=state.step, every_s=settings.log_every_s)
     snapshots = _snapshot_steps(settings, steps)
     weights, opt_state = state.adapter_weights, state.opt_state
@@ -361,6 +367,9 @@ def _train(settings: EpisodeGrpoSettings | CompletionGrpoSettings, workdir: str 
         held_out = ""
         if _eval_due(step + 1, settings) or (last and settings.eval.num_tasks > 0):
             latest_eval = evaluate(ADAPTER, step + 1)
+            if best is not None:  # before the evaluation is logged (`best_adapter`)
+                best.offer(step + 1, latest_eval, functools.partial(export_adapter, run, weights=weights))
+                latest_eval["eval/best_step"] = float(best.step)
             writer.write(step + 1, latest_eval)
             held_out = f"  held-out {latest_eval['eval/reward']:.3f}"
         progress.update(step + 1, f"reward {metrics['rollout/reward']:.3f}{held_out}")
@@ -369,9 +378,14 @@ def _train(settings: EpisodeGrpoSettings | CompletionGrpoSettings, workdir: str 
     run.checkpointer.close()
     run.state = state
     writer.close()
-    export_adapter(run, workdir / "adapter")
+    if best is None:
+        export_adapter(run, workdir / "adapter")
+    else:
+        best.copy_to(workdir / "adapter")
+        latest_eval = best.metrics
     summary = {
         **(source.summary(base, latest_eval) if base is not None else {}),
+        **({"best_step": best.step} if best is not None else {}),
         "steps": int(state.step),
         "rollouts": _episodes(state, settings),
         "seconds": round(elapsed(), 1),

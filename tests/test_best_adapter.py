@@ -1,0 +1,64 @@
+"""`eval.keep_best`: the step a run keeps, its adapter's export, and the same choice after a resume.
+
+The trainer's use of it (the exported adapter is best/'s, the summary's final metrics the best step's) runs in the
+TRACE pipeline's and the experiment's tiny runs (tests/test_trace_pipeline.py)."""
+
+import json
+
+import pytest
+
+from configs import grpo_tiny
+from trace_jax.rl.best_adapter import BestAdapter
+from trace_jax.rl.trainer import validate_config
+
+REWARDS = [0.2, 0.1, 0.3, 0.3, 0.25]  # steps 0-4: step 2 is the best, step 3 only ties it
+
+
+def _exporter(exports: list, step: int):
+    def export(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "adapter_model.safetensors").write_text(f"step {step}")
+        exports.append(step)
+
+    return export
+
+
+def _log(workdir, rewards):
+    with open(workdir / "metrics.jsonl", "w", encoding="utf-8") as f:
+        for step, reward in enumerate(rewards):
+            f.write(json.dumps({"step": step, "rollout/reward": 0.5}) + "\n")  # a training line, not an evaluation
+            f.write(json.dumps({"step": step, "eval/reward": reward, "eval/success": reward / 2}) + "\n")
+
+
+def test_the_earliest_of_the_highest_rewards_is_kept_and_exported_once_per_improvement(tmp_path):
+    best, exports = BestAdapter(tmp_path, 0), []
+    for step, reward in enumerate(REWARDS):
+        best.offer(step, {"eval/reward": reward}, _exporter(exports, step))
+    assert (best.step, best.reward, exports) == (2, 0.3, [0, 2])
+    out = tmp_path / "adapter"
+    best.copy_to(out)
+    assert (out / "adapter_model.safetensors").read_text() == "step 2"
+
+
+def test_a_resumed_run_reads_its_best_step_back_from_the_logged_evaluations(tmp_path):
+    """Killed after step 4's evaluation was logged but before step 4's checkpoint: the run resumes from step 3,
+    so step 3's and 4's lines are not taken, and step 3 is evaluated and offered again."""
+    _log(tmp_path, REWARDS)
+    best, exports = BestAdapter(tmp_path, 3), []
+    assert (best.step, best.metrics) == (2, {"eval/reward": 0.3, "eval/success": 0.15})
+    best.offer(3, {"eval/reward": 0.3}, _exporter(exports, 3))  # a tie: step 2 stays
+    best.offer(4, {"eval/reward": 0.31}, _exporter(exports, 4))
+    assert (best.step, exports) == (4, [4])
+    assert BestAdapter(tmp_path, 1).step == 0 and BestAdapter(tmp_path, 0).step is None
+
+
+def test_no_evaluation_leaves_nothing_to_copy(tmp_path):
+    with pytest.raises(RuntimeError, match="no step was evaluated"):
+        BestAdapter(tmp_path, 5).copy_to(tmp_path / "adapter")
+
+
+def test_keeping_the_best_step_needs_a_held_out_evaluation():
+    config = grpo_tiny.get_config()
+    config.eval.update(num_tasks=0, keep_best=True)
+    with pytest.raises(ValueError, match="config.eval.keep_best = True is invalid; it must be False when num_tasks"):
+        validate_config(config)

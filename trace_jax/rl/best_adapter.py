@@ -1,0 +1,61 @@
+"""The adapter a GRPO run keeps with `eval.keep_best`: the evaluated step's with the highest held-out reward.
+
+Early stopping on the job's own held-out tasks (a capability environment's held-out split, or training-split
+tasks that training never draws: `environment_rollouts`), never on the tickets an experiment reports. Step 0 (the
+starting adapter, which leaves the base model as it is) takes part, so a run whose training only hurt its
+held-out reward exports an adapter that changes nothing. Ties keep the earlier step (less training for the same
+reward).
+
+The best step's adapter lives in <workdir>/best/ (PEFT), exported when a step becomes the best and before that
+step's evaluation is logged: a run killed in between evaluates the step again on resume and exports it again, so
+best/ always holds the best of the logged evaluations.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import shutil
+from collections.abc import Callable
+
+from trace_jax import distributed
+from trace_jax.metrics import logged_lines
+
+BEST_DIR = "best"
+
+
+class BestAdapter:
+    """The best evaluated step so far of the run in `workdir`, read back from its logged evaluations of the steps
+    before `resume_step`."""
+
+    def __init__(self, workdir: pathlib.Path, resume_step: int):
+        self.folder = workdir / BEST_DIR
+        self.step: int | None = None
+        self.metrics: dict[str, float] = {}
+        evaluations: dict[int, dict[str, float]] = {}
+        for line in logged_lines(workdir):
+            if line["step"] < resume_step and "eval/reward" in line:
+                evaluations[line["step"]] = {k: v for k, v in line.items() if k.startswith("eval/")}
+        for step in sorted(evaluations):
+            self._consider(step, evaluations[step])
+
+    @property
+    def reward(self) -> float:
+        return self.metrics.get("eval/reward", -math.inf)
+
+    def _consider(self, step: int, metrics: dict[str, float]) -> bool:
+        if metrics["eval/reward"] > self.reward:
+            self.step, self.metrics = step, dict(metrics)
+            return True
+        return False
+
+    def offer(self, step: int, metrics: dict[str, float], export: Callable[[pathlib.Path], object]) -> None:
+        """Takes `step`'s held-out `metrics`; if the step is the best so far, `export(folder)` writes its adapter."""
+        if self._consider(step, metrics):
+            export(self.folder)
+
+    def copy_to(self, out: pathlib.Path) -> None:
+        """Puts the best step's adapter files in `out` (process 0 writes)."""
+        if self.step is None:
+            raise RuntimeError("no step was evaluated, so there is no best adapter")
+        distributed.on_main(lambda: shutil.copytree(self.folder, out, dirs_exist_ok=True))
