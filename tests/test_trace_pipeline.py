@@ -251,6 +251,7 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
         best = max(evaluated, key=lambda point: (point[1], -point[0]))
         assert (job["best_step"], round(job["final_reward"], 6)) == best, name
         assert weights_fingerprint(folder / "adapter") == weights_fingerprint(folder / "best"), name
+        assert f"step {job['best_step']} of {steps} kept" in (tmp_path / "report.md").read_text(), name
     routed = stages["routing"]["result"]["by_task"]
     records = _records(tmp_path / "heldout" / "trace")
     assert len(records) == heldout and all(r["adapter_idx"] == routed[r["task_id"]] for r in records)

@@ -185,6 +185,19 @@ def _side_by_side(rows: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def _adapter_line(name: str, folder: pathlib.Path) -> str:
+    """The adapter's folder, and with `training.eval.keep_best` the step it was kept from and its held-out reward
+    against the base's on the capability environment's held-out tasks (the GRPO job's summary.json)."""
+    summary_path = folder.parent / "summary.json"
+    job = read_json(summary_path) if summary_path.is_file() else {}
+    if "best_step" not in job:
+        return f"- {name}: `{folder}`"
+    return (
+        f"- {name}: `{folder}`, step {job['best_step']} of {job['steps']} kept (held-out reward "
+        f"{job['final_reward']:.3f}, base {job['base_reward']:.3f})"
+    )
+
+
 def write_report(workdir: pathlib.Path, stages: dict, config: ml_collections.ConfigDict) -> dict:
     """Writes report.md and plots/ from the stages' outputs; returns the pipeline's summary."""
     plots = workdir / "plots"
@@ -223,7 +236,7 @@ def write_report(workdir: pathlib.Path, stages: dict, config: ml_collections.Con
         *(f"\n- {c['capability']}: dropped ({c['reason']})" for c in calibrations if not c["calibrated"]),
         "\n![calibration](plots/calibration.png)\n",
         "## 3. Adapters\n",
-        *(f"- {name}: `{folder}`" for name, folder in adapters.items()),
+        *(_adapter_line(name, pathlib.Path(folder)) for name, folder in adapters.items()),
         "\nTraining reward per variant (unhinted: the episodes played without the hint):\n",
         _variant_table(curves),
         "\n![training](plots/training.png)\n",
