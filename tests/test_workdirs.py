@@ -38,6 +38,12 @@ def test_the_settings_that_decide_results_leave_out_how_a_run_is_carried_out():
         "rollout.lengths": [1, 2],
         "eval.num_tasks": 20,
     }
+    config["eval"]["keep_best"] = True  # then which steps are evaluated decides the adapter kept
+    assert {k: v for k, v in decisive_settings(config).items() if k.startswith("eval.")} == {
+        "eval.every": 4,
+        "eval.keep_best": True,
+        "eval.num_tasks": 20,
+    }
 
 
 def _marked(workdir, job: str, config) -> None:

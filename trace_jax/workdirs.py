@@ -7,7 +7,8 @@ a run with the same result-deciding settings.
   process of a multi-process job takes it (`main=`); its other processes write nothing there alone.
 - **The marker**: `job.json` records the job's name and its result-deciding settings: the config's leaves, less
   those that change how a run is carried out but not its results (`NOT_DECISIVE`: logging, batching, device
-  layout, checkpoint cadence, where finished results are reused from). A run whose settings differ refuses the
+  layout, checkpoint cadence, where finished results are reused from; an evaluation's `every`, unless its block
+  keeps the best evaluated step). A run whose settings differ refuses the
   workdir, naming each differing key with both values; it never deletes what the other run made. `fresh_workdir`
   gives such a run the next free folder beside it instead (`--fresh`).
 """
@@ -68,7 +69,8 @@ def decisive_settings(config: Mapping[str, Any]) -> dict[str, Any]:
 
     def walk(block: Mapping[str, Any], prefix: str) -> None:
         for key, value in block.items():
-            if key in NOT_DECISIVE:
+            # a block that keeps its best evaluated step chooses among the steps `every` evaluates
+            if key in NOT_DECISIVE and not (key == "every" and block.get("keep_best")):
                 continue
             if isinstance(value, Mapping) and value:
                 walk(value, f"{prefix}{key}.")
