@@ -583,7 +583,8 @@ def test_two_processes_run_the_pipeline_as_one(tiny_run, tiny_chat_model, job_en
         "--config=configs/trace_tiny.py",
         f"--workdir={workdir}",
         *_model(tiny_chat_model),
-        "--config.training.eval.num_tasks=0",
+        "--config.training.eval.num_tasks=0",  # no held-out evaluation, so no best step to keep
+        "--config.training.eval.keep_best=False",
     ]
     outputs = run_processes(command, 2, job_env, tmp_path / "logs")
     summary = json.loads(outputs[0].strip().splitlines()[-1])
