@@ -209,5 +209,10 @@ def test_two_processes_train_as_one_and_resume_when_one_is_killed(env_run, tmp_p
     two, one = step_metrics(workdir, STEPS), step_metrics(full_dir, STEPS)
     exact = lambda metrics: {k: v for k, v in metrics.items() if not k.startswith("learner/")}
     assert exact(two) == exact(one)  # the episodes are the same: so is everything measured on them
-    # the learner's: from adapters within 1e-5 of each other (the small entropy moves most, by about 1e-3)
-    assert two == pytest.approx(one, rel=2e-3, abs=1e-10)
+    # the learner's: from adapters within 1e-5 of each other (the small entropy moves most, by about 1e-3). The
+    # losses are means of advantage-weighted terms whose advantages sum to zero, so they lie near zero and only
+    # their absolute error means anything: 3.4e-7 on one CI machine, relative 3.5e-3 of a loss of 1e-4.
+    losses = {"learner/loss", "learner/policy_loss"}
+    assert {k: two[k] for k in losses} == pytest.approx({k: one[k] for k in losses}, abs=2e-6)
+    others = lambda metrics: {k: v for k, v in metrics.items() if k not in losses}
+    assert others(two) == pytest.approx(others(one), rel=2e-3, abs=1e-10)
