@@ -62,8 +62,9 @@ def get_config() -> ml_collections.ConfigDict:
             kl_coef=0.0,
             tis_cap=2.0,
             hinted_eps_high=config_dict.placeholder(float),  # None: hinted rows clipped as the others
+            hinted_sft_coef=0.0,  # no imitation of the hinted successes
         )
-    )  # tis_cap, hinted_eps_high: used with hints only
+    )  # tis_cap, hinted_eps_high, hinted_sft_coef: used with hints only
     config.optimizer = ml_collections.ConfigDict(dict(lr=5e-4, weight_decay=0.0, clip_norm=1.0))
     config.train = ml_collections.ConfigDict(
         dict(

@@ -63,6 +63,8 @@ def np_loss(new, old, adv, mask, cfg: LossConfig, ref=None, sampler=None, hinted
                 d = ref[b, t] - new[b, t]
                 loss += cfg.kl_coef * (np.exp(d) - d - 1)
                 g += cfg.kl_coef * (1 - np.exp(d))
+            if hinted is not None and hinted[b] and adv[b] > 0:  # a hinted success, imitated
+                loss, g = loss - cfg.hinted_sft_coef * new[b, t], g - cfg.hinted_sft_coef
             row, row_abs, row_grad[t] = row + loss, row_abs + abs(loss), g
         if cfg.aggregation == "seq_mean_token_mean":
             norm, denom = len(tok), denom + 1
@@ -125,6 +127,7 @@ CONFIGS = {
     "kl_tis": dict(kl_coef=0.05, tis_cap=1.5),
     "hinted_clipped_higher": dict(hinted_eps_high=1.0),
     "hinted_unclipped_above": dict(hinted_eps_high=float("inf")),
+    "hinted_imitated": dict(hinted_sft_coef=0.5),
 }
 
 
@@ -170,6 +173,8 @@ def test_loss_value_and_gradient_match_numpy(aggregation, estimator, terms):
     assert n == ref_n
     if cfg.hinted_eps_high is not None:  # the batch has hinted tokens past the common clip, which the setting moves
         assert rel(g, jax_loss(dataclasses.replace(cfg, hinted_eps_high=None), d)[2]) > 1e-3
+    if cfg.hinted_sft_coef:  # the batch has hinted rows of positive advantage, which the term imitates
+        assert rel(g, jax_loss(dataclasses.replace(cfg, hinted_sft_coef=0.0), d)[2]) > 1e-3
     assert abs(s - ref_s) / ref_scale <= TOL, abs(s - ref_s) / ref_scale
     assert rel(g / n, ref_g / ref_n) <= TOL, rel(g / n, ref_g / ref_n)
     # float64: the same function agrees plainly (to rounding), value and gradient.

@@ -274,13 +274,17 @@ def test_a_mixed_environments_variants_are_logged_apart_with_their_unhinted_rewa
             dict(hint_share=0.25, hinted_eps_high=-1.0),
             "config.loss.hinted_eps_high = -1.0 is invalid; it must be None (hinted rows clipped as the others)",
         ),
+        (
+            dict(hint_share=0.25, hinted_sft_coef=-0.5),
+            "config.loss.hinted_sft_coef = -0.5 is invalid; it must be a number >= 0: the weight of the imitation",
+        ),
     ],
 )
 def test_bad_hint_settings_fail_at_start_naming_the_key(changes, message):
     config = grpo_env_tiny.get_config()
     validate_config(config)
     config.rollout.hint_share = changes["hint_share"]
-    for key in ("tis_cap", "hinted_eps_high"):
+    for key in ("tis_cap", "hinted_eps_high", "hinted_sft_coef"):
         if key in changes:
             config.loss[key] = changes[key]
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -136,6 +136,12 @@ class EpisodeLossSettings(GrpoLossSettings):
         "1 + this (`losses.LossConfig.hinted_eps_high`; inf: not clipped above)",
         lambda v: v is None or non_negative_number(v),
     )
+    hinted_sft_coef: float = setting(
+        0.0,
+        "a number >= 0: the weight of the imitation term on the hinted rows better than their group "
+        "(`losses.LossConfig.hinted_sft_coef`; 0: none)",
+        non_negative_number,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -61,7 +61,13 @@ class LossConfig:
     under the common clip. Off-policy guidance is learned with a looser bound, as in LUFFY (Yan et al., 2025);
     with none, the gradient of a hinted token grows with its ratio, so a step's updates all go to the hinted
     calls and the policy moves far from the one that sampled. The lower clip stays: a hinted failure is pushed
-    down as any other row."""
+    down as any other row.
+
+    `hinted_sft_coef` adds that weight times the negative log-likelihood of the tokens of each hinted row whose
+    advantage is positive (a hinted episode better than its group), under the unhinted context: the hinted
+    successes are imitated as a warm start's SFT imitates its demonstrations. The clipped surrogate stops
+    raising a hinted token once its ratio passes the clip, whatever it still lacks; the imitation term does not,
+    so a tool the agent gives almost no mass after its look-ups can become the one it calls unhinted."""
 
     aggregation: str = "seq_mean_token_mean"
     eps_low: float = 0.2
@@ -70,6 +76,7 @@ class LossConfig:
     tis_cap: float | None = None
     max_len: int | None = None
     hinted_eps_high: float | None = None
+    hinted_sft_coef: float = 0.0
 
     def __post_init__(self):
         if self.aggregation not in AGGREGATIONS:
@@ -82,6 +89,8 @@ class LossConfig:
             raise ValueError(f"LossConfig.eps_high must be >= 0, got {self.eps_high}")
         if self.hinted_eps_high is not None and not self.hinted_eps_high >= 0.0:
             raise ValueError(f"LossConfig.hinted_eps_high must be None or >= 0, got {self.hinted_eps_high}")
+        if not self.hinted_sft_coef >= 0.0:
+            raise ValueError(f"LossConfig.hinted_sft_coef must be >= 0, got {self.hinted_sft_coef}")
         if not self.kl_coef >= 0.0:
             raise ValueError(f"LossConfig.kl_coef must be >= 0, got {self.kl_coef}")
         if self.tis_cap is not None and not self.tis_cap > 0.0:
@@ -166,6 +175,11 @@ def policy_loss(
         diagnostics["kl_ref"] = aggregate(jax.lax.stop_gradient(kl), mask, cfg.max_len)
         if cfg.kl_coef > 0:
             per_token = per_token + cfg.kl_coef * kl
+    if hinted is not None and cfg.hinted_sft_coef > 0:
+        imitated = mask * (hinted & (advantages > 0))[:, None].astype(mask.dtype)
+        nll = -logp_new * imitated
+        diagnostics["hinted_sft_nll"] = (jnp.sum(jax.lax.stop_gradient(nll)), jnp.sum(imitated))
+        per_token = per_token + cfg.hinted_sft_coef * nll
     loss_sum, denom = aggregate(per_token, mask, cfg.max_len)
     return loss_sum, denom, diagnostics
 
