@@ -221,11 +221,13 @@ def test_a_grpo_step_with_hints_learns_from_the_hinted_row_and_logs_the_hint_met
     tiny_smollm2, tmp_path, monkeypatch
 ):
     """One step of the GRPO job (in process, the tiny model on the 8 test devices), its two episodes given
-    rewards 1 and 0 so that the group is learned from: the hinted row is rescored before the update, and
-    the hint metrics are logged with the step's."""
+    rewards 1 and 0 so that the group is learned from: the hinted row (the group's first) is rescored before
+    the update, imitated (`loss.hinted_sft_coef`: the better of the two), and the hint metrics are logged with
+    the step's."""
     model, _ = tiny_smollm2
     config = _config(group_size=2, batch_size=2, max_turns=1, max_tokens_per_turn=8, temperature=1.0)
     config.model, config.lora.first_layer = str(model.path), 0
+    config.loss.hinted_sft_coef = 1.0
     config.train.update(steps=1, micro_batch_tokens=64)  # and no held-out evaluation (configs/grpo_env_tiny.py)
     sample = EnvironmentRollouts.sample
     monkeypatch.setattr(
@@ -243,6 +245,7 @@ def test_a_grpo_step_with_hints_learns_from_the_hinted_row_and_logs_the_hint_met
     assert logged["rollout/hinted_share"] == 0.5 and {"rollout/hinted_reward", "rollout/unhinted_reward"} <= set(logged)
     assert 0.0 < logged["learner/hinted_is_weight"] <= TIS_CAP and 0.0 <= logged["learner/hinted_capped"] <= 1.0
     assert "learner/hinted_logp_gain" in logged
+    assert logged["learner/hinted_sft_nll"] > 0.0  # the mean negative log-likelihood of the imitated row's tokens
     assert logged["learner/tis_weight"] != 1.0 and logged["learner/sampler_abs_diff"] > 1e-2  # the hinted row's
 
 
