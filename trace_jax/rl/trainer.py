@@ -20,9 +20,9 @@ the one trained, those rows take the policy's own logprobs on the unhinted token
 what a hint made possible, the missing tool's name, counts in full); a cap weighs each hinted token
 min(exp(old - sampler), cap), truncated importance sampling (`learner.make_rescore_fn`). With
 `loss.hinted_eps_high` their ratios are clipped above at 1 + that instead of 1 + eps_high, so a step can raise
-the tokens only a hint made likely by more than the common clip allows (`losses.LossConfig`); `loss.
-hinted_sft_coef` adds an imitation term (negative log-likelihood) on the hinted rows better than their group.
-The other rows are learned exactly as without hints.
+the tokens only a hint made likely by more than the common clip allows (`losses.LossConfig`);
+`loss.hinted_sft_coef` adds an imitation term (negative log-likelihood) on the hinted rows better than their
+group. The other rows are learned exactly as without hints.
 
 Constant groups (all rewards equal, no gradient) may be re-sampled: with `rollout.resamples` > 0 they are
 replaced by groups of the next training tasks, up to that many rounds a step, until at least
