@@ -113,6 +113,11 @@ def test_a_finished_run_rerun_keeps_its_adapter_files(tiny_run, tiny_chat_model,
         ("advantage", "grpo", "config.advantage = 'grpo' is invalid; it must be one of"),
         ("loss.aggregation", "mean", "config.loss.aggregation"),
         ("eval.num_tasks", -1, "config.eval.num_tasks = -1 is invalid; it must be an int >= 0"),
+        (
+            "loss.negative_advantage_scale",
+            1.5,
+            "config.loss.negative_advantage_scale = 1.5 is invalid; it must be a number in .0, 1.: the weight",
+        ),
     ],
 )
 def test_invalid_setting_fails_naming_the_key(key, value, message):

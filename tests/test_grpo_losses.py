@@ -54,11 +54,12 @@ def np_loss(new, old, adv, mask, cfg: LossConfig, ref=None, sampler=None, hinted
         row, row_abs, row_grad = 0.0, 0.0, np.zeros(new.shape[1])
         hinted_row = hinted is not None and hinted[b] and cfg.hinted_eps_high is not None
         upper = 1 + (cfg.hinted_eps_high if hinted_row else cfg.eps_high)
+        a = adv[b] * cfg.negative_advantage_scale if adv[b] < 0 else adv[b]
         for t in tok:
             r = np.exp(new[b, t] - old[b, t])
-            unclipped, clipped = r * adv[b], np.clip(r, 1 - cfg.eps_low, upper) * adv[b]
+            unclipped, clipped = r * a, np.clip(r, 1 - cfg.eps_low, upper) * a
             w = 1.0 if cfg.tis_cap is None else min(np.exp(old[b, t] - sampler[b, t]), cfg.tis_cap)
-            loss, g = -min(unclipped, clipped) * w, (-r * adv[b] * w if unclipped <= clipped else 0.0)
+            loss, g = -min(unclipped, clipped) * w, (-r * a * w if unclipped <= clipped else 0.0)
             if cfg.kl_coef:
                 d = ref[b, t] - new[b, t]
                 loss += cfg.kl_coef * (np.exp(d) - d - 1)
@@ -128,6 +129,7 @@ CONFIGS = {
     "hinted_clipped_higher": dict(hinted_eps_high=1.0),
     "hinted_unclipped_above": dict(hinted_eps_high=float("inf")),
     "hinted_imitated": dict(hinted_sft_coef=0.5),
+    "failures_weighed_less": dict(negative_advantage_scale=0.25),
 }
 
 
@@ -175,6 +177,8 @@ def test_loss_value_and_gradient_match_numpy(aggregation, estimator, terms):
         assert rel(g, jax_loss(dataclasses.replace(cfg, hinted_eps_high=None), d)[2]) > 1e-3
     if cfg.hinted_sft_coef:  # the batch has hinted rows of positive advantage, which the term imitates
         assert rel(g, jax_loss(dataclasses.replace(cfg, hinted_sft_coef=0.0), d)[2]) > 1e-3
+    if cfg.negative_advantage_scale != 1.0:  # the batch has rows worse than their group, which the scale moves
+        assert rel(g, jax_loss(dataclasses.replace(cfg, negative_advantage_scale=1.0), d)[2]) > 1e-3
     assert abs(s - ref_s) / ref_scale <= TOL, abs(s - ref_s) / ref_scale
     assert rel(g / n, ref_g / ref_n) <= TOL, rel(g / n, ref_g / ref_n)
     # float64: the same function agrees plainly (to rounding), value and gradient.
@@ -281,6 +285,7 @@ def test_diagnostics_match_numpy():
         (dict(kl_coef=-1.0), "kl_coef"),
         (dict(tis_cap=0.0), "tis_cap"),
         (dict(hinted_eps_high=-0.5), "hinted_eps_high"),
+        (dict(negative_advantage_scale=1.5), "negative_advantage_scale"),
         (dict(max_len=0), "max_len"),
         (dict(aggregation="seq_sum_fixed_len"), "max_len"),
     ],

@@ -120,6 +120,13 @@ class GrpoLossSettings:
     eps_low: float = setting(REQUIRED, "in [0, 1)", lambda v: number(v) and 0 <= v < 1)
     eps_high: float = setting(REQUIRED, "in (0, 1]", lambda v: number(v) and 0.0 < v <= 1.0)
     kl_coef: float = setting(REQUIRED, ">= 0", non_negative_number)
+    negative_advantage_scale: float = setting(
+        1.0,
+        "a number in [0, 1]: the weight of the advantages below zero (`losses.LossConfig.negative_advantage_scale`; "
+        "1: GRPO, 0: only the rows better than their group learned)",
+        share,
+        optional=True,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -67,7 +67,13 @@ class LossConfig:
     advantage is positive (a hinted episode better than its group), under the unhinted context: the hinted
     successes are imitated as a warm start's SFT imitates its demonstrations. The clipped surrogate stops
     raising a hinted token once its ratio passes the clip, whatever it still lacks; the imitation term does not,
-    so a tool the agent gives almost no mass after its look-ups can become the one it calls unhinted."""
+    so a tool the agent gives almost no mass after its look-ups can become the one it calls unhinted.
+
+    `negative_advantage_scale` multiplies every advantage below zero (1: GRPO's surrogate; 0: only the rows better
+    than their group are learned, as rejection-sampling fine-tuning learns its kept samples; between: failures
+    pushed down less than successes are pulled up). A small policy pushed away from its failures moves the freed
+    mass to tokens no row showed (made-up tools, broken JSON) as readily as to the successes' tokens; a smaller
+    scale keeps the update on what the group did well."""
 
     aggregation: str = "seq_mean_token_mean"
     eps_low: float = 0.2
@@ -77,6 +83,7 @@ class LossConfig:
     max_len: int | None = None
     hinted_eps_high: float | None = None
     hinted_sft_coef: float = 0.0
+    negative_advantage_scale: float = 1.0
 
     def __post_init__(self):
         if self.aggregation not in AGGREGATIONS:
@@ -91,6 +98,10 @@ class LossConfig:
             raise ValueError(f"LossConfig.hinted_eps_high must be None or >= 0, got {self.hinted_eps_high}")
         if not self.hinted_sft_coef >= 0.0:
             raise ValueError(f"LossConfig.hinted_sft_coef must be >= 0, got {self.hinted_sft_coef}")
+        if not 0.0 <= self.negative_advantage_scale <= 1.0:
+            raise ValueError(
+                f"LossConfig.negative_advantage_scale must be in [0, 1], got {self.negative_advantage_scale}"
+            )
         if not self.kl_coef >= 0.0:
             raise ValueError(f"LossConfig.kl_coef must be >= 0, got {self.kl_coef}")
         if self.tis_cap is not None and not self.tis_cap > 0.0:
@@ -148,6 +159,8 @@ def policy_loss(
         None if x is None else jnp.where(mask > 0, x, filler) for x in (logp_old, ref_logp, sampler_logp)
     )
     adv = advantages[:, None].astype(logp_new.dtype)
+    if cfg.negative_advantage_scale != 1.0:
+        adv = jnp.where(adv < 0, cfg.negative_advantage_scale * adv, adv)
     log_ratio = logp_new - logp_old
     ratio = jnp.exp(log_ratio)
     unclipped = ratio * adv

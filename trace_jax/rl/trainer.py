@@ -22,7 +22,8 @@ min(exp(old - sampler), cap), truncated importance sampling (`learner.make_resco
 `loss.hinted_eps_high` their ratios are clipped above at 1 + that instead of 1 + eps_high, so a step can raise
 the tokens only a hint made likely by more than the common clip allows (`losses.LossConfig`);
 `loss.hinted_sft_coef` adds an imitation term (negative log-likelihood) on the hinted rows better than their
-group. The other rows are learned exactly as without hints.
+group. The other rows are learned exactly as without hints. `loss.negative_advantage_scale` < 1 weighs the
+rows worse than their group less (0: only the better ones are learned).
 
 Constant groups (all rewards equal, no gradient) may be re-sampled: with `rollout.resamples` > 0 they are
 replaced by groups of the next training tasks, up to that many rounds a step, until at least
@@ -167,6 +168,7 @@ def _loss_config(settings: GrpoSettings) -> LossConfig:
         eps_low=settings.loss.eps_low,
         eps_high=settings.loss.eps_high,
         kl_coef=settings.loss.kl_coef,
+        negative_advantage_scale=settings.loss.negative_advantage_scale,
         max_len=max_len,
         tis_cap=settings.loss.tis_cap if _hints(settings) else None,
         hinted_eps_high=settings.loss.hinted_eps_high if _hints(settings) else None,
