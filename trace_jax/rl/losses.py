@@ -71,9 +71,9 @@ class LossConfig:
 
     `negative_advantage_scale` multiplies every advantage below zero (1: GRPO's surrogate; 0: only the rows better
     than their group are learned, as rejection-sampling fine-tuning learns its kept samples; between: failures
-    pushed down less than successes are pulled up). A small policy pushed away from its failures moves the freed
-    mass to tokens no row showed (made-up tools, broken JSON) as readily as to the successes' tokens; a smaller
-    scale keeps the update on what the group did well."""
+    pushed down less than successes are pulled up). The negative gradient spreads the mass it takes from a
+    failure's tokens over every other token, the successes' and those no row showed alike; a smaller scale keeps
+    the update on what the group did well."""
 
     aggregation: str = "seq_mean_token_mean"
     eps_low: float = 0.2
