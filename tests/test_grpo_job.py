@@ -113,6 +113,7 @@ def test_a_finished_run_rerun_keeps_its_adapter_files(tiny_run, tiny_chat_model,
         ("advantage", "grpo", "config.advantage = 'grpo' is invalid; it must be one of"),
         ("loss.aggregation", "mean", "config.loss.aggregation"),
         ("eval.num_tasks", -1, "config.eval.num_tasks = -1 is invalid; it must be an int >= 0"),
+        ("train.target_kl", 0.0, "config.train.target_kl = 0.0 is invalid; it must be None .every update applied"),
         (
             "loss.negative_advantage_scale",
             1.5,

@@ -111,16 +111,28 @@ def test_updates_per_step_take_one_optimizer_update_per_dealt_mini_batch(setup):
     # Two updates: micro-batches 0 and 2, then 1 and 3, each its own mean loss and AdamW step.
     weights, opt_state = copy(), optimizer.init(adapters.weights)
     weights, opt_state, first = one(params, weights, opt_state, adapters.scale, packed(rows[0::2]))
+    after_first = jax.tree.map(jnp.copy, weights)
     expected, _, second = one(params, weights, opt_state, adapters.scale, packed(rows[1::2]))
     got, _, metrics = two(params, copy(), optimizer.init(adapters.weights), adapters.scale, packed(rows))
     assert tree_rel(got, expected) <= 1e-6
-    for k in metrics:
+    assert metrics["updates"] == 2.0 and first["updates"] == second["updates"] == 1.0
+    for k in set(metrics) - {"updates"}:
         assert float(metrics[k]) == pytest.approx((float(first[k]) + float(second[k])) / 2, rel=1e-6, abs=1e-9), k
     # ... which is not the one update over the whole batch.
     whole, _, _ = one(params, copy(), optimizer.init(adapters.weights), adapters.scale, packed(rows))
     assert tree_rel(got, whole) > 1e-3
+    # PPO's early stop: the second mini-batch, measured after the first update, is past a tiny target and is
+    # not applied; a target it stays under changes nothing.
+    second_kl = float(second["approx_kl"])
+    assert second_kl > 0
+    for target, want, applied in ((second_kl / 2, after_first, 1.0), (second_kl * 2, expected, 2.0)):
+        stopping = make_train_step(cfg, LOSS, optimizer, updates=2, target_kl=target)
+        got, _, metrics = stopping(params, copy(), optimizer.init(adapters.weights), adapters.scale, packed(rows))
+        assert tree_rel(got, want) <= 1e-6 and metrics["updates"] == applied
     with pytest.raises(ValueError, match="updates must be >= 1"):
         make_train_step(cfg, LOSS, optimizer, updates=0)
+    with pytest.raises(ValueError, match="target_kl must be None or > 0"):
+        make_train_step(cfg, LOSS, optimizer, updates=2, target_kl=0.0)
 
 
 @pytest.mark.parametrize("shared_prefix", [False, True], ids=["rows", "shared_prefix"])

@@ -53,6 +53,13 @@ class GrpoTrainSettings(TrainSettings):
         "a tuple of fractions in (0, 1): the adapter is also exported at these shares of the steps (may be ())",
         _fractions,
     )
+    target_kl: float | None = setting(
+        None,
+        "None (every update applied) or a number > 0: a step's updates stop at the first mini-batch whose approx KL "
+        "to the sampling policy is above it (`learner.make_train_step`)",
+        none_or(positive_number),
+        optional=True,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

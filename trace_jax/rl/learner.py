@@ -435,6 +435,7 @@ def make_train_step(
     objective: str = "grpo",
     frozen_layers: int = 0,
     updates: int = 1,
+    target_kl: float | None = None,
 ) -> Callable:
     """`step(params, adapter_weights, opt_state, scale, batch) -> (adapter_weights, opt_state, metrics)`.
 
@@ -445,10 +446,17 @@ def make_train_step(
     mini-batches (micro-batch i into mini-batch i mod updates; fewer when there are fewer micro-batches),
     each its own loss and optimizer update, in turn. Every mini-batch keeps the batch's old_logp, so
     from the second on the clipped ratio holds the policy near the one that sampled: more learning per
-    episode played at the same gradient cost. metrics are the mean over the updates.
+    episode played at the same gradient cost. metrics are the mean over the updates applied, with
+    `updates` their count.
+
+    `target_kl` (PPO's early stop): a mini-batch whose approx KL (old policy to the current one, measured
+    with its gradient) is above it ends the step's updates unapplied, so a step cannot move the policy far
+    from the one that sampled whatever the learning rate; the first mini-batch, at the old policy, always applies.
     """
     if updates < 1:
         raise ValueError(f"updates must be >= 1, got {updates}")
+    if target_kl is not None and not target_kl > 0:
+        raise ValueError(f"target_kl must be None or > 0, got {target_kl}")
     grad_fn = make_grad_fn(
         cfg,
         loss_cfg,
@@ -472,9 +480,11 @@ def make_train_step(
         history = []
         for mini_batch in mini_batches:
             g, metrics = grad_fn(params, weights, scale, mini_batch)
+            if history and target_kl is not None and float(metrics["approx_kl"]) > target_kl:
+                break
             weights, opt_state = apply(weights, opt_state, g)
             history.append(metrics)
         metrics = history[0] if len(history) == 1 else {k: np.mean([float(m[k]) for m in history]) for k in history[0]}
-        return weights, opt_state, metrics
+        return weights, opt_state, {**metrics, "updates": float(len(history))}
 
     return step

@@ -5,7 +5,8 @@ One step: take the next `tasks_per_step` training tasks, play each `group_size` 
 the current adapter (single-turn completions of `config.task`, or episodes of `config.env`
 through the rollout engine), score them, turn rewards into group advantages, and apply
 `train.updates_per_step` learner updates (1: one over the whole batch; more: PPO's mini-batches, each over
-its share of the micro-batches, `learner.make_train_step`) over micro-batches packed by
+its share of the micro-batches, `learner.make_train_step`; `train.target_kl` stops them early, as PPO does, once a
+mini-batch's approx KL to the sampling policy passes it) over micro-batches packed by
 `train.micro_batch_tokens` (the sampler's logprobs are the old policy's; the policy trained is the one sampled,
 softmax(logits / rollout.temperature)). `train.steps`, or `train.rollout_budget` (training
 episodes in all: steps = budget / (tasks_per_step x group_size), rounded up), sets the length.
@@ -267,6 +268,7 @@ def _train(settings: EpisodeGrpoSettings | CompletionGrpoSettings, workdir: str 
         temperature=settings.rollout.temperature,
         frozen_layers=settings.lora.first_layer,
         updates=settings.train.updates_per_step,
+        target_kl=settings.train.target_kl,
     )
     rescore = (
         make_rescore_fn(
