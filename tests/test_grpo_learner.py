@@ -129,6 +129,7 @@ def test_updates_per_step_take_one_optimizer_update_per_dealt_mini_batch(setup):
         stopping = make_train_step(cfg, LOSS, optimizer, updates=2, target_kl=target)
         got, _, metrics = stopping(params, copy(), optimizer.init(adapters.weights), adapters.scale, packed(rows))
         assert tree_rel(got, want) <= 1e-6 and metrics["updates"] == applied
+        assert metrics.get("stop_approx_kl", 0.0) == (pytest.approx(second_kl, rel=1e-5) if applied == 1.0 else 0.0)
     with pytest.raises(ValueError, match="updates must be >= 1"):
         make_train_step(cfg, LOSS, optimizer, updates=0)
     with pytest.raises(ValueError, match="target_kl must be None or > 0"):

@@ -447,7 +447,7 @@ def make_train_step(
     each its own loss and optimizer update, in turn. Every mini-batch keeps the batch's old_logp, so
     from the second on the clipped ratio holds the policy near the one that sampled: more learning per
     episode played at the same gradient cost. metrics are the mean over the updates applied, with
-    `updates` their count.
+    `updates` their count (and, after an early stop, `stop_approx_kl`: the approx KL that stopped it).
 
     `target_kl` (PPO's early stop): a mini-batch whose approx KL (old policy to the current one, measured
     with its gradient) is above it ends the step's updates unapplied, so a step cannot move the policy far
@@ -477,14 +477,15 @@ def make_train_step(
         mini_batches = [
             dataclasses.replace(batch, micro_batches=parts[i::updates]) for i in range(min(updates, len(parts)))
         ]
-        history = []
+        history, stopped = [], {}
         for mini_batch in mini_batches:
             g, metrics = grad_fn(params, weights, scale, mini_batch)
             if history and target_kl is not None and float(metrics["approx_kl"]) > target_kl:
+                stopped = {"stop_approx_kl": float(metrics["approx_kl"])}  # how far the applied updates had gone
                 break
             weights, opt_state = apply(weights, opt_state, g)
             history.append(metrics)
         metrics = history[0] if len(history) == 1 else {k: np.mean([float(m[k]) for m in history]) for k in history[0]}
-        return weights, opt_state, {**metrics, "updates": float(len(history))}
+        return weights, opt_state, {**metrics, "updates": float(len(history)), **stopped}
 
     return step
