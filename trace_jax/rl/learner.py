@@ -480,9 +480,11 @@ def make_train_step(
         history, stopped = [], {}
         for mini_batch in mini_batches:
             g, metrics = grad_fn(params, weights, scale, mini_batch)
-            if history and target_kl is not None and float(metrics["approx_kl"]) > target_kl:
-                stopped = {"stop_approx_kl": float(metrics["approx_kl"])}  # how far the applied updates had gone
-                break
+            if history and target_kl is not None:
+                kl = float(metrics["approx_kl"])  # how far the applied updates have gone
+                if kl > target_kl:
+                    stopped = {"stop_approx_kl": kl}
+                    break
             weights, opt_state = apply(weights, opt_state, g)
             history.append(metrics)
         metrics = history[0] if len(history) == 1 else {k: np.mean([float(m[k]) for m in history]) for k in history[0]}
