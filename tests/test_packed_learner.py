@@ -253,7 +253,7 @@ def _rescored(setup, sequences, loss=HINT_LOSS):
 
 def test_rescoring_gives_hinted_rows_the_policys_logprobs_and_leaves_the_others_bit_for_bit(setup, hinted):
     batch, rescored, metrics = _rescored(setup, hinted)
-    weights, seen = [], set()
+    weights, seen, decisions = [], set(), []
     for mb, before in zip(rescored.micro_batches, batch.micro_batches):
         assert before["sampler_logp"] is None and mb["sampler_logp"] is not None
         assert all(np.array_equal(mb[k], before[k]) for k in before if k not in ("old_logp", "sampler_logp", "hinted"))
@@ -273,7 +273,11 @@ def test_rescoring_gives_hinted_rows_the_policys_logprobs_and_leaves_the_others_
             full = _full_logprobs(setup, s)[learned]
             np.testing.assert_allclose(mb["old_logp"][row][mb["loss_mask"][row] > 0], full, atol=1e-5)
             weights += np.minimum(np.exp(full - np.asarray(s.logprobs)[learned + 1]), HINT_LOSS.tis_cap).tolist()
+            if s.advantage > 0:  # the decision: the token the hint raised most, its logprob without the hint
+                decisions.append(full[np.argmax(np.asarray(s.logprobs)[learned + 1] - full)])
     assert seen == set(range(len(hinted)))
+    assert 0 < len(decisions) < len(HINTED)  # rows at or below their group's mean are left out
+    assert abs(metrics["hinted_decision_logp"] - np.mean(decisions)) <= 1e-5
     print(
         f"\n[packed learner] hinted rows rescored: mean IS weight {metrics['hinted_is_weight']:.4f} "
         f"(NumPy {np.mean(weights):.4f}), capped {metrics['hinted_capped']:.2f}"
@@ -319,7 +323,7 @@ def test_on_policy_hinted_rows_have_the_gradient_of_rows_sampled_without_the_hin
     weight 1) and an unhinted token's the sampler's."""
     cfg, params, adapters, _ = setup
     _, batch, metrics = _rescored(setup, hinted, loss=LOSS)
-    assert set(metrics) == {"hinted_logp_gain"}  # no importance weight without a cap
+    assert set(metrics) == {"hinted_logp_gain", "hinted_decision_logp"}  # no importance weight without a cap
     grads, _ = make_grad_fn(cfg, LOSS)(params, adapters.weights, adapters.scale, batch)
     width = max(len(s.tokens) for s in hinted)
     tokens = jnp.asarray([list(s.tokens) + [0] * (width - len(s.tokens)) for s in hinted], jnp.int32)

@@ -249,6 +249,18 @@ def make_optimizer(lr: float = 1e-5, weight_decay: float = 0.0, clip_norm: float
     return optax.chain(optax.clip_by_global_norm(clip_norm), optax.adamw(lr, weight_decay=weight_decay))
 
 
+def _decision_logprobs(mb: MicroBatch, learned: np.ndarray) -> list[float]:
+    """For each row of `mb` with learned tokens in `learned` (hinted rows) and a positive advantage, the policy's
+    logprob (old_logp) of the token whose logprob the hint raised most (sampler_logp - old_logp)."""
+    out = []
+    for row in np.flatnonzero(learned.any(axis=1)):
+        if mb.advantages is not None and mb.advantages[row] <= 0:
+            continue
+        at = np.flatnonzero(learned[row])
+        out.append(float(mb.old_logp[row, at[np.argmax(mb.sampler_logp[row, at] - mb.old_logp[row, at])]]))
+    return out
+
+
 def make_rescore_fn(
     cfg: ModelConfig,
     loss_cfg: LossConfig,
@@ -270,7 +282,10 @@ def make_rescore_fn(
     The micro-batches mark those rows (`hinted`), for `loss_cfg.hinted_eps_high`.
     metrics, where there are hinted rows: how much likelier the hint made their tokens (mean sampler - old
     logprob, "hinted_logp_gain") and, with a cap, the mean weight ("hinted_is_weight") and the share the cap
-    cut ("hinted_capped").
+    cut ("hinted_capped"). Where hinted rows beat their group (advantage > 0), "hinted_decision_logp": the mean,
+    over those rows, of the policy's unhinted logprob of the row's token the hint raised most (sampler - old),
+    the decision the hint made (typically the name of a tool the agent does not call on its own). Each step's
+    tasks are new, so its rise over steps measures whether the policy learns those decisions without the hint.
     """
     how = _Forward(cfg, plan.constrain if plan is not None else decoder.no_constraint, remat, temperature=temperature)
 
@@ -282,7 +297,7 @@ def make_rescore_fn(
 
     def rescore(params, weights, scale, batch: LearnerBatch, hinted):
         marked = np.flatnonzero(np.asarray(hinted, bool))
-        parts, old, sampled = [], [], []
+        parts, old, sampled, decisions = [], [], [], []
         for mb in batch.micro_batches:
             rows = np.isin(mb.sequence, marked)
             mb = mb.replace(sampler_logp=mb.old_logp, hinted=rows)
@@ -298,11 +313,14 @@ def make_rescore_fn(
                 learned = (mb.loss_mask > 0) & rows[:, None]
                 old.append(mb.old_logp[learned])
                 sampled.append(mb.sampler_logp[learned])
+                decisions.extend(_decision_logprobs(mb, learned))
             parts.append(mb)
         metrics = {}
         if old:
             old, sampled = np.concatenate(old), np.concatenate(sampled)
             metrics["hinted_logp_gain"] = float(np.mean(sampled - old))
+            if decisions:
+                metrics["hinted_decision_logp"] = float(np.mean(decisions))
             if loss_cfg.tis_cap is not None:
                 is_weights = np.asarray(tis_weight(old, sampled, loss_cfg.tis_cap))
                 metrics.update(
