@@ -3,9 +3,10 @@
 For each hinted successful episode of a rollouts file (tool_calling's step-1 episodes, the same in every probe),
 the context is the episode up to the write turn with the hint removed from the system prompt; the score is the
 log-probability of that write turn (its whole text) and of its tool name's tokens, under the base and under each
-given adapter (an orbax checkpoint folder or a PEFT folder). argv: out.json name=path ...
+given adapter (an orbax checkpoint folder or a PEFT folder). argv: out.json name=path ...; env POINTS picks
+other rollouts files.
 """
-import json, pathlib, sys
+import json, os, pathlib, sys
 
 import jax, jax.numpy as jnp, numpy as np
 import orbax.checkpoint as ocp
@@ -34,6 +35,8 @@ SETS = {  # "seen": tool_calling's step-1 episodes, which every probe learned fr
     "seen": "/work/sft/runs/tool_calling_sft1_tkl003/rollouts/step_1.jsonl",
     "unseen": str(source / "adapters/tool_calling/rollouts/step_7.jsonl"),
 }
+if os.environ.get("POINTS"):  # other rollouts files: POINTS="name=path,name=path"
+    SETS = dict(item.split("=", 1) for item in os.environ["POINTS"].split(","))
 records = [dict(json.loads(line), set=name) for name, f in SETS.items() for line in open(f)]
 points = []
 for r in records:
