@@ -150,7 +150,7 @@ def test_tiny_environment_run_raises_the_reward(env_run, tiny_agent):
         "learner/approx_kl",
         "learner/dropped_fraction",
     } <= set(events.Tags()["scalars"])
-    assert f"step {STEPS}/{STEPS} (100%)" in log and "ETA" in log
+    assert f"step {STEPS}/{STEPS} (100%)" in log and "ETA" in log and "approx KL" in log
     for step, mean in enumerate(reward, start=1):  # every training episode is logged, as evaluations record them
         records = [json.loads(line) for line in (workdir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
         assert len(records) == CONFIG.rollout.group_size and all(r["messages"] and "components" in r for r in records)

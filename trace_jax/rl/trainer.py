@@ -378,7 +378,8 @@ def _train(settings: EpisodeGrpoSettings | CompletionGrpoSettings, workdir: str 
                 latest_eval["eval/best_step"] = float(best.step)
             writer.write(step + 1, latest_eval)
             held_out = f"  held-out {latest_eval['eval/reward']:.3f}"
-        progress.update(step + 1, f"reward {metrics['rollout/reward']:.3f}{held_out}")
+        moved = f"  approx KL {metrics['learner/approx_kl']:.4f}" if "learner/approx_kl" in metrics else ""
+        progress.update(step + 1, f"reward {metrics['rollout/reward']:.3f}{moved}{held_out}")
         if last:
             break
     run.checkpointer.close()
