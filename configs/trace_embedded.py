@@ -98,8 +98,12 @@ def get_config() -> ml_collections.ConfigDict:
     # Each adapter is the step's with the best greedy reward on 16 of the capability environment's held-out tasks
     # (step 0, the base agent, included): under every setting above the agent learnt for some steps and then broke
     # (docs/comparison.md, "Changes of settings"). GRPO on the target keeps its best step the same way, by tasks
-    # of its training split that it never trains on (`baselines.experiment`).
-    config.training.eval.update(num_tasks=16, every=1, keep_best=True)
+    # of its training split that it never trains on (`baselines.experiment`). Ties go to the step whose policy
+    # finds those tasks' gold turns likelier (`rl.gold_likelihood`): tool_calling's job raised its missing writes
+    # from e^-27..e^-92 to e^-3..e^-11 at the decision point while its greedy held-out reward stayed the base's at
+    # every step, and with ties kept at the earlier step TRACE shipped step 0 (docs/comparison.md, "What the
+    # comparison's own job has learned").
+    config.training.eval.update(num_tasks=16, every=1, keep_best=True, ties="gold_logp")
     # "batch": a 135M router otherwise puts every ticket on label A (trace_jax/trace/routing.py)
     config.routing = ml_collections.ConfigDict(dict(max_messages=10, batch_size=8, calibration="batch"))
     config.final = ml_collections.ConfigDict(dict(per_adapter=True))

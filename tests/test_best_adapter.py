@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from configs import grpo_tiny
+from configs import grpo_env_tiny, grpo_tiny
 from trace_jax.rl.best_adapter import BestAdapter
 from trace_jax.rl.trainer import validate_config
 
@@ -52,9 +52,42 @@ def test_a_resumed_run_reads_its_best_step_back_from_the_logged_evaluations(tmp_
     assert BestAdapter(tmp_path, 1).step == 0 and BestAdapter(tmp_path, 0).step is None
 
 
+def test_a_tie_goes_to_the_step_whose_policy_finds_the_gold_turns_likelier(tmp_path):
+    """`eval.ties = "gold_logp"`: a higher reward still wins whatever the gold turns' likelihood; among steps of
+    the same reward the highest eval/gold_logp is kept (a step's evaluation compared with the best one's)."""
+    offers = [(0.2, -90.0), (0.2, -40.0), (0.1, -5.0), (0.2, -60.0), (0.2, -20.0), (0.3, -80.0), (0.3, -81.0)]
+    best, exports = BestAdapter(tmp_path, 0, "eval/gold_logp"), []
+    kept = []
+    for step, (reward, gold) in enumerate(offers):
+        best.offer(step, {"eval/reward": reward, "eval/gold_logp": gold}, _exporter(exports, step))
+        kept.append(best.step)
+    assert kept == [0, 1, 1, 1, 4, 5, 5] and exports == [0, 1, 4, 5]
+
+
+def test_a_measure_logged_on_resume_joins_its_steps_evaluation_and_a_step_without_it_loses_a_tie(tmp_path):
+    """A run resumed from before eval/gold_logp was logged adds it for the base (step 0) on a line of its own;
+    the read-back joins the lines of a step. Step 1, logged without it, loses the tie to step 0."""
+    _log(tmp_path, [0.2, 0.2, 0.1])
+    with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": 0, "eval/gold_logp": -50.0}) + "\n")
+    best, exports = BestAdapter(tmp_path, 3, "eval/gold_logp"), []
+    assert (best.step, best.metrics["eval/gold_logp"]) == (0, -50.0)
+    best.offer(3, {"eval/reward": 0.2, "eval/gold_logp": -51.0}, _exporter(exports, 3))
+    best.offer(4, {"eval/reward": 0.2, "eval/gold_logp": -49.0}, _exporter(exports, 4))
+    assert (best.step, exports) == (4, [4])
+    assert BestAdapter(tmp_path, 3).step == 0  # no tie-break: the earlier step, as before
+
+
 def test_no_evaluation_leaves_nothing_to_copy(tmp_path):
     with pytest.raises(RuntimeError, match="no step was evaluated"):
         BestAdapter(tmp_path, 5).copy_to(tmp_path / "adapter")
+
+
+def test_a_tie_break_must_be_one_the_trainer_knows():
+    config = grpo_env_tiny.get_config()
+    config.eval.update(keep_best=True, ties="gold")
+    with pytest.raises(ValueError, match=r"config.eval.ties = 'gold' is invalid; it must be one of"):
+        validate_config(config)
 
 
 def test_keeping_the_best_step_needs_a_held_out_evaluation():

@@ -22,7 +22,13 @@ from trace_jax.models import decoder
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.loading import load_params
 from trace_jax.rl.batching import LearnerSequence, pack_sequences
-from trace_jax.rl.learner import frozen_inputs, make_grad_fn, make_rescore_fn, token_logprobs
+from trace_jax.rl.learner import (
+    frozen_inputs,
+    make_grad_fn,
+    make_rescore_fn,
+    make_sequence_logprob_fn,
+    token_logprobs,
+)
 from trace_jax.rl.losses import LossConfig
 
 HEAD = 24
@@ -79,14 +85,15 @@ def _grads(setup, objective, **pack):
     return fn(params, adapters.weights, adapters.scale, batch), batch
 
 
-def _full_logprobs(setup, s) -> np.ndarray:
-    """Logprobs of a whole sequence under the adapter (entry t scores token t + 1), one row of its own,
-    padded at the end to the longest sequence's width (causal: the padding changes no entry before it;
-    one width, one compiled program)."""
+def _full_logprobs(setup, s, adapter_idx: int = 0) -> np.ndarray:
+    """Logprobs of a whole sequence under the adapter (or the base: NO_ADAPTER) (entry t scores token t + 1), one
+    row of its own, padded at the end to the longest sequence's width (causal: the padding changes no entry before
+    it; one width, one compiled program)."""
     cfg, params, adapters, sequences = setup
     width = max(len(x.tokens) for x in sequences)
     tokens = jnp.asarray([list(s.tokens) + [0] * (width - len(s.tokens))])
-    return np.asarray(_LOGPROBS(params, adapters, tokens, jnp.zeros(1, jnp.int32), cfg=cfg))[0, : len(s.tokens) - 1]
+    row_adapter = jnp.full(1, adapter_idx, jnp.int32)
+    return np.asarray(_LOGPROBS(params, adapters, tokens, row_adapter, cfg=cfg))[0, : len(s.tokens) - 1]
 
 
 @pytest.mark.parametrize("objective", ["grpo", "sft"])
@@ -346,3 +353,20 @@ def test_on_policy_hinted_rows_have_the_gradient_of_rows_sampled_without_the_hin
     relative = tree_rel(grads, expected)
     print(f"\n[packed learner] on-policy hinted rows: gradient relative error {relative:.2e}")
     assert relative <= 1e-4
+
+
+def test_a_sequences_logprob_sums_its_learned_tokens_under_its_own_adapter(setup):
+    """`make_sequence_logprob_fn` (the gold turns' likelihood, `rl.gold_likelihood`): the sequences alternately
+    under the adapter and the base, packed into several micro-batches behind one shared head per adapter, against
+    each sequence's own full forward pass."""
+    cfg, params, adapters, sequences = setup
+    mixed = [dataclasses.replace(s, adapter_idx=lora.NO_ADAPTER if i % 2 else 0) for i, s in enumerate(sequences)]
+    batch = pack_sequences(mixed, token_budget=64, min_shared_prefix=8)
+    assert len(batch.micro_batches) >= 2 and batch.prefix.adapter.tolist() == [lora.NO_ADAPTER, 0]
+    got = make_sequence_logprob_fn(cfg)(params, adapters.weights, adapters.scale, batch, len(mixed))
+    want = [
+        _full_logprobs(setup, s, s.adapter_idx)[np.flatnonzero(s.loss_mask) - 1].sum(dtype=np.float64) for s in mixed
+    ]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    base = [_full_logprobs(setup, s, lora.NO_ADAPTER)[np.flatnonzero(s.loss_mask) - 1].sum() for s in sequences[:1]]
+    assert abs(got[0] - base[0]) > 1e-3  # the adapter changes the first sequence's: it was scored under it

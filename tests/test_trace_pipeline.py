@@ -11,6 +11,7 @@ it."""
 
 import importlib
 import json
+import math
 import pathlib
 import re
 import subprocess
@@ -247,8 +248,11 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
         assert [step for step, _ in evaluated] == list(range(steps + 1)) and evaluated[0][1] == round(
             job["base_reward"], 6
         ), name
-        # training.eval.keep_best: the adapter is the earliest step's of the highest held-out reward
-        best = max(evaluated, key=lambda point: (point[1], -point[0]))
+        # training.eval.keep_best: the adapter is the step's of the highest held-out reward, ties going to the
+        # highest likelihood of the held-out tasks' gold turns (training.eval.ties), logged with every evaluation
+        gold = {e.step: e.value for e in events.Scalars("eval/gold_logp")}
+        assert sorted(gold) == list(range(steps + 1)) and all(math.isfinite(v) for v in gold.values()), name
+        best = max(evaluated, key=lambda point: (point[1], gold[point[0]]))  # the earlier of equal pairs
         assert (job["best_step"], round(job["final_reward"], 6)) == best, name
         assert weights_fingerprint(folder / "adapter") == weights_fingerprint(folder / "best"), name
         assert f"step {job['best_step']} of {steps} kept" in (tmp_path / "report.md").read_text(), name
@@ -393,6 +397,8 @@ def test_the_tiny_experiment_runs_every_arm_on_the_pipelines_run_within_one_budg
     }
     assert chosen_by and all("/train/" in t for t in played | chosen_by) and not played & chosen_by
     assert "best_step" in json.loads((tmp_path / "grpo_target_hinted" / "summary.json").read_text())
+    logged = [json.loads(line) for line in (tmp_path / "grpo_target_hinted" / "metrics.jsonl").read_text().splitlines()]
+    assert all("eval/gold_logp" in line for line in logged if "eval/reward" in line)  # the target's gold turns
     mixed = [
         json.loads(line)["task_id"]
         for path in sorted((tmp_path / "mixed" / "rollouts").glob("step_*.jsonl"))

@@ -4,7 +4,10 @@ Early stopping on the job's own held-out tasks (a capability environment's held-
 tasks that training never draws: `environment_rollouts`), never on the tickets an experiment reports. Step 0 (the
 starting adapter, which leaves the base model as it is) takes part, so a run whose training only hurt its
 held-out reward exports an adapter that changes nothing. Ties keep the earlier step (less training for the same
-reward).
+reward), or with a tie-break measure (`eval.ties = "gold_logp"`: how likely the policy finds the held-out tasks'
+gold turns, `gold_likelihood`) the step where it is higher: a greedy held-out reward on a few tasks stays the
+base's while a missing skill is learned by degrees, and on ties the earlier step would keep the base agent. A step
+logged without the measure (a run started before it was logged) loses a tie against one with it.
 
 The best step's adapter lives in <workdir>/best/ (PEFT), exported when a step becomes the best and before that
 step's evaluation is logged: a run killed in between evaluates the step again on resume and exports it again, so
@@ -28,23 +31,36 @@ class BestAdapter:
     """The best evaluated step so far of the run in `workdir`, read back from its logged evaluations of the steps
     before `resume_step`."""
 
-    def __init__(self, workdir: pathlib.Path, resume_step: int):
+    def __init__(self, workdir: pathlib.Path, resume_step: int, tie_break: str | None = None):
+        """`tie_break`: the logged metric ("eval/...") whose higher value wins a tie of the held-out reward; None
+        keeps the earlier step."""
         self.folder = workdir / BEST_DIR
+        self.tie_break = tie_break
         self.step: int | None = None
         self.metrics: dict[str, float] = {}
         evaluations: dict[int, dict[str, float]] = {}
-        for line in logged_lines(workdir):
-            if line["step"] < resume_step and "eval/reward" in line:
-                evaluations[line["step"]] = {k: v for k, v in line.items() if k.startswith("eval/")}
+        for line in logged_lines(workdir):  # a step's metrics may span lines (a measure added on resume)
+            if line["step"] < resume_step:
+                logged = {k: v for k, v in line.items() if k.startswith("eval/")}
+                evaluations.setdefault(line["step"], {}).update(logged)
         for step in sorted(evaluations):
-            self._consider(step, evaluations[step])
+            if "eval/reward" in evaluations[step]:
+                self._consider(step, evaluations[step])
 
     @property
     def reward(self) -> float:
         return self.metrics.get("eval/reward", -math.inf)
 
+    def _better(self, metrics: dict[str, float]) -> bool:
+        reward = metrics["eval/reward"]
+        if not math.isclose(reward, self.reward, rel_tol=0.0, abs_tol=1e-9):
+            return reward > self.reward
+        if self.tie_break is None:
+            return False
+        return metrics.get(self.tie_break, -math.inf) > self.metrics.get(self.tie_break, -math.inf)
+
     def _consider(self, step: int, metrics: dict[str, float]) -> bool:
-        if metrics["eval/reward"] > self.reward:
+        if self._better(metrics):
             self.step, self.metrics = step, dict(metrics)
             return True
         return False

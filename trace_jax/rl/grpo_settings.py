@@ -176,6 +176,9 @@ class GrpoEvalSettings:
             raise Invalid("keep_best", "False when num_tasks is 0 (no held-out evaluation to choose a step by)")
 
 
+TIES = ("earlier", "gold_logp")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EpisodeEvalSettings(GrpoEvalSettings):
     split: str = setting(REQUIRED, "the environment's held-out split", nonempty_str)
@@ -183,6 +186,14 @@ class EpisodeEvalSettings(GrpoEvalSettings):
         REQUIRED,
         "\"\" (play the base agent's held-out episodes) or an evaluation job's workdir to read them from",
         lambda v: isinstance(v, str),
+    )
+    ties: str = setting(
+        "earlier",
+        f"one of {TIES}: where `keep_best` chooses a step, which of two of the same held-out reward is kept, the "
+        "earlier or the one whose policy finds the held-out tasks' gold turns likelier "
+        "(`trace_jax.rl.gold_likelihood`, logged as eval/gold_logp with every evaluation)",
+        lambda v: v in TIES,
+        optional=True,
     )
 
 

@@ -261,6 +261,49 @@ def _decision_logprobs(mb: MicroBatch, learned: np.ndarray) -> list[float]:
     return out
 
 
+def _policy_logprobs_fn(cfg: ModelConfig, plan: ShardingPlan | None, remat: bool, temperature: float) -> Callable:
+    """`forward(params, weights, scale, mb, prefix) -> np.ndarray [R, K]`: the policy's logprobs of a packed
+    micro-batch's learned entries (`mb.loss_positions`), each row under its own adapter, on the host."""
+    how = _Forward(cfg, plan.constrain if plan is not None else decoder.no_constraint, remat, temperature=temperature)
+
+    @jax.jit
+    def run(params, weights, scale, rows: MicroBatch, prefix: SharedPrefix | None):
+        if plan is not None:
+            rows = jax.tree.map(lambda v: plan.constrain(v, "batch"), rows)
+        return _forward_logprobs(params, Adapters(weights, scale), rows, prefix, how)[0]
+
+    def forward(params, weights, scale, mb: MicroBatch, prefix: SharedPrefix | None) -> np.ndarray:
+        inputs = MicroBatch(
+            tokens=mb.tokens,
+            adapter_idx=mb.adapter_idx,
+            loss_positions=mb.loss_positions,
+            prefix_of_row=mb.prefix_of_row,
+        )
+        return host_array(run(params, weights, scale, inputs, prefix))
+
+    return forward
+
+
+def make_sequence_logprob_fn(
+    cfg: ModelConfig, *, plan: ShardingPlan | None = None, remat: bool = False, temperature: float = 1.0
+) -> Callable:
+    """`logprob(params, adapter_weights, scale, batch, num) -> np.ndarray [num]`: for each of the `num` sequences
+    packed in `batch` (`batching.pack_sequences`, indexed as they were given), the policy's log-probability of
+    its learned tokens, summed: how likely the policy (each row under its own adapter) finds those turns in their
+    context. Sequences the packing left out (no learned token) get 0."""
+    forward = _policy_logprobs_fn(cfg, plan, remat, temperature)
+
+    def logprob(params, weights, scale, batch: LearnerBatch, num: int) -> np.ndarray:
+        out = np.zeros((num,), np.float64)
+        for mb in batch.micro_batches:
+            sums = (forward(params, weights, scale, mb, batch.prefix) * mb.loss_mask).sum(axis=1)
+            rows = mb.sequence >= 0
+            out[mb.sequence[rows]] = sums[rows]
+        return out
+
+    return logprob
+
+
 def make_rescore_fn(
     cfg: ModelConfig,
     loss_cfg: LossConfig,
@@ -287,13 +330,7 @@ def make_rescore_fn(
     the decision the hint made (typically the name of a tool the agent does not call on its own). Each step's
     tasks are new, so its rise over steps measures whether the policy learns those decisions without the hint.
     """
-    how = _Forward(cfg, plan.constrain if plan is not None else decoder.no_constraint, remat, temperature=temperature)
-
-    @jax.jit
-    def forward(params, weights, scale, rows: MicroBatch, prefix: SharedPrefix | None):
-        if plan is not None:
-            rows = jax.tree.map(lambda v: plan.constrain(v, "batch"), rows)
-        return _forward_logprobs(params, Adapters(weights, scale), rows, prefix, how)[0]
+    forward = _policy_logprobs_fn(cfg, plan, remat, temperature)
 
     def rescore(params, weights, scale, batch: LearnerBatch, hinted):
         marked = np.flatnonzero(np.asarray(hinted, bool))
@@ -302,13 +339,7 @@ def make_rescore_fn(
             rows = np.isin(mb.sequence, marked)
             mb = mb.replace(sampler_logp=mb.old_logp, hinted=rows)
             if rows.any():
-                inputs = MicroBatch(
-                    tokens=mb.tokens,
-                    adapter_idx=mb.adapter_idx,
-                    loss_positions=mb.loss_positions,
-                    prefix_of_row=mb.prefix_of_row,
-                )
-                logp = host_array(forward(params, weights, scale, inputs, batch.prefix))
+                logp = forward(params, weights, scale, mb, batch.prefix)
                 mb = mb.replace(old_logp=np.where(rows[:, None], logp, mb.sampler_logp))
                 learned = (mb.loss_mask > 0) & rows[:, None]
                 old.append(mb.old_logp[learned])

@@ -21,20 +21,17 @@ import dataclasses
 import pathlib
 import time
 
-import jax
 import ml_collections
 import numpy as np
 from absl import logging
 
 from trace_jax import distributed, lora
-from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine, Trajectory
 from trace_jax.envs import check_environment, make_environment
-from trace_jax.envs.scripted import GoldAgent, ScriptedUser
 from trace_jax.files import write_json_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
-from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, learned_tokens, pack_sequences, padded_tokens
 from trace_jax.rl.checkpoint import TrainState
+from trace_jax.rl.gold_likelihood import gold_trajectories
 from trace_jax.rl.job import ADAPTER, JobSettings, TrainSettings, export_adapter, start_run
 from trace_jax.rl.learner import frozen_inputs, make_train_step
 from trace_jax.rl.learner_batch import LearnerBatch
@@ -76,15 +73,6 @@ def validate_config(config: ml_collections.ConfigDict) -> SftSettings:
     settings = from_config(SftSettings, config, "")
     check_environment(settings.env, "env", split="the split the gold trajectories come from")
     return settings
-
-
-def gold_trajectories(env, tokenizer: ChatTokenizer, tasks, max_turns: int) -> list[Trajectory]:
-    """The gold agent's episodes of `tasks`, recorded as the model's tokens (scripted user where one is needed)."""
-    config = RolloutConfig(batch_size=64, max_turns=max_turns, max_tokens_per_turn=1 << 30)
-    engine = RolloutEngine(
-        env, agent=GoldAgent(), user=ScriptedUser(user_actions=True), tokenizer=tokenizer, config=config
-    )
-    return engine.run([EpisodeSpec(task, adapter_idx=ADAPTER) for task in tasks], key=jax.random.key(0))
 
 
 def epoch_order(num: int, seed: int, epoch: int) -> np.ndarray:
@@ -152,9 +140,8 @@ def _train(settings: SftSettings, workdir: str | pathlib.Path) -> dict:
     run = start_run(settings, workdir, cursor={})
     tokenizer = run.model.tokenizer
     env = make_environment(ml_collections.ConfigDict(settings.env))
-    played = gold_trajectories(
-        env, tokenizer, env.tasks(settings.env["split"], settings.data.num_tasks), settings.data.max_turns
-    )
+    tasks = env.tasks(settings.env["split"], settings.data.num_tasks)
+    played = gold_trajectories(env, tokenizer, tasks, settings.data.max_turns, ADAPTER)
     kept = [t for t in played if t.outcome.success]
     if not kept:
         raise ValueError(

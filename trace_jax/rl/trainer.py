@@ -46,7 +46,9 @@ environments, eval/ and rollouts/step_<k>.jsonl: every training episode of step 
 reward components, as the evaluation job records them), adapter/ (PEFT) at the end, and snapshots/step_<k>/
 (PEFT) at each of `train.snapshot_fractions` of the run's steps (a scaling curve's points along one run). With
 `eval.keep_best`, adapter/ is the evaluated step's with the highest held-out reward (step 0 included), kept in
-best/ as the run goes (`trace_jax.rl.best_adapter`), and the summary's final metrics are that step's.
+best/ as the run goes (`trace_jax.rl.best_adapter`), and the summary's final metrics are that step's; with
+`eval.ties = "gold_logp"` every evaluation also logs how likely the policy finds the held-out tasks' gold turns
+(`trace_jax.rl.gold_likelihood`), which decides between steps of the same held-out reward.
 
 Run as several processes (`launch.multihost`), each plays its share of a step's episodes and of an evaluation
 on its own devices, all gather them and apply the same update on the mesh of every process's devices, orbax
@@ -77,6 +79,7 @@ from trace_jax.rl.best_adapter import BestAdapter
 from trace_jax.rl.checkpoint import TrainState
 from trace_jax.rl.curriculum import env_parts
 from trace_jax.rl.environment_rollouts import EnvironmentRollouts, hinted_per_group
+from trace_jax.rl.gold_likelihood import GoldLikelihood
 from trace_jax.rl.grpo_settings import CompletionGrpoSettings, EpisodeGrpoSettings, GrpoSettings
 from trace_jax.rl.job import ADAPTER, export_adapter, start_run
 from trace_jax.rl.learner import make_rescore_fn, make_train_step
@@ -177,6 +180,26 @@ def _loss_config(settings: GrpoSettings) -> LossConfig:
     )
 
 
+GOLD_METRIC = "eval/gold_logp"
+
+
+def _gold_likelihood(settings: EpisodeGrpoSettings, source: EnvironmentRollouts, run) -> GoldLikelihood | None:
+    """The held-out tasks' gold-turn likelihood, where `eval.ties` breaks ties with it (else None)."""
+    if not (settings.eval.keep_best and settings.eval.ties == "gold_logp"):
+        return None
+    return GoldLikelihood(
+        source.eval_env,
+        run.model.tokenizer,
+        source.heldout,
+        run.model.cfg,
+        token_budget=settings.train.micro_batch_tokens,
+        row_multiple=run.row_multiple,
+        min_shared_prefix=settings.rollout.min_shared_prefix,
+        plan=run.plan,
+        remat=settings.train.remat,
+    )
+
+
 def _base_eval(workdir: pathlib.Path, evaluate: Callable[[int, int], dict[str, float]]) -> dict[str, float]:
     """The base model's held-out metrics, computed once per workdir (a resumed run reads them back)."""
     path = workdir / "base_eval.json"
@@ -251,7 +274,15 @@ def _train(settings: EpisodeGrpoSettings | CompletionGrpoSettings, workdir: str 
         policy=settings.rollout.sampler_policy,
         tokenize=tokenizer.encode,
     )
-    evaluate = lambda adapter_idx, step: source.evaluate(sampler, adapter_idx, step)
+    gold = _gold_likelihood(settings, source, run) if episodes else None
+
+    def evaluate(adapter_idx: int, step: int) -> dict[str, float]:
+        """The held-out metrics of the base (NO_ADAPTER) or of the adapter the sampler and the state now hold."""
+        metrics = source.evaluate(sampler, adapter_idx, step)
+        if gold is not None:
+            metrics[GOLD_METRIC] = gold(run.params, state.adapter_weights, state.scale, adapter_idx)
+        return metrics
+
     writer = MetricsWriter(workdir)
     base = _base_eval(workdir, evaluate) if settings.eval.num_tasks else None
     if base is not None:
@@ -285,7 +316,15 @@ def _train(settings: EpisodeGrpoSettings | CompletionGrpoSettings, workdir: str 
             workdir, state.step, evaluate, writer, settings, budget_spent(settings, _episodes(state, settings))
         )
     )
-    best = BestAdapter(workdir, state.step) if settings.eval.keep_best else None
+    if gold is not None:  # a run resumed from before the measure was logged: the base's and the resumed step's
+        for step, adapter_idx in ((0, lora.NO_ADAPTER), (state.step, ADAPTER)):
+            logged = logged_scalars(workdir, step)
+            if "eval/reward" in logged and GOLD_METRIC not in logged:
+                writer.write(step, {GOLD_METRIC: gold(run.params, state.adapter_weights, state.scale, adapter_idx)})
+                if latest_eval is not None and step == state.step:
+                    latest_eval = logged_scalars(workdir, step)
+    tie_break = GOLD_METRIC if gold is not None else None
+    best = BestAdapter(workdir, state.step, tie_break) if settings.eval.keep_best else None
     if best is not None and latest_eval is not None:  # step 0's base, or the step resumed from
         best.offer(state.step, latest_eval, functools.partial(export_adapter, run, weights=state.adapter_weights))
     progress = Progress(steps, start=state.step, every_s=settings.log_every_s)
