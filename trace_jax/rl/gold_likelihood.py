@@ -22,7 +22,7 @@ from trace_jax.lora import NO_ADAPTER
 from trace_jax.models.config import ModelConfig
 from trace_jax.models.tokenizer import ChatTokenizer
 from trace_jax.rl.batching import LearnerSequence, pack_sequences
-from trace_jax.rl.learner import make_sequence_logprob_fn
+from trace_jax.rl.learner import frozen_inputs, make_sequence_logprob_fn
 from trace_jax.sharding import ShardingPlan
 
 GOLD_MAX_TURNS = 64  # room for every gold call of a task and its closing turn
@@ -41,17 +41,20 @@ def gold_trajectories(env, tokenizer: ChatTokenizer, tasks, max_turns: int, adap
 class GoldLikelihood:
     """The mean over `tasks` of log p(gold turns | their context) under the base model or an adapter.
 
-    The gold episodes are played once, here; each call packs them (one shared head: the system prompt) and runs
-    the policy forward over them, the frozen base `params` with the adapter weights given."""
+    The gold episodes are played and packed once, here (one shared head: the system prompt), with the residual
+    streams entering the first adapted layer (`lora.first_layer` = `frozen_layers`), which no adapter changes;
+    each call runs the adapted layers alone over them, the frozen base `params` with the adapter weights given."""
 
     def __init__(
         self,
         env,
         tokenizer: ChatTokenizer,
         tasks,
+        params,
         cfg: ModelConfig,
         *,
         token_budget: int,
+        frozen_layers: int = 0,
         row_multiple: int = 1,
         min_shared_prefix: int = 64,
         plan: ShardingPlan | None = None,
@@ -59,21 +62,32 @@ class GoldLikelihood:
     ):
         if not tasks:
             raise ValueError("no held-out task to measure the gold turns' likelihood on")
-        self._sequences = [
-            LearnerSequence(t.token_ids, t.loss_mask, [0.0] * len(t.token_ids))
+        sequences = [
+            LearnerSequence(t.token_ids, t.loss_mask, [0.0] * len(t.token_ids), adapter_idx=NO_ADAPTER)
             for t in gold_trajectories(env, tokenizer, tasks, GOLD_MAX_TURNS, NO_ADAPTER)
         ]
-        self._pack = dict(
+        self._num = len(sequences)
+        batch = pack_sequences(
+            sequences,
             token_budget=token_budget,
             row_multiple=row_multiple,
             min_shared_prefix=min_shared_prefix,
             pad_id=tokenizer.pad_token_id,
         )
-        self._logprob = make_sequence_logprob_fn(cfg, plan=plan, remat=remat)
+        self._batch = frozen_inputs(params, cfg, frozen_layers, batch, remat=remat) if frozen_layers else batch
+        self._logprob = make_sequence_logprob_fn(cfg, plan=plan, remat=remat, frozen_layers=frozen_layers)
 
     def __call__(self, params, adapter_weights, scale, adapter_idx: int) -> float:
         """The mean summed logprob of the gold turns, under adapter `adapter_idx` of `adapter_weights` (NO_ADAPTER:
         the base model)."""
-        rows = [dataclasses.replace(s, adapter_idx=adapter_idx) for s in self._sequences]
-        batch = pack_sequences(rows, **self._pack)
-        return float(np.mean(self._logprob(params, adapter_weights, scale, batch, len(rows))))
+        batch = self._batch
+        micro_batches = tuple(
+            mb.replace(adapter_idx=np.full_like(mb.adapter_idx, adapter_idx)) for mb in batch.micro_batches
+        )
+        prefix = (
+            batch.prefix
+            if batch.prefix is None
+            else batch.prefix.replace(adapter=np.full_like(batch.prefix.adapter, adapter_idx))
+        )
+        batch = dataclasses.replace(batch, micro_batches=micro_batches, prefix=prefix)
+        return float(np.mean(self._logprob(params, adapter_weights, scale, batch, self._num)))

@@ -261,42 +261,62 @@ def _decision_logprobs(mb: MicroBatch, learned: np.ndarray) -> list[float]:
     return out
 
 
-def _policy_logprobs_fn(cfg: ModelConfig, plan: ShardingPlan | None, remat: bool, temperature: float) -> Callable:
-    """`forward(params, weights, scale, mb, prefix) -> np.ndarray [R, K]`: the policy's logprobs of a packed
-    micro-batch's learned entries (`mb.loss_positions`), each row under its own adapter, on the host."""
-    how = _Forward(cfg, plan.constrain if plan is not None else decoder.no_constraint, remat, temperature=temperature)
+def _policy_logprobs_fn(
+    cfg: ModelConfig, plan: ShardingPlan | None, remat: bool, temperature: float, frozen: int = 0
+) -> Callable:
+    """`forward(params, weights, scale, micro_batches, prefix) -> [np.ndarray [R, K]]`: the policy's logprobs of
+    each packed micro-batch's learned entries (`mb.loss_positions`), each row under its own adapter, on the host.
+    The shared prefix runs once for all of them. `frozen`: the micro-batches and the prefix carry the residual
+    streams entering that layer (`frozen_inputs`), so only the layers from it on run."""
+    constrain = plan.constrain if plan is not None else decoder.no_constraint
+    how = _Forward(cfg, constrain, remat, frozen=frozen, temperature=temperature)
 
     @jax.jit
-    def run(params, weights, scale, rows: MicroBatch, prefix: SharedPrefix | None):
+    def prefix_keys_values(params, weights, scale, prefix: SharedPrefix):
+        return _prefix_kv(params, Adapters(weights, scale), prefix, how)
+
+    @jax.jit
+    def run(params, weights, scale, rows: MicroBatch, prefix: SharedPrefix | None, prefix_kv):
         if plan is not None:
             rows = jax.tree.map(lambda v: plan.constrain(v, "batch"), rows)
-        return _forward_logprobs(params, Adapters(weights, scale), rows, prefix, how)[0]
+        return _forward_logprobs(params, Adapters(weights, scale), rows, prefix, how, prefix_kv)[0]
 
-    def forward(params, weights, scale, mb: MicroBatch, prefix: SharedPrefix | None) -> np.ndarray:
-        inputs = MicroBatch(
-            tokens=mb.tokens,
-            adapter_idx=mb.adapter_idx,
-            loss_positions=mb.loss_positions,
-            prefix_of_row=mb.prefix_of_row,
-        )
-        return host_array(run(params, weights, scale, inputs, prefix))
+    def forward(params, weights, scale, micro_batches, prefix: SharedPrefix | None) -> list[np.ndarray]:
+        prefix_kv = None if prefix is None else prefix_keys_values(params, weights, scale, prefix)
+        out = []
+        for mb in micro_batches:
+            inputs = MicroBatch(
+                tokens=mb.tokens,
+                adapter_idx=mb.adapter_idx,
+                loss_positions=mb.loss_positions,
+                prefix_of_row=mb.prefix_of_row,
+                frozen_hidden=mb.frozen_hidden if frozen else None,
+            )
+            out.append(host_array(run(params, weights, scale, inputs, prefix, prefix_kv)))
+        return out
 
     return forward
 
 
 def make_sequence_logprob_fn(
-    cfg: ModelConfig, *, plan: ShardingPlan | None = None, remat: bool = False, temperature: float = 1.0
+    cfg: ModelConfig,
+    *,
+    plan: ShardingPlan | None = None,
+    remat: bool = False,
+    temperature: float = 1.0,
+    frozen_layers: int = 0,
 ) -> Callable:
     """`logprob(params, adapter_weights, scale, batch, num) -> np.ndarray [num]`: for each of the `num` sequences
     packed in `batch` (`batching.pack_sequences`, indexed as they were given), the policy's log-probability of
     its learned tokens, summed: how likely the policy (each row under its own adapter) finds those turns in their
-    context. Sequences the packing left out (no learned token) get 0."""
-    forward = _policy_logprobs_fn(cfg, plan, remat, temperature)
+    context. Sequences the packing left out (no learned token) get 0. `frozen_layers` > 0: `batch` carries the
+    streams entering that layer (`frozen_inputs`; computed once for sequences scored again and again)."""
+    forward = _policy_logprobs_fn(cfg, plan, remat, temperature, frozen_layers)
 
     def logprob(params, weights, scale, batch: LearnerBatch, num: int) -> np.ndarray:
         out = np.zeros((num,), np.float64)
-        for mb in batch.micro_batches:
-            sums = (forward(params, weights, scale, mb, batch.prefix) * mb.loss_mask).sum(axis=1)
+        for mb, logp in zip(batch.micro_batches, forward(params, weights, scale, batch.micro_batches, batch.prefix)):
+            sums = (logp * mb.loss_mask).sum(axis=1)
             rows = mb.sequence >= 0
             out[mb.sequence[rows]] = sums[rows]
         return out
@@ -334,12 +354,14 @@ def make_rescore_fn(
 
     def rescore(params, weights, scale, batch: LearnerBatch, hinted):
         marked = np.flatnonzero(np.asarray(hinted, bool))
+        rescored = [mb for mb in batch.micro_batches if np.isin(mb.sequence, marked).any()]
+        policy = iter(forward(params, weights, scale, rescored, batch.prefix) if rescored else ())
         parts, old, sampled, decisions = [], [], [], []
         for mb in batch.micro_batches:
             rows = np.isin(mb.sequence, marked)
             mb = mb.replace(sampler_logp=mb.old_logp, hinted=rows)
             if rows.any():
-                logp = forward(params, weights, scale, mb, batch.prefix)
+                logp = next(policy)  # the micro-batches with hinted rows, in order
                 mb = mb.replace(old_logp=np.where(rows[:, None], logp, mb.sampler_logp))
                 learned = (mb.loss_mask > 0) & rows[:, None]
                 old.append(mb.old_logp[learned])
