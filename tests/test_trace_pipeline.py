@@ -250,12 +250,15 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
         ), name
         # training.eval.keep_best: the adapter is the step's of the highest held-out reward, ties going to the
         # highest likelihood of the held-out tasks' gold turns (training.eval.ties), logged with every evaluation
-        gold = {e.step: e.value for e in events.Scalars("eval/gold_logp")}
+        logged = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        gold = {line["step"]: line["eval/gold_logp"] for line in logged if "eval/gold_logp" in line}
         assert sorted(gold) == list(range(steps + 1)) and all(math.isfinite(v) for v in gold.values()), name
         best = max(evaluated, key=lambda point: (point[1], gold[point[0]]))  # the earlier of equal pairs
         assert (job["best_step"], round(job["final_reward"], 6)) == best, name
         assert weights_fingerprint(folder / "adapter") == weights_fingerprint(folder / "best"), name
-        assert f"step {job['best_step']} of {steps} kept" in (tmp_path / "report.md").read_text(), name
+        kept = f"step {job['best_step']} of {steps} kept (held-out reward {job['final_reward']:.3f}, base "
+        kept += f"{job['base_reward']:.3f}; gold turns' logprob {gold[job['best_step']]:.2f}, base {gold[0]:.2f})"
+        assert kept in (tmp_path / "report.md").read_text(), name
     routed = stages["routing"]["result"]["by_task"]
     records = _records(tmp_path / "heldout" / "trace")
     assert len(records) == heldout and all(r["adapter_idx"] == routed[r["task_id"]] for r in records)

@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from trace_jax.agent.episodes import recorded_episodes  # noqa: E402
 from trace_jax.files import read_json  # noqa: E402
 from trace_jax.lora import NO_ADAPTER  # noqa: E402
-from trace_jax.metrics import logged_lines  # noqa: E402
+from trace_jax.metrics import logged_lines, logged_scalars  # noqa: E402
 from trace_jax.report import format_table, summarize  # noqa: E402
 from trace_jax.trace.calibration import GATES, calibration_table  # noqa: E402
 from trace_jax.trace.diagnostics import diagnostics_table  # noqa: E402
@@ -116,9 +116,30 @@ def _training_curves(workdir: pathlib.Path, names: list[str]) -> dict[str, dict[
     return curves
 
 
-def _plot_training(curves: dict[str, dict[str, list[tuple[int, float]]]], path: pathlib.Path) -> None:
-    """One panel per adapter: its training reward, and each variant's (dashed: its unhinted episodes)."""
-    fig, axes = plt.subplots(1, max(len(curves), 1), figsize=(6 * max(len(curves), 1), 3.8), squeeze=False)
+def _heldout_curves(workdir: pathlib.Path, names: list[str]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """Per adapter, its held-out evaluations by GRPO step: "reward" and, where logged, "gold_logp" (the gold turns'
+    likelihood, `training.eval.ties`); a step's metrics may span lines."""
+    curves = {}
+    for name in names:
+        by_step: dict[str, dict[int, float]] = {"reward": {}, "gold_logp": {}}
+        for line in logged_lines(workdir / "adapters" / name):
+            for key in by_step:
+                if f"eval/{key}" in line:
+                    by_step[key][line["step"]] = line[f"eval/{key}"]
+        curves[name] = {key: sorted(values.items()) for key, values in by_step.items()}
+    return curves
+
+
+def _plot_training(
+    curves: dict[str, dict[str, list[tuple[int, float]]]],
+    heldout: dict[str, dict[str, list[tuple[int, float]]]],
+    path: pathlib.Path,
+) -> None:
+    """One panel per adapter: its training reward, and each variant's (dashed: its unhinted episodes); below, where
+    the job evaluated held-out tasks, their greedy reward and (right axis) the gold turns' logprob by step."""
+    evaluated = any(series["reward"] for series in heldout.values())
+    rows, cols = 1 + evaluated, max(len(curves), 1)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 3.8 * rows), squeeze=False)
     for ax, (name, series) in zip(axes[0], curves.items()):
         for label, points in sorted(series.items()):
             if points:
@@ -128,6 +149,18 @@ def _plot_training(curves: dict[str, dict[str, list[tuple[int, float]]]], path: 
         ax.set_xlabel("GRPO step")
         ax.set_ylabel("mean training reward")
         ax.legend(fontsize=7)
+    for ax, name in zip(axes[1] if evaluated else (), curves):
+        series = heldout.get(name, {})
+        if series.get("reward"):
+            ax.plot(*zip(*series["reward"]), marker="o", color="black", label="held-out reward (greedy)")
+        ax.set_xlabel("GRPO step")
+        ax.set_ylabel("held-out reward")
+        ax.set_ylim(-0.02, 1.02)
+        if series.get("gold_logp"):
+            twin = ax.twinx()
+            twin.plot(*zip(*series["gold_logp"]), marker="s", color="tab:blue", label="gold turns' logprob")
+            twin.set_ylabel("gold turns' logprob (nats a task)", color="tab:blue")
+        ax.set_title(f"{name}: held-out tasks")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -187,14 +220,17 @@ def _side_by_side(rows: dict[str, list[dict]]) -> str:
 
 def _adapter_line(name: str, folder: pathlib.Path) -> str:
     """The adapter's folder, and with `training.eval.keep_best` the step it was kept from and its held-out reward
-    against the base's on the capability environment's held-out tasks (the GRPO job's summary.json)."""
+    against the base's on the capability environment's held-out tasks (the GRPO job's summary.json), with the gold
+    turns' likelihood of both where the job logged it (`training.eval.ties`)."""
     summary_path = folder.parent / "summary.json"
     job = read_json(summary_path) if summary_path.is_file() else {}
     if "best_step" not in job:
         return f"- {name}: `{folder}`"
+    gold = [logged_scalars(folder.parent, step).get("eval/gold_logp") for step in (job["best_step"], 0)]
+    likelihood = f"; gold turns' logprob {gold[0]:.2f}, base {gold[1]:.2f}" if None not in gold else ""
     return (
         f"- {name}: `{folder}`, step {job['best_step']} of {job['steps']} kept (held-out reward "
-        f"{job['final_reward']:.3f}, base {job['base_reward']:.3f})"
+        f"{job['final_reward']:.3f}, base {job['base_reward']:.3f}{likelihood})"
     )
 
 
@@ -212,7 +248,7 @@ def write_report(workdir: pathlib.Path, stages: dict, config: ml_collections.Con
     _plot_selection(analysis["candidates"], analysis["settings"], plots / "selection.png")
     _plot_calibration([c for c in calibrations if c["tries"]], config.calibration.to_dict(), plots / "calibration.png")
     curves = _training_curves(workdir, list(adapters))
-    _plot_training(curves, plots / "training.png")
+    _plot_training(curves, _heldout_curves(workdir, list(adapters)), plots / "training.png")
     _plot_heldout(rows, plots / "heldout.png")
     counts = collections.Counter(routing["by_task"].values())
     labels = routing["labels"]
