@@ -370,28 +370,3 @@ def test_a_sequences_logprob_sums_its_learned_tokens_under_its_own_adapter(setup
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
     base = [_full_logprobs(setup, s, lora.NO_ADAPTER)[np.flatnonzero(s.loss_mask) - 1].sum() for s in sequences[:1]]
     assert abs(got[0] - base[0]) > 1e-3  # the adapter changes the first sequence's: it was scored under it
-
-
-def test_scoring_from_the_frozen_layers_streams_equals_running_every_layer(setup):
-    """`frozen_layers`: the streams entering the first adapted layer computed once (`frozen_inputs`, as the gold
-    turns' likelihood keeps them across evaluations), then only the adapted layers run, rows under the base and
-    under an adapter on the upper layer alike."""
-    cfg, params, _, sequences = setup
-    fresh = lora.init_adapters(jax.random.key(1), cfg, lora.LoraSpec(rank=4, alpha=8.0, first_layer=1), 1)
-    upper = lora.Adapters(
-        {
-            t: {"a": w["a"], "b": 0.05 * jax.random.normal(jax.random.key(7), w["b"].shape)}
-            for t, w in fresh.weights.items()
-        },
-        fresh.scale,
-    )
-    mixed = [dataclasses.replace(s, adapter_idx=lora.NO_ADAPTER if i % 3 == 0 else 0) for i, s in enumerate(sequences)]
-    batch = pack_sequences(mixed, token_budget=64, min_shared_prefix=8)
-    every = make_sequence_logprob_fn(cfg)(params, upper.weights, upper.scale, batch, len(mixed))
-    frozen = frozen_inputs(params, cfg, 1, batch)
-    upper_only = make_sequence_logprob_fn(cfg, frozen_layers=1)(params, upper.weights, upper.scale, frozen, len(mixed))
-    np.testing.assert_allclose(upper_only, every, rtol=1e-5, atol=1e-4)
-    base = pack_sequences([dataclasses.replace(s, adapter_idx=lora.NO_ADAPTER) for s in mixed], token_budget=64)
-    under_base = make_sequence_logprob_fn(cfg)(params, upper.weights, upper.scale, base, len(mixed))
-    moved = np.abs(every - under_base) > 1e-3
-    assert moved.tolist() == [m.adapter_idx == 0 for m in mixed]  # the upper layer's adapter changes its rows alone

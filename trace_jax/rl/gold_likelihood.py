@@ -80,14 +80,16 @@ class GoldLikelihood:
     def __call__(self, params, adapter_weights, scale, adapter_idx: int) -> float:
         """The mean summed logprob of the gold turns, under adapter `adapter_idx` of `adapter_weights` (NO_ADAPTER:
         the base model)."""
+        return float(np.mean(self.per_task(params, adapter_weights, scale, adapter_idx)))
+
+    def per_task(self, params, adapter_weights, scale, adapter_idx: int) -> np.ndarray:
+        """Each task's summed logprob of its gold turns (in the order of `tasks`)."""
         batch = self._batch
         micro_batches = tuple(
             mb.replace(adapter_idx=np.full_like(mb.adapter_idx, adapter_idx)) for mb in batch.micro_batches
         )
-        prefix = (
-            batch.prefix
-            if batch.prefix is None
-            else batch.prefix.replace(adapter=np.full_like(batch.prefix.adapter, adapter_idx))
-        )
+        prefix = batch.prefix
+        if prefix is not None:
+            prefix = prefix.replace(adapter=np.full_like(prefix.adapter, adapter_idx))
         batch = dataclasses.replace(batch, micro_batches=micro_batches, prefix=prefix)
-        return float(np.mean(self._logprob(params, adapter_weights, scale, batch, self._num)))
+        return self._logprob(params, adapter_weights, scale, batch, self._num)
