@@ -1,9 +1,10 @@
 """The gold turns' likelihood (`rl.gold_likelihood`, `eval.ties = "gold_logp"`): the gold agent's episodes of
 held-out tasks, packed once with the frozen layers' streams, scored per task under the base or an adapter.
 
-Against each gold episode's own full forward pass (a tiny random two-layer model with SmolLM2's chat tokenizer,
-the adapter on the upper layer only, so the lower layer's streams are the frozen ones), summed over the agent's
-turns. The tool_calling environment's most scaffolded level: every held-out gold episode succeeds.
+Against each gold episode's own full forward pass, NumPy's log-softmax at the agent's tokens summed (a tiny
+random two-layer model with SmolLM2's chat tokenizer, the adapter on the upper layer only, so the lower layer's
+streams are the frozen ones). The tool_calling environment's most scaffolded level: every held-out gold episode
+succeeds.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import tau2  # noqa: F401 - a missing τ² fails the suite instead of skipping i
 
 from trace_jax import lora
 from trace_jax.envs.capability import CAPABILITIES, CapabilityEnvironment
+from trace_jax.models import decoder
 from trace_jax.models.model import load_model
 from trace_jax.rl.gold_likelihood import GOLD_MAX_TURNS, GoldLikelihood, gold_trajectories
-from trace_jax.rl.learner import token_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +48,16 @@ def test_each_tasks_gold_turns_are_scored_as_their_own_forward_pass_under_the_ba
     assert all(t.outcome.success for t in played) and all(sum(t.loss_mask) > 0 for t in played)
     for adapter_idx in (lora.NO_ADAPTER, 0):
         want = []
-        for t in played:
-            tokens = jnp.asarray([t.token_ids])
-            logp = token_logprobs(model.params, adapters, tokens, jnp.full(1, adapter_idx, jnp.int32), model.cfg)
-            want.append(float(np.asarray(logp)[0][np.flatnonzero(t.loss_mask) - 1].sum()))
+        for t in played:  # the whole sequence through every layer, projected at the agent's tokens alone
+            row_lora = lora.for_rows(adapters, jnp.full(1, adapter_idx, jnp.int32))
+            hidden = decoder.forward_hidden(
+                model.params, jnp.asarray([t.token_ids[:-1]]), model.cfg, row_lora=row_lora
+            )[0]
+            learned = np.flatnonzero(t.loss_mask)
+            logits = np.asarray(decoder.logits_from_hidden(model.params, hidden[0, learned - 1], model.cfg), np.float64)
+            top = logits.max(axis=-1)
+            logz = top + np.log(np.exp(logits - top[:, None]).sum(axis=-1))
+            want.append(float((logits[np.arange(len(learned)), np.asarray(t.token_ids)[learned]] - logz).sum()))
         got = gold.per_task(model.params, adapters.weights, adapters.scale, adapter_idx)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3)
         assert gold(model.params, adapters.weights, adapters.scale, adapter_idx) == pytest.approx(
