@@ -354,11 +354,11 @@ def make_rescore_fn(
 
     def rescore(params, weights, scale, batch: LearnerBatch, hinted):
         marked = np.flatnonzero(np.asarray(hinted, bool))
-        rescored = [mb for mb in batch.micro_batches if np.isin(mb.sequence, marked).any()]
+        hinted_rows = [np.isin(mb.sequence, marked) for mb in batch.micro_batches]
+        rescored = [mb for mb, rows in zip(batch.micro_batches, hinted_rows) if rows.any()]
         policy = iter(forward(params, weights, scale, rescored, batch.prefix) if rescored else ())
         parts, old, sampled, decisions = [], [], [], []
-        for mb in batch.micro_batches:
-            rows = np.isin(mb.sequence, marked)
+        for mb, rows in zip(batch.micro_batches, hinted_rows):
             mb = mb.replace(sampler_logp=mb.old_logp, hinted=rows)
             if rows.any():
                 logp = next(policy)  # the micro-batches with hinted rows, in order
