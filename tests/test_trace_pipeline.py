@@ -51,7 +51,7 @@ from trace_jax.trace.pipeline import (
     training_config,
     validate_config,
 )
-from trace_jax.trace.trace_report import _training_curves, _variant_table, oracle_routes
+from trace_jax.trace.trace_report import _adapter_logs, _heldout_curves, _training_curves, _variant_table, oracle_routes
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = trace_tiny.get_config()
@@ -285,16 +285,21 @@ def test_the_tiny_pipeline_writes_every_artifact_and_a_rerun_repeats_nothing(tin
 
 def test_the_report_shows_each_variants_training_reward_and_its_unhinted_episodes(tmp_path):
     """A mixed environment's GRPO metrics (as `variant_metrics` logs them) become one series per variant in the
-    report's table and plot: the adapter's mean first, then each variant and its unhinted episodes."""
+    report's table and plot: the adapter's mean first, then each variant and its unhinted episodes; the held-out
+    series join a step's lines (the gold measure a resumed run adds later)."""
     folder = tmp_path / "adapters" / "tool_calling"
     folder.mkdir(parents=True)
     lines = [
         {"step": 0, "eval/reward": 0.2},
         {"step": 1, "rollout/reward": 0.5, "rollout/return/reward": 0.5, "rollout/return/unhinted_reward": 0.0},
         {"step": 2, "rollout/reward": 0.6, "rollout/return/reward": 0.75, "rollout/return/unhinted_reward": 0.5},
+        {"step": 2, "eval/reward": 0.25},
+        {"step": 0, "eval/gold_logp": -40.0},
     ]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    curves = _training_curves(tmp_path, ["tool_calling"])
+    logs = _adapter_logs(tmp_path, ["tool_calling"])
+    assert _heldout_curves(logs) == {"tool_calling": {"reward": [(0, 0.2), (2, 0.25)], "gold_logp": [(0, -40.0)]}}
+    curves = _training_curves(logs)
     assert curves == {
         "tool_calling": {
             "all": [(1, 0.5), (2, 0.6)],

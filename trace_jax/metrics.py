@@ -59,16 +59,19 @@ def logged_lines(workdir: str | pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()] if path.is_file() else []
 
 
+def scalars_by_step(lines: list[dict]) -> dict[int, dict[str, float]]:
+    """`logged_lines`' scalars joined per step, in step order (a step's metrics may span lines: a resumed run
+    adds what it measures later)."""
+    steps: dict[int, dict[str, float]] = {}
+    for line in lines:
+        steps.setdefault(line["step"], {}).update((name, value) for name, value in line.items() if name != "step")
+    return dict(sorted(steps.items()))
+
+
 def logged_scalars(workdir: str | pathlib.Path, step: int) -> dict[str, float]:
     """Every scalar `<workdir>/metrics.jsonl` holds for `step` (a resumed run reads back what an earlier
     process of it logged)."""
-    return {
-        name: value
-        for line in logged_lines(workdir)
-        if line["step"] == step
-        for name, value in line.items()
-        if name != "step"
-    }
+    return scalars_by_step(logged_lines(workdir)).get(step, {})
 
 
 def _duration(seconds: float) -> str:

@@ -22,7 +22,7 @@ import shutil
 from collections.abc import Callable
 
 from trace_jax import distributed
-from trace_jax.metrics import logged_lines
+from trace_jax.metrics import logged_lines, scalars_by_step
 
 BEST_DIR = "best"
 
@@ -38,14 +38,9 @@ class BestAdapter:
         self.tie_break = tie_break
         self.step: int | None = None
         self.metrics: dict[str, float] = {}
-        evaluations: dict[int, dict[str, float]] = {}
-        for line in logged_lines(workdir):  # a step's metrics may span lines (a measure added on resume)
-            if line["step"] < resume_step:
-                logged = {k: v for k, v in line.items() if k.startswith("eval/")}
-                evaluations.setdefault(line["step"], {}).update(logged)
-        for step in sorted(evaluations):
-            if "eval/reward" in evaluations[step]:
-                self._consider(step, evaluations[step])
+        for step, scalars in scalars_by_step(logged_lines(workdir)).items():
+            if step < resume_step and "eval/reward" in scalars:
+                self._consider(step, {k: v for k, v in scalars.items() if k.startswith("eval/")})
 
     @property
     def reward(self) -> float:

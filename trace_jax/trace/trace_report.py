@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from trace_jax.agent.episodes import recorded_episodes  # noqa: E402
 from trace_jax.files import read_json  # noqa: E402
 from trace_jax.lora import NO_ADAPTER  # noqa: E402
-from trace_jax.metrics import logged_lines, logged_scalars  # noqa: E402
+from trace_jax.metrics import logged_lines, scalars_by_step  # noqa: E402
 from trace_jax.report import format_table, summarize  # noqa: E402
 from trace_jax.trace.calibration import GATES, calibration_table  # noqa: E402
 from trace_jax.trace.diagnostics import diagnostics_table  # noqa: E402
@@ -98,36 +98,39 @@ def _plot_calibration(results: list[dict], settings: dict, path: pathlib.Path) -
     plt.close(fig)
 
 
-def _training_curves(workdir: pathlib.Path, names: list[str]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+def _adapter_logs(workdir: pathlib.Path, names: list[str]) -> dict[str, dict[int, dict[str, float]]]:
+    """Per adapter, its GRPO job's logged scalars by step."""
+    return {name: scalars_by_step(logged_lines(workdir / "adapters" / name)) for name in names}
+
+
+def _training_curves(logs: dict[str, dict[int, dict[str, float]]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """Per adapter, its training reward by GRPO step: "all" episodes, and where its environment mixes variants
-    each variant's ("<variant>") and its unhinted episodes' ("<variant> unhinted"), from the job's metrics."""
+    each variant's ("<variant>") and its unhinted episodes' ("<variant> unhinted")."""
     curves = {}
-    for name in names:
+    for name, steps in logs.items():
         series: dict[str, list[tuple[int, float]]] = collections.defaultdict(list)
-        for line in logged_lines(workdir / "adapters" / name):
-            for key, value in line.items():
+        for step, scalars in steps.items():
+            for key, value in scalars.items():
                 parts = key.split("/")
                 if key == "rollout/reward":
-                    series["all"].append((line["step"], value))
+                    series["all"].append((step, value))
                 elif len(parts) == 3 and parts[0] == "rollout" and parts[2] in ("reward", "unhinted_reward"):
                     label = parts[1] if parts[2] == "reward" else f"{parts[1]} unhinted"
-                    series[label].append((line["step"], value))
+                    series[label].append((step, value))
         curves[name] = dict(series)
     return curves
 
 
-def _heldout_curves(workdir: pathlib.Path, names: list[str]) -> dict[str, dict[str, list[tuple[int, float]]]]:
+def _heldout_curves(logs: dict[str, dict[int, dict[str, float]]]) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """Per adapter, its held-out evaluations by GRPO step: "reward" and, where logged, "gold_logp" (the gold turns'
-    likelihood, `training.eval.ties`); a step's metrics may span lines."""
-    curves = {}
-    for name in names:
-        by_step: dict[str, dict[int, float]] = {"reward": {}, "gold_logp": {}}
-        for line in logged_lines(workdir / "adapters" / name):
-            for key in by_step:
-                if f"eval/{key}" in line:
-                    by_step[key][line["step"]] = line[f"eval/{key}"]
-        curves[name] = {key: sorted(values.items()) for key, values in by_step.items()}
-    return curves
+    likelihood, `training.eval.ties`)."""
+    return {
+        name: {
+            key: [(step, scalars[f"eval/{key}"]) for step, scalars in steps.items() if f"eval/{key}" in scalars]
+            for key in ("reward", "gold_logp")
+        }
+        for name, steps in logs.items()
+    }
 
 
 def _plot_training(
@@ -218,15 +221,15 @@ def _side_by_side(rows: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def _adapter_line(name: str, folder: pathlib.Path) -> str:
+def _adapter_line(name: str, folder: pathlib.Path, steps: dict[int, dict[str, float]]) -> str:
     """The adapter's folder, and with `training.eval.keep_best` the step it was kept from and its held-out reward
     against the base's on the capability environment's held-out tasks (the GRPO job's summary.json), with the gold
-    turns' likelihood of both where the job logged it (`training.eval.ties`)."""
+    turns' likelihood of both where the job logged it (`training.eval.ties`; `steps`: the job's scalars by step)."""
     summary_path = folder.parent / "summary.json"
     job = read_json(summary_path) if summary_path.is_file() else {}
     if "best_step" not in job:
         return f"- {name}: `{folder}`"
-    gold = [logged_scalars(folder.parent, step).get("eval/gold_logp") for step in (job["best_step"], 0)]
+    gold = [steps.get(step, {}).get("eval/gold_logp") for step in (job["best_step"], 0)]
     likelihood = f"; gold turns' logprob {gold[0]:.2f}, base {gold[1]:.2f}" if None not in gold else ""
     return (
         f"- {name}: `{folder}`, step {job['best_step']} of {job['steps']} kept (held-out reward "
@@ -247,8 +250,9 @@ def write_report(workdir: pathlib.Path, stages: dict, config: ml_collections.Con
     rows = {"base": summarize(base_records, 1), "TRACE": summarize(trace_records, 1)}
     _plot_selection(analysis["candidates"], analysis["settings"], plots / "selection.png")
     _plot_calibration([c for c in calibrations if c["tries"]], config.calibration.to_dict(), plots / "calibration.png")
-    curves = _training_curves(workdir, list(adapters))
-    _plot_training(curves, _heldout_curves(workdir, list(adapters)), plots / "training.png")
+    logs = _adapter_logs(workdir, list(adapters))
+    curves = _training_curves(logs)
+    _plot_training(curves, _heldout_curves(logs), plots / "training.png")
     _plot_heldout(rows, plots / "heldout.png")
     counts = collections.Counter(routing["by_task"].values())
     labels = routing["labels"]
@@ -272,7 +276,7 @@ def write_report(workdir: pathlib.Path, stages: dict, config: ml_collections.Con
         *(f"\n- {c['capability']}: dropped ({c['reason']})" for c in calibrations if not c["calibrated"]),
         "\n![calibration](plots/calibration.png)\n",
         "## 3. Adapters\n",
-        *(_adapter_line(name, pathlib.Path(folder)) for name, folder in adapters.items()),
+        *(_adapter_line(name, pathlib.Path(folder), logs[name]) for name, folder in adapters.items()),
         "\nTraining reward per variant (unhinted: the episodes played without the hint):\n",
         _variant_table(curves),
         "\n![training](plots/training.png)\n",
