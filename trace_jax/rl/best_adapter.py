@@ -19,26 +19,32 @@ from __future__ import annotations
 import math
 import pathlib
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from trace_jax import distributed
-from trace_jax.metrics import logged_lines, scalars_by_step
 
 BEST_DIR = "best"
 
 
 class BestAdapter:
-    """The best evaluated step so far of the run in `workdir`, read back from its logged evaluations of the steps
+    """The best evaluated step so far of the run in `workdir`, taken from its logged evaluations of the steps
     before `resume_step`."""
 
-    def __init__(self, workdir: pathlib.Path, resume_step: int, tie_break: str | None = None):
-        """`tie_break`: the logged metric ("eval/...") whose higher value wins a tie of the held-out reward; None
-        keeps the earlier step."""
+    def __init__(
+        self,
+        workdir: pathlib.Path,
+        logged: Mapping[int, Mapping[str, float]],
+        resume_step: int,
+        tie_break: str | None = None,
+    ):
+        """`logged`: the run's scalars by step (`metrics.scalars_by_step`; in a run of several processes process
+        0's log given to all, so that every process keeps the same step). `tie_break`: the logged metric
+        ("eval/...") whose higher value wins a tie of the held-out reward; None keeps the earlier step."""
         self.folder = workdir / BEST_DIR
         self.tie_break = tie_break
         self.step: int | None = None
         self.metrics: dict[str, float] = {}
-        for step, scalars in scalars_by_step(logged_lines(workdir)).items():
+        for step, scalars in sorted(logged.items()):
             if step < resume_step and "eval/reward" in scalars:
                 self._consider(step, {k: v for k, v in scalars.items() if k.startswith("eval/")})
 

@@ -72,7 +72,7 @@ from absl import logging
 from trace_jax import distributed, lora
 from trace_jax.envs import check_environment
 from trace_jax.files import read_json, write_json_atomic, write_jsonl_atomic
-from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
+from trace_jax.metrics import MetricsWriter, Progress, logged_lines, scalars_by_step
 from trace_jax.rl.advantages import compute_advantages
 from trace_jax.rl.batching import pack_sequences, padded_tokens
 from trace_jax.rl.best_adapter import BestAdapter
@@ -202,6 +202,19 @@ def _gold_likelihood(settings: EpisodeGrpoSettings, source: EnvironmentRollouts,
     )
 
 
+def _measure_gold_where_missing(
+    logged: dict[int, dict[str, float]], resume_step: int, measure: Callable[[int], float], writer: MetricsWriter
+) -> None:
+    """For a run resumed from before `eval/gold_logp` was logged: the base's (step 0) and the resumed step's gold
+    turns' likelihood, `measure(adapter_idx)`, where their evaluation is logged without it; added to `logged` and
+    written to the log."""
+    for step, adapter_idx in ({0: lora.NO_ADAPTER} | ({resume_step: ADAPTER} if resume_step else {})).items():
+        scalars = logged.get(step, {})
+        if "eval/reward" in scalars and GOLD_METRIC not in scalars:
+            scalars[GOLD_METRIC] = measure(adapter_idx)
+            writer.write(step, {GOLD_METRIC: scalars[GOLD_METRIC]})
+
+
 def _base_eval(workdir: pathlib.Path, evaluate: Callable[[int, int], dict[str, float]]) -> dict[str, float]:
     """The base model's held-out metrics, computed once per workdir (a resumed run reads them back)."""
     path = workdir / "base_eval.json"
@@ -220,7 +233,7 @@ def _eval_due(step: int, settings: GrpoSettings) -> bool:
 
 
 def _resumed_eval(
-    workdir: pathlib.Path,
+    logged: dict[int, dict[str, float]],
     step: int,
     evaluate: Callable[[int, int], dict[str, float]],
     writer: MetricsWriter,
@@ -228,13 +241,13 @@ def _resumed_eval(
     last: bool,
 ) -> dict[str, float] | None:
     """The held-out metrics of the checkpointed `step` a run resumes from (`last`: the run's last, its budget
-    spent): read back when logged, and evaluated now when a kill interrupted that evaluation (an environment's
-    resumes from its episodes)."""
+    spent): read back from `logged` (the run's scalars by step), and evaluated now when a kill interrupted that
+    evaluation (an environment's resumes from its episodes)."""
     if not (_eval_due(step, settings) or (last and settings.eval.num_tasks > 0)):
         return None
-    logged = {k: v for k, v in logged_scalars(workdir, step).items() if k.startswith("eval/")}
-    if "eval/reward" in logged:
-        return logged
+    scalars = {k: v for k, v in logged.get(step, {}).items() if k.startswith("eval/")}
+    if "eval/reward" in scalars:
+        return scalars
     metrics = evaluate(ADAPTER, step)
     writer.write(step, metrics)
     return metrics
@@ -311,22 +324,24 @@ def _train(settings: EpisodeGrpoSettings | CompletionGrpoSettings, workdir: str 
         else None
     )
 
+    # The run's log as process 0 holds it, given to every process: whether a step is evaluated again, measured
+    # or exported must be the same choice on all of them (each takes part in those computations).
+    logged = distributed.on_main(lambda: scalars_by_step(logged_lines(workdir)))
     latest_eval = (
         base
         if state.step == 0
         else _resumed_eval(
-            workdir, state.step, evaluate, writer, settings, budget_spent(settings, _episodes(state, settings))
+            logged, state.step, evaluate, writer, settings, budget_spent(settings, _episodes(state, settings))
         )
     )
-    if gold is not None:  # a run resumed from before the measure was logged: the base's and the resumed step's
-        for step, adapter_idx in ((0, lora.NO_ADAPTER), (state.step, ADAPTER)):
-            logged = logged_scalars(workdir, step)
-            if "eval/reward" in logged and GOLD_METRIC not in logged:
-                writer.write(step, {GOLD_METRIC: gold(run.params, state.adapter_weights, state.scale, adapter_idx)})
-                if latest_eval is not None and step == state.step:
-                    latest_eval = logged_scalars(workdir, step)
+    if gold is not None:
+        _measure_gold_where_missing(
+            logged, state.step, lambda idx: gold(run.params, state.adapter_weights, state.scale, idx), writer
+        )
+        if latest_eval is not None and GOLD_METRIC in logged.get(state.step, {}):
+            latest_eval = {**latest_eval, GOLD_METRIC: logged[state.step][GOLD_METRIC]}
     tie_break = GOLD_METRIC if gold is not None else None
-    best = BestAdapter(workdir, state.step, tie_break) if settings.eval.keep_best else None
+    best = BestAdapter(workdir, logged, state.step, tie_break) if settings.eval.keep_best else None
     if best is not None and latest_eval is not None:  # step 0's base, or the step resumed from
         best.offer(state.step, latest_eval, functools.partial(export_adapter, run, weights=state.adapter_weights))
     progress = Progress(steps, start=state.step, every_s=settings.log_every_s)
