@@ -85,14 +85,21 @@ def test_two_processes_run_the_task_set_as_one(tiny_run, tiny_chat_model, job_en
     assert (two_dir / "adapter" / "adapter_config.json").is_file()
 
 
-def test_a_finished_run_rerun_keeps_its_adapter_files(tiny_run, tiny_chat_model, job_env, tmp_path):
-    """A finished job run again (as the experiment does when an arm's held-out evaluation was interrupted)
-    exports the same adapter without rewriting its files, so their fingerprint, to which an evaluation of the
-    adapter ties its episodes, is the one before: the evaluation resumes instead of starting afresh."""
+def test_a_finished_run_run_again_returns_its_summary(tiny_run, tiny_chat_model, job_env, tmp_path):
+    """A finished job run again (as the experiment and the pipeline do when a later stage was interrupted), from
+    a copy of its workdir without checkpoints (a result committed without them, taken up on another machine),
+    returns its summary and rewrites nothing: no second run from the first step, and the adapter's files keep the
+    fingerprint to which an evaluation of it ties its episodes, so that evaluation resumes."""
     workdir, summary, _ = tiny_run
     rerun = tmp_path / "run"
-    shutil.copytree(workdir, rerun)  # modification times kept
-    before = weights_fingerprint(rerun / "adapter")
+    shutil.copytree(workdir, rerun, ignore=shutil.ignore_patterns("checkpoints"))  # modification times kept
+    # every file as it was (the lock and the marker, which the job takes and checks, aside)
+    files = lambda: {
+        p: (p.stat().st_mtime_ns, p.read_bytes())
+        for p in rerun.rglob("*")
+        if p.is_file() and p.name not in {".lock", "job.json"}
+    }
+    before, fingerprint = files(), weights_fingerprint(rerun / "adapter")
     out = subprocess.run(
         _tiny_model_command(rerun, tiny_chat_model),
         cwd=REPO,
@@ -102,8 +109,10 @@ def test_a_finished_run_rerun_keeps_its_adapter_files(tiny_run, tiny_chat_model,
         timeout=600,
     )
     assert out.returncode == 0, failure_report(out)
-    assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == summary["steps"]
-    assert weights_fingerprint(rerun / "adapter") == before
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == summary  # the first run's, its seconds included
+    assert "finished before" in out.stderr and "step 1/" not in out.stderr
+    assert files() == before and weights_fingerprint(rerun / "adapter") == fingerprint
+    assert not (rerun / "checkpoints").exists()
 
 
 @pytest.mark.parametrize(

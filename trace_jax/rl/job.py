@@ -1,11 +1,12 @@
 """What the adapter-training jobs (GRPO, SFT) share: the settings every one's config holds, the model on its
-mesh, one LoRA adapter with its optimizer state (fresh or restored from the workdir), and the
-end of a run (PEFT export of the adapter)."""
+mesh, one LoRA adapter with its optimizer state (fresh or restored from the workdir), the end of a run (PEFT export
+of the adapter) and a finished run's summary, returned instead of a second run."""
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,6 +15,7 @@ import optax
 from absl import logging
 
 from trace_jax import distributed, lora
+from trace_jax.files import read_json
 from trace_jax.models.model import DTYPES, Model, load_model
 from trace_jax.rl.checkpoint import Checkpointer, TrainState
 from trace_jax.rl.learner import make_optimizer
@@ -161,3 +163,19 @@ def export_adapter(run: TrainingRun, out: pathlib.Path, weights=None) -> pathlib
     # every process may load it next (an evaluation of it)
     distributed.on_main(lambda: lora.save_peft(adapters, out, index=ADAPTER, base_model=str(run.model.path)))
     return out
+
+
+SUMMARY = "summary.json"  # written last of all when a job's run ends
+
+
+def unless_finished(workdir: str | pathlib.Path, run: Callable[[], dict]) -> dict:
+    """`run()`, unless the job in `workdir` has finished: then the summary it wrote last, as it is. A finished
+    job's workdir may lack its checkpoints (a result committed without them, or copied to another machine), and
+    resuming from no checkpoint would train again from the first step; its adapter/ and logs are kept as they are.
+    Every process of a multi-process job takes process 0's answer."""
+    path = pathlib.Path(workdir) / SUMMARY
+    summary = distributed.on_main(lambda: read_json(path) if path.is_file() else None)
+    if summary is None:
+        return run()
+    logging.info("the run in %s finished before: its summary is returned, nothing is run again", workdir)
+    return summary

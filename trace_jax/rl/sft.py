@@ -32,7 +32,15 @@ from trace_jax.metrics import MetricsWriter, Progress, logged_scalars
 from trace_jax.rl.batching import LearnerSequence, learned_tokens, pack_sequences, padded_tokens
 from trace_jax.rl.checkpoint import TrainState
 from trace_jax.rl.gold_likelihood import gold_trajectories
-from trace_jax.rl.job import ADAPTER, JobSettings, TrainSettings, export_adapter, start_run
+from trace_jax.rl.job import (
+    ADAPTER,
+    SUMMARY,
+    JobSettings,
+    TrainSettings,
+    export_adapter,
+    start_run,
+    unless_finished,
+)
 from trace_jax.rl.learner import frozen_inputs, make_train_step
 from trace_jax.rl.learner_batch import LearnerBatch
 from trace_jax.settings import REQUIRED, from_config, is_bool, is_dict, positive_int, setting
@@ -127,10 +135,11 @@ class FrozenStreams:
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict:
     """Runs (or resumes) the job in `workdir`, which it holds meanwhile and resumes only with the same
-    result-deciding settings (`workdirs.claimed`); returns the summary also written to summary.json."""
+    result-deciding settings (`workdirs.claimed`); returns the summary also written to summary.json. A finished
+    run is not run again (`job.unless_finished`)."""
     settings = validate_config(config)
     with claimed(workdir, "sft", config.to_dict(), main=distributed.is_main()):
-        return _train(settings, workdir)
+        return unless_finished(workdir, lambda: _train(settings, workdir))
 
 
 def _train(settings: SftSettings, workdir: str | pathlib.Path) -> dict:
@@ -224,5 +233,5 @@ def _train(settings: SftSettings, workdir: str | pathlib.Path) -> dict:
         "final_loss": metrics.get("learner/loss", logged_scalars(workdir, state.step).get("learner/loss")),
         "seconds": round(time.monotonic() - start_time, 1),
     }
-    distributed.on_main(lambda: write_json_atomic(workdir / "summary.json", summary))
+    distributed.on_main(lambda: write_json_atomic(workdir / SUMMARY, summary))
     return summary

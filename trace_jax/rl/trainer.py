@@ -40,7 +40,8 @@ Everything a resumed run needs is in the checkpoint (adapter, optimizer state, s
 RNG key, task cursor, wall time so far), and step k's sampling key is folded from the run key and k, so a
 run killed after any checkpoint and restarted on the same workdir continues exactly as if
 it had never stopped; a step's metrics are logged before its evaluation, and an evaluation a kill
-interrupted is made on resume (an environment's plays only the episodes it lacks). Files in the
+interrupted is made on resume (an environment's plays only the episodes it lacks). A finished run (its summary.json
+written) is not run again, checkpoints or none (`job.unless_finished`). Files in the
 workdir: checkpoints/, tensorboard/, metrics.jsonl, base_eval.json, summary.json (and, for
 environments, eval/ and rollouts/step_<k>.jsonl: every training episode of step k, messages and
 reward components, as the evaluation job records them), adapter/ (PEFT) at the end, and snapshots/step_<k>/
@@ -81,7 +82,7 @@ from trace_jax.rl.curriculum import env_parts
 from trace_jax.rl.environment_rollouts import EnvironmentRollouts, hinted_per_group
 from trace_jax.rl.gold_likelihood import GoldLikelihood
 from trace_jax.rl.grpo_settings import CompletionGrpoSettings, EpisodeGrpoSettings, GrpoSettings
-from trace_jax.rl.job import ADAPTER, export_adapter, start_run
+from trace_jax.rl.job import ADAPTER, SUMMARY, export_adapter, start_run, unless_finished
 from trace_jax.rl.learner import make_rescore_fn, make_train_step
 from trace_jax.rl.losses import LossConfig
 from trace_jax.rl.resampling import sample_informative
@@ -255,10 +256,11 @@ def _resumed_eval(
 
 def train(config: ml_collections.ConfigDict, workdir: str | pathlib.Path) -> dict[str, float]:
     """Runs (or resumes) the job in `workdir`, which it holds meanwhile and resumes only with the same
-    result-deciding settings (`workdirs.claimed`); returns the summary also written to summary.json."""
+    result-deciding settings (`workdirs.claimed`); returns the summary also written to summary.json. A finished
+    run is not run again (`job.unless_finished`)."""
     settings = validate_config(config)
     with claimed(workdir, "grpo", config.to_dict(), main=distributed.is_main()):
-        return _train(settings, workdir)
+        return unless_finished(workdir, lambda: _train(settings, workdir))
 
 
 def _train(settings: EpisodeGrpoSettings | CompletionGrpoSettings, workdir: str | pathlib.Path) -> dict[str, float]:
@@ -453,5 +455,5 @@ def _train(settings: EpisodeGrpoSettings | CompletionGrpoSettings, workdir: str 
         "rollouts": _episodes(state, settings),
         "seconds": round(elapsed(), 1),
     }  # over every process of the run, less work lost to a kill
-    distributed.on_main(lambda: write_json_atomic(workdir / "summary.json", summary))
+    distributed.on_main(lambda: write_json_atomic(workdir / SUMMARY, summary))
     return summary
