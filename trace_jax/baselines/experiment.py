@@ -48,6 +48,7 @@ from trace_jax.files import read_json, write_json_atomic
 from trace_jax.llm import LlmSettings
 from trace_jax.metrics import MetricsWriter, logged_lines
 from trace_jax.report import paired, summarize
+from trace_jax.rl import job
 from trace_jax.rl import trainer as grpo
 from trace_jax.settings import from_config, is_str, none_or, nonempty_str, positive_int, setting
 from trace_jax.trace.pipeline import (
@@ -203,13 +204,13 @@ class Experiment:
         evaluate_alone(self.config.trace, self.trace_dir, missing)
         environments = pipeline.stages["environments"]["result"]
         cards = read_json(self.trace_dir / "analysis" / "capabilities.json")["candidates"]
-        jobs = {n: read_json(self.trace_dir / "adapters" / n / "summary.json") for n in adapters}
-        rollouts = {n: job["rollouts"] for n, job in jobs.items()}
+        jobs = {n: read_json(self.trace_dir / "adapters" / n / job.SUMMARY) for n in adapters}
+        rollouts = {n: done["rollouts"] for n, done in jobs.items()}
         return {
             "trace_rollouts": sum(rollouts.values()),
             "rollouts_by_capability": rollouts,
             "adapters": adapters,
-            "steps_by_capability": {n: job["steps"] for n, job in jobs.items()},
+            "steps_by_capability": {n: done["steps"] for n, done in jobs.items()},
             "episodes_dir": str(self.trace_dir / "heldout" / "trace"),
             "examples": pipeline.stages["routing"]["result"].get("examples", {}),
             "trace_seconds": summary["seconds"],

@@ -23,6 +23,7 @@ from trace_jax.files import read_json  # noqa: E402
 from trace_jax.lora import NO_ADAPTER  # noqa: E402
 from trace_jax.metrics import logged_lines, scalars_by_step  # noqa: E402
 from trace_jax.report import format_table, summarize  # noqa: E402
+from trace_jax.rl.job import SUMMARY  # noqa: E402
 from trace_jax.trace.calibration import GATES, calibration_table  # noqa: E402
 from trace_jax.trace.diagnostics import diagnostics_table  # noqa: E402
 
@@ -225,7 +226,7 @@ def _adapter_line(name: str, folder: pathlib.Path, steps: dict[int, dict[str, fl
     """The adapter's folder, and with `training.eval.keep_best` the step it was kept from and its held-out reward
     against the base's on the capability environment's held-out tasks (the GRPO job's summary.json), with the gold
     turns' likelihood of both where the job logged it (`training.eval.ties`; `steps`: the job's scalars by step)."""
-    summary_path = folder.parent / "summary.json"
+    summary_path = folder.parent / SUMMARY
     job = read_json(summary_path) if summary_path.is_file() else {}
     if "best_step" not in job:
         return f"- {name}: `{folder}`"
