@@ -141,6 +141,32 @@ def test_too_hard_at_level_0_walks_into_the_scaffolded_levels_and_drops_only_at_
     assert walk_bounds(("prefill", "exact_hint", "opened_call", "written_call"), 1, 0.25) == (-4, 1)
 
 
+def _measure_variants(solved: dict[float, dict[str, int]]):
+    """10 groups of 8 of each variant `v`, `solved[d][v]` of each group's episodes scoring 1 and the rest 0."""
+
+    def measure(difficulty):
+        kinds = sorted(solved[difficulty])
+        rewards = np.concatenate([np.tile(np.arange(8) < solved[difficulty][v], (10, 1)) for v in kinds]) * 1.0
+        return rewards, rewards == 1.0, [v for v in kinds for _ in range(10)]
+
+    return measure
+
+
+def test_a_level_of_several_variants_moves_the_way_its_failing_variants_point():
+    """The mix's mean inside the band does not stop a walk one variant fails: it moves the way that variant
+    points; variants pointing opposite ways end it, saying so."""
+    config = CalibrationSettings()
+    levels = {0: {"allowed": 1, "refused": 4}, -1: {"allowed": 4, "refused": 4}}
+    down = calibrate(_measure_variants(levels), config, (-2, 0))
+    assert down["tries"][0]["mean"] == 0.3125  # the mix alone is inside the band [0.3, 0.6]
+    assert down["calibrated"] and [t["difficulty"] for t in down["tries"]] == [0, -1]
+    levels = {0: {"allowed": 1, "refused": 1}, -1: {"allowed": 7, "refused": 1}}
+    split = calibrate(_measure_variants(levels), config, (-2, 0))
+    assert not split["calibrated"] and [t["difficulty"] for t in split["tries"]] == [0, -1]
+    assert split["reason"].startswith("its variants pull opposite ways: allowed: mean reward 0.875 outside")
+    assert "refused: mean reward 0.125" in split["reason"] and split["reason"].endswith("at difficulty -1")
+
+
 def test_a_try_no_episode_solves_sends_the_walk_to_the_most_scaffolded_level_then_up():
     config = CalibrationSettings()
     levels = {0: 0.0, -1: 0.0, -2: 0.0, -3: 0.45}

@@ -12,11 +12,13 @@ by at least `INFORMATIVE_SPREAD`: a group of 0 and 0.2 teaches nothing. Gates ap
 a level mixing kinds of task passes only if each kind does, as GRPO's groups are one task each.
 pass@k is reported beside them.
 
-The walk moves the difficulty a level at a time, up when too easy and down when too hard, below 0
+The walk moves the difficulty a level at a time, up when too easy and down when too hard (a level of several
+variants: the way those outside the mean band point), below 0
 into the environment's scaffolded levels (pre-filled turns, exact hints, opened and written calls); where
 one level is too easy and the next too hard, it tries the mix of the two halfway between, halving again
 while the halves are at least `min_step` apart. An environment is dropped only when it cannot pass anywhere, with the
-reason: too hard even at its most scaffolded level, too easy at its top level, or too uniform. A
+reason: too hard even at its most scaffolded level, too easy at its top level, too uniform, or its
+variants pulling opposite ways (too easy for one kind of task where too hard for another). A
 capability whose variants are separate kinds of work (`Capability.families`) is calibrated per
 family, and trained on the families that pass, mixed; `families` ("capability/family") narrows the walk to the
 families named, for a run that targets one kind of work.
@@ -199,24 +201,30 @@ def gate_failures(stats: dict, config: CalibrationSettings) -> list[str]:
 Measure = Callable[[float], tuple[np.ndarray, np.ndarray, list[str]]]
 
 
-def _side(mean: float, config: CalibrationSettings) -> int:
-    """+1 where a mean says harder (too easy), -1 easier (too hard), 0 where it is inside the gates."""
+def _side(stats: dict, config: CalibrationSettings) -> int | None:
+    """Which way a try's mean reward points: +1 harder (too easy), -1 easier (too hard), 0 inside the gates. A try of
+    several variants points where each variant outside the gates points, and nowhere (None) where they point both
+    ways: a level that is too easy for one kind of task and too hard for another has no level that serves both."""
     g = gates(config)
-    return 1 if mean > g["max_mean"] else -1 if mean < g["min_mean"] else 0
+    parts = list(stats.get("variants", {}).values()) or [stats]
+    sides = {1 if p["mean"] > g["max_mean"] else -1 if p["mean"] < g["min_mean"] else 0 for p in parts} - {0}
+    return None if len(sides) > 1 else sides.pop() if sides else 0
 
 
 def next_difficulty(tries: list[dict], config: CalibrationSettings, bounds: tuple[int, int]) -> float | None:
     """Where the walk goes after its last try: a level further the way its mean points (within `bounds`, the most
     scaffolded and the top level), or, where a try lies within that level the other side of the gates, halfway to
     the nearest such try (while that half is >= `min_step`); None where it may not move (the gates failed on
-    spread, a bound, a try repeated).
+    spread, its variants point opposite ways, a bound, a try repeated).
 
     With `jump_unsolved`, a too-hard try in which no episode succeeded, hinted ones included, goes straight to the
     most scaffolded level where no try has been: the levels between scaffold less, so they rarely do better (on the
     embedded agent every level between a 0-of-128 try and the written call was 0 of 128 too), and each costs a try.
     From there the walk goes up as usual while a level is too easy."""
     last = tries[-1]
-    step = _side(last["mean"], config)
+    step = _side(last, config)
+    if step is None:
+        return None
     bottom_untried = all(t["difficulty"] != bounds[0] for t in tries)
     if config.jump_unsolved and step < 0 and last["success"] == 0 and bottom_untried:
         return bounds[0]
@@ -226,7 +234,7 @@ def next_difficulty(tries: list[dict], config: CalibrationSettings, bounds: tupl
         return after if step and bounds[0] <= after <= bounds[1] else None
     nearest = min(ahead, key=lambda t: abs(t["difficulty"] - last["difficulty"]))
     half = (nearest["difficulty"] - last["difficulty"]) / 2
-    if _side(nearest["mean"], config) != -step or abs(half) < config.min_step:
+    if _side(nearest, config) != -step or abs(half) < config.min_step:
         return None
     return last["difficulty"] + half
 
@@ -240,7 +248,8 @@ def _drop_reason(tries: list[dict], config: CalibrationSettings, bounds: tuple[i
         else "too hard",
         1: f"too easy even at its top level ({bounds[1]})" if last["difficulty"] == bounds[1] else "too easy",
         0: "inside the mean band but too uniform",
-    }[_side(last["mean"], config)]
+        None: "its variants pull opposite ways",
+    }[_side(last, config)]
     return f"{where}: " + "; ".join(last["failures"]) + f" at difficulty {last['difficulty']}"
 
 
