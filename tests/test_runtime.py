@@ -12,6 +12,7 @@ import sys
 
 from multiprocess import failure_report
 
+from trace_jax import runtime
 from trace_jax.runtime import compilation_cache_dir, computes_on_cpu, full_precision_matmuls
 
 
@@ -115,6 +116,16 @@ print(json.dumps({"start": start, "freed": resident_memory_gb(), "released": rel
     print(f"\n[runtime] resident GB: {gb}")
     assert gb["freed"] >= gb["start"] + 0.35  # kept after the free
     assert gb["released"] <= gb["start"] + 0.05 and gb["peak"] >= gb["start"] + 0.35
+
+
+def test_a_periodic_release_hands_the_heap_back_at_most_once_per_interval(monkeypatch):
+    released, now = [], [100.0]
+    monkeypatch.setattr(runtime, "release_freed_memory", lambda: released.append(now[0]))
+    release = runtime.PeriodicRelease(30.0, clock=lambda: now[0])
+    calls = []
+    for now[0] in (100.0, 110.0, 129.9, 130.0, 140.0, 159.0, 161.0):
+        calls.append(release())
+    assert calls == [False, False, False, True, False, False, True] and released == [130.0, 161.0]
 
 
 def test_a_process_near_the_kernels_limit_on_memory_maps_drops_its_compiled_programs():

@@ -65,6 +65,30 @@ def release_freed_memory() -> float | None:
     return resident_memory_gb()
 
 
+class PeriodicRelease:
+    """`release_freed_memory` at most once every `every_s` seconds, for a loop that runs XLA programs for a
+    long time without a natural end of phase (an evaluation of hundreds of episodes).
+
+    The retained heap fragments as programs of many shapes free arenas of many sizes: an evaluation of the
+    embedded agent held 8.3 GB resident after eight minutes, of which 3.3 GB was in use, and 4.4-4.7 GB when
+    the heap was handed back every 10 s (each call 2-107 ms). Calling it from the loop's own thread keeps the
+    release between program runs."""
+
+    def __init__(self, every_s: float, clock=time.monotonic):
+        self.every_s, self._clock = every_s, clock
+        self._last = clock()
+
+    def __call__(self) -> bool:
+        """Releases the freed heap if `every_s` have passed since the last release (or since creation);
+        returns whether it did."""
+        now = self._clock()
+        if now - self._last < self.every_s:
+            return False
+        release_freed_memory()
+        self._last = self._clock()
+        return True
+
+
 def _glibc_function(name: str):
     """The C library's function `name` on Linux (None elsewhere, or where the library lacks it: musl)."""
     if not sys.platform.startswith("linux"):
