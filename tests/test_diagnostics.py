@@ -33,16 +33,21 @@ def test_pass_rates_are_the_unbiased_pass_at_k_by_family():
     rates = pass_rates(records, 4)
     assert rates["tickets"] == 3 and rates["pass@1"] == pytest.approx((0 + 0.25 + 1) / 3)
     assert rates["pass@4"] == pytest.approx(2 / 3)
-    assert rates["by_family"]["a"] == {"pass@1": pytest.approx(0.125), "pass@4": pytest.approx(0.5)}
+    assert rates["by_family"]["a"] == {"tickets": 2, "pass@1": pytest.approx(0.125), "pass@4": pytest.approx(0.5)}
     two = pass_rates([{"task_id": "t", "family": "a", "success": s} for s in (True, False, False, False)], 2)
     assert two["pass@2"] == pytest.approx(1 - math.comb(3, 2) / math.comb(4, 2))
+    after = pass_rates([{**r, "success": r["family"] == "a"} for r in records], 4)  # a learnt, b forgotten
     table = diagnostics_table(
         {
-            "tool_calling": {"families": ["a", "b"], "samples": 4, "base": rates, "adapter": rates},
+            "tool_calling": {"families": ["a", "b"], "samples": 4, "base": rates, "adapter": after},
             "other": {"families": [], "reason": "none"},
         }
     )
-    assert table.count("\n") == 2 and "| tool_calling | a, b | 3 | 0.417 -> 0.417 | 0.667 -> 0.667 |" in table
+    assert table.splitlines()[2:] == [
+        "| tool_calling | all | 3 | 0.417 -> 0.667 | 0.667 -> 0.667 |",
+        "|  | a | 2 | 0.125 -> 1.000 | 0.500 -> 1.000 |",
+        "|  | b | 1 | 1.000 -> 0.000 | 1.000 -> 0.000 |",
+    ]
 
 
 def test_a_sampled_evaluation_plays_only_the_targeted_families_first_tickets(tmp_path):

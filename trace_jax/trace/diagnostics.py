@@ -61,13 +61,15 @@ def pass_rates(records: list[dict], k: int) -> dict:
 
     def rates(tasks: list[str]) -> dict:
         return {
-            f"pass@{j}": float(np.mean([pass_at_k(sum(per_task[t]), len(per_task[t]), j) for t in tasks]))
-            for j in (1, k)
+            "tickets": len(tasks),
+            **{
+                f"pass@{j}": float(np.mean([pass_at_k(sum(per_task[t]), len(per_task[t]), j) for t in tasks]))
+                for j in (1, k)
+            },
         }
 
     families = sorted(set(family_of.values()))
     return {
-        "tickets": len(per_task),
         **rates(list(per_task)),
         "by_family": {f: rates([t for t in per_task if family_of[t] == f]) for f in families},
     }
@@ -104,19 +106,24 @@ def run_diagnostics(
 
 
 def diagnostics_table(results: dict) -> str:
-    """One row per adapter: its targeted families, tickets, pass@1 and pass@k before -> after."""
+    """Per adapter: a row over its targeted families, then one per family (an adapter that starts to learn one
+    missing write can lose as much on another family), each with tickets, pass@1 and pass@k before -> after."""
     rows = [(name, r) for name, r in results.items() if r.get("families")]
     if not rows:
         return "(none)"
     k = rows[0][1]["samples"]
     lines = [
-        f"| capability | targeted families | tickets | pass@1 base -> adapter | pass@{k} base -> adapter |",
+        f"| capability | targeted family | tickets | pass@1 base -> adapter | pass@{k} base -> adapter |",
         "|---|---|---:|---|---|",
     ]
-    for name, r in rows:
-        lines.append(
-            f"| {name} | {', '.join(r['families'])} | {r['base']['tickets']} | "
-            f"{r['base']['pass@1']:.3f} -> {r['adapter']['pass@1']:.3f} | "
-            f"{r['base'][f'pass@{k}']:.3f} -> {r['adapter'][f'pass@{k}']:.3f} |"
+
+    def row(name: str, family: str, base: dict, adapter: dict) -> str:
+        return (
+            f"| {name} | {family} | {base['tickets']} | {base['pass@1']:.3f} -> {adapter['pass@1']:.3f} | "
+            f"{base[f'pass@{k}']:.3f} -> {adapter[f'pass@{k}']:.3f} |"
         )
+
+    for name, r in rows:
+        lines.append(row(name, "all", r["base"], r["adapter"]))
+        lines += [row("", f, r["base"]["by_family"][f], r["adapter"]["by_family"][f]) for f in r["families"]]
     return "\n".join(lines)
