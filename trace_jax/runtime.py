@@ -69,10 +69,9 @@ class PeriodicRelease:
     """`release_freed_memory` at most once every `every_s` seconds, for a loop that runs XLA programs for a
     long time without a natural end of phase (an evaluation of hundreds of episodes).
 
-    The retained heap fragments as programs of many shapes free arenas of many sizes: an evaluation of the
-    embedded agent held 8.3 GB resident after eight minutes, of which 3.3 GB was in use, and 4.4-4.7 GB when
-    the heap was handed back every 10 s (each call 2-107 ms). Calling it from the loop's own thread keeps the
-    release between program runs."""
+    The retained heap fragments as programs of many shapes free arenas of many sizes, until the free fragments
+    outweigh what is in use (docs/design.md, "Runtime settings"). Called from the loop's own thread, the release
+    falls between program runs."""
 
     def __init__(self, every_s: float, clock=time.monotonic):
         self.every_s, self._clock = every_s, clock

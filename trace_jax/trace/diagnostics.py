@@ -125,5 +125,6 @@ def diagnostics_table(results: dict) -> str:
 
     for name, r in rows:
         lines.append(row(name, "all", r["base"], r["adapter"]))
-        lines += [row("", f, r["base"]["by_family"][f], r["adapter"]["by_family"][f]) for f in r["families"]]
+        played = [f for f in r["families"] if f in r["base"]["by_family"] and f in r["adapter"]["by_family"]]
+        lines += [row("", f, r["base"]["by_family"][f], r["adapter"]["by_family"][f]) for f in played]
     return "\n".join(lines)
