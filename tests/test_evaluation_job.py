@@ -75,15 +75,15 @@ def test_an_evaluation_hands_its_freed_heap_back_when_it_ends(tmp_path, monkeypa
 
 
 def test_a_long_evaluation_hands_its_freed_heap_back_while_it_plays(tmp_path, monkeypatch):
-    """The retained heap fragments over hundreds of episodes; the episodes loop releases it as it goes
-    (`RELEASE_EVERY_S`, here 0: after every finished episode) and once more at the end."""
+    """The retained heap fragments over hundreds of episodes; the rollout engine releases it as it goes
+    (`RELEASE_EVERY_S`, here 0: every pass of its loop) and the evaluation once more at the end."""
     released = []
     monkeypatch.setattr("trace_jax.runtime.release_freed_memory", lambda: released.append(1))
-    monkeypatch.setattr("trace_jax.agent.episodes.RELEASE_EVERY_S", 0.0)
+    monkeypatch.setattr("trace_jax.agent.rollout.RELEASE_EVERY_S", 0.0)
     config = embedded_retail.get_config()
     config.num_tasks, config.log_every_s = 3, 0.0
     evaluate(config, tmp_path, agent="gold")
-    assert len(released) == 3 + 1
+    assert len(released) >= 2  # from the engine's loop (scripted agents: a pass or more), and at the end
 
 
 def test_a_second_evaluation_on_a_held_workdir_refuses_at_start_naming_the_holder(tmp_path):

@@ -22,7 +22,7 @@ import jax
 import ml_collections
 from absl import logging
 
-from trace_jax import distributed, lora, runtime
+from trace_jax import distributed, lora
 from trace_jax.agent.rollout import EpisodeSpec, RolloutEngine, Trajectory, rollout_profile
 from trace_jax.files import read_json, write_jsonl_atomic, write_text_atomic
 from trace_jax.metrics import MetricsWriter, Progress, logged_lines
@@ -31,10 +31,6 @@ from trace_jax.models.model import weights_fingerprint
 from trace_jax.report import format_table, summarize
 from trace_jax.workdirs import WorkdirMismatch, differences
 from trace_jax.workdirs import mismatch as workdir_mismatch
-
-
-# How often a long run of episodes hands its freed heap back to the OS (runtime.PeriodicRelease).
-RELEASE_EVERY_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +101,6 @@ def play_together(
         total - len(todo) + len(mine), start=total - len(todo), every_s=log_every_s, name="episode"
     )  # this process's episodes
     offset = max((r.get("elapsed_s", 0.0) for done in records for r in done), default=0.0)
-    release = runtime.PeriodicRelease(RELEASE_EVERY_S)
     start = time.monotonic()
     with contextlib.ExitStack() as stack:
         log_paths = [path if alone else _process_file(path, jax.process_index()) for path in paths]
@@ -122,7 +117,6 @@ def play_together(
             logs[run].flush()
             ended = [r for done in records for r in done]
             progress.update(len(ended), f"success {sum(r['success'] for r in ended)}/{len(ended)}")
-            release()
 
         engine = make_engine() if mine else None
         if engine:
