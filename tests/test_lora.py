@@ -208,6 +208,25 @@ def test_the_merged_folder_equals_the_adapter_applied_per_row(models, tmp_path):
     print(f"\n[lora] merged vs unmerged: max |diff| = {worst:.3g}")
 
 
+def test_a_merged_adapter_of_zero_layers_keeps_the_bases_bytes(models, tmp_path):
+    """An adapter whose B is zero (fresh, or a trained one's untrained layers) merges to the base's bytes, -0.0
+    weights included: the embedded agents' pinned adapters drop such layers, and a build from the pin must give
+    the weights a build from the trained adapter gives."""
+    m = models("llama")
+    base = tmp_path / "base"
+    shutil.copytree(m.path, base)
+    tensors = load_file(str(base / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = np.where(np.arange(tensors[name].size).reshape(tensors[name].shape) % 3 == 0, -0.0, tensors[name])
+    save_file(tensors, str(base / "model.safetensors"), metadata={"format": "pt"})
+    fresh = lora.init_adapters(jax.random.key(5), m.cfg, LoraSpec(rank=4, alpha=32, targets=ALL_TARGETS), 1)
+    lora.save_peft(fresh, tmp_path / "adapter")
+    lora.merge_peft_folder(base, tmp_path / "adapter", tmp_path / "merged")
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert np.signbit(tensors[name]).sum() > 0
+    assert all(merged[k].tobytes() == v.tobytes() for k, v in tensors.items())
+
+
 # 4. Stacking adapters of different ranks and target sets is exact (zero padding / zero fill).
 def test_stack_of_different_ranks_and_targets_equals_each_alone(models):
     m = models("llama")

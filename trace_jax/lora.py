@@ -111,7 +111,9 @@ def merge_peft_folder(
     """Writes to `out_dir` the HF folder of `base_dir`'s model with the PEFT LoRA adapter of `adapter_dir` folded
     in: W + scale * B @ A for each adapted projection, in float32 (for single-adapter serving, and the embedded
     agents). The product is formed in float64 with the rank summed in a fixed order, not by a BLAS whose
-    summation order follows the CPU, so the same two folders give the same bytes on any machine."""
+    summation order follows the CPU, so the same two folders give the same bytes on any machine. A projection
+    whose delta is all zero keeps the base's bytes (adding 0.0 would turn its -0.0 weights into +0.0), so an
+    adapter with zero layers merges as the same adapter with those layers left out does."""
     base_dir, adapter_dir = pathlib.Path(base_dir), pathlib.Path(adapter_dir)
     scale, _ = _peft_scale(adapter_dir)
     tensors = dict(iter_hf_tensors(base_dir))
@@ -124,7 +126,8 @@ def merge_peft_folder(
         delta = np.zeros((b.shape[0], a.shape[1]))
         for r in range(a.shape[0]):
             delta += np.multiply.outer(b[:, r], a[r])
-        tensors[name] = (tensors[name].astype(np.float64) + scale * delta).astype(np.float32)
+        if delta.any():
+            tensors[name] = (tensors[name].astype(np.float64) + scale * delta).astype(np.float32)
     write_hf_folder(tensors, base_dir, out_dir)
 
 
