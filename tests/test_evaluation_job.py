@@ -76,10 +76,10 @@ def test_an_evaluation_hands_its_freed_heap_back_when_it_ends(tmp_path, monkeypa
 
 def test_a_long_evaluation_hands_its_freed_heap_back_while_it_plays(tmp_path, monkeypatch):
     """The retained heap fragments over hundreds of episodes; the rollout engine releases it as it goes
-    (`RELEASE_EVERY_S`, here 0: every pass of its loop) and the evaluation once more at the end."""
+    (`UPKEEP_EVERY_S`, here 0: every pass of its loop) and the evaluation once more at the end."""
     released = []
     monkeypatch.setattr("trace_jax.runtime.release_freed_memory", lambda: released.append(1))
-    monkeypatch.setattr("trace_jax.agent.rollout.RELEASE_EVERY_S", 0.0)
+    monkeypatch.setattr("trace_jax.agent.rollout.UPKEEP_EVERY_S", 0.0)
     config = embedded_retail.get_config()
     config.num_tasks, config.log_every_s = 3, 0.0
     evaluate(config, tmp_path, agent="gold")

@@ -118,14 +118,16 @@ print(json.dumps({"start": start, "freed": resident_memory_gb(), "released": rel
     assert gb["released"] <= gb["start"] + 0.05 and gb["peak"] >= gb["start"] + 0.35
 
 
-def test_a_periodic_release_hands_the_heap_back_at_most_once_per_interval(monkeypatch):
-    released, now = [], [100.0]
+def test_the_upkeep_of_a_long_loop_runs_first_then_at_most_once_per_interval(monkeypatch):
+    released, bounded, now = [], [], [100.0]
     monkeypatch.setattr(runtime, "release_freed_memory", lambda: released.append(now[0]))
-    release = runtime.PeriodicRelease(30.0, clock=lambda: now[0])
+    monkeypatch.setattr(runtime, "bound_memory_maps", lambda: bounded.append(now[0]))
+    upkeep = runtime.Upkeep(30.0, clock=lambda: now[0])
     calls = []
     for now[0] in (100.0, 110.0, 129.9, 130.0, 140.0, 159.0, 161.0):
-        calls.append(release())
-    assert calls == [False, False, False, True, False, False, True] and released == [130.0, 161.0]
+        calls.append(upkeep())
+    assert calls == [True, False, False, True, False, False, True]
+    assert released == bounded == [100.0, 130.0, 161.0]
 
 
 def test_a_process_near_the_kernels_limit_on_memory_maps_drops_its_compiled_programs():
@@ -138,16 +140,15 @@ from trace_jax import runtime
 fns = [jax.jit(lambda x, i=i: jnp.tanh(jnp.sin(x) * i + jnp.cos(x * i)).cumsum()) for i in range(40)]
 first = [float(f(jnp.arange(64.0 + i)).sum()) for i, f in enumerate(fns)]
 held, limit = runtime.memory_maps()
-kept = runtime.bound_memory_maps(share=1.0, every_s=0)  # far from the limit: nothing happens
+kept = runtime.bound_memory_maps(share=1.0)  # far from the limit: nothing happens
 cached = sum(f._cache_size() for f in fns)
-dropped = runtime.bound_memory_maps(share=(held - 1) / limit, every_s=0)
+dropped = runtime.bound_memory_maps(share=(held - 1) / limit)
 after, _ = runtime.memory_maps()
 left = sum(f._cache_size() for f in fns)
-repeat = runtime.bound_memory_maps(share=(held - 1) / limit, every_s=0)  # measured from what the drop left
-throttled = runtime.bound_memory_maps(share=0.0, every_s=3600)  # looked just now
+repeat = runtime.bound_memory_maps(share=(held - 1) / limit)  # measured from what the drop left
 again = [float(f(jnp.arange(64.0 + i)).sum()) for i, f in enumerate(fns)]
 print(json.dumps(dict(held=held, after=after, kept=kept, cached=cached, dropped=dropped, repeat=repeat,
-                      throttled=throttled, left=left, same=again == first)))
+                      left=left, same=again == first)))
 """
     out = subprocess.run(
         [sys.executable, "-c", script],
@@ -159,6 +160,6 @@ print(json.dumps(dict(held=held, after=after, kept=kept, cached=cached, dropped=
     assert out.returncode == 0, failure_report(out)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert not result["kept"] and result["cached"] == 40
-    assert result["dropped"] and result["left"] == 0 and not result["repeat"] and not result["throttled"]
+    assert result["dropped"] and result["left"] == 0 and not result["repeat"]
     assert result["after"] < result["held"] - 40  # each program held maps of its own
     assert result["same"]

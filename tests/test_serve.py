@@ -22,7 +22,7 @@ import pytest
 from multiprocess import failure_report
 
 from launch.bench_serve import load, start_server
-from trace_jax import lora
+from trace_jax import lora, runtime
 from trace_jax.models.model import load_model
 from trace_jax.sampling import Sampler, Session
 from trace_jax.serve.engine import ChoiceUpdate, GenerationRequest, ServingEngine
@@ -390,3 +390,21 @@ def test_an_engine_error_fails_only_the_request_that_caused_it_and_the_engine_go
     (served,) = play(0)
     assert served.error is None and served.token_ids == first.token_ids
     engine.close()
+
+
+def test_the_engines_loop_keeps_its_memory_up_as_it_serves(model, monkeypatch):
+    """A server runs for days meeting new shapes: its loop hands the freed heap back and bounds its memory maps
+    (`runtime.Upkeep`, here on every pass)."""
+    kept = []
+    monkeypatch.setattr("trace_jax.serve.engine.UPKEEP_EVERY_S", 0.0)
+    monkeypatch.setattr(runtime, "release_freed_memory", lambda: kept.append("heap"))
+    monkeypatch.setattr(runtime, "bound_memory_maps", lambda: kept.append("maps"))
+    tokenizer = model.tokenizer
+    sampler = Sampler(model.cfg, model.params, decode_chunk=8, detokenize=tokenizer.decode)
+    engine = ServingEngine(sampler, sorted(tokenizer.eos_token_ids), batch=1)
+    end = queue.Queue()
+    done = lambda update: (update.error or update.finish_reason) and end.put(update)
+    engine.submit(GenerationRequest(tuple(tokenizer.apply_chat(ASK)), 4), done)
+    assert end.get(timeout=120).error is None
+    engine.close()
+    assert kept.count("heap") == kept.count("maps") >= 1

@@ -65,25 +65,27 @@ def release_freed_memory() -> float | None:
     return resident_memory_gb()
 
 
-class PeriodicRelease:
-    """`release_freed_memory` at most once every `every_s` seconds, for a loop that runs XLA programs for a
-    long time without a natural end of phase (an evaluation of hundreds of episodes).
+class Upkeep:
+    """The memory upkeep of a loop that runs XLA programs for as long as it lasts (the rollout engine's run of
+    hundreds of episodes, the server): called on every pass, it acts on the first and then at most once every
+    `every_s` seconds.
 
-    The retained heap fragments as programs of many shapes free arenas of many sizes, until the free fragments
-    outweigh what is in use (docs/design.md, "Runtime settings"). Called from the loop's own thread, the release
-    falls between program runs."""
+    It hands the freed heap back (`release_freed_memory`: programs of many shapes free arenas of many sizes, and
+    the retained heap fragments until the free fragments outweigh what is in use; docs/design.md, "Runtime
+    settings") and bounds the memory maps (`bound_memory_maps`: the process keeps every program it ran). Called
+    from the loop's own thread, both fall between program runs."""
 
     def __init__(self, every_s: float, clock=time.monotonic):
         self.every_s, self._clock = every_s, clock
-        self._last = clock()
+        self._last = float("-inf")
 
     def __call__(self) -> bool:
-        """Releases the freed heap if `every_s` have passed since the last release (or since creation);
-        returns whether it did."""
-        now = self._clock()
-        if now - self._last < self.every_s:
+        """Does the upkeep on the first call and when `every_s` have passed since the last; returns whether it
+        did."""
+        if self._clock() - self._last < self.every_s:
             return False
         release_freed_memory()
+        bound_memory_maps()
         self._last = self._clock()
         return True
 
@@ -125,35 +127,31 @@ def memory_maps() -> tuple[int, int] | None:
         return None
 
 
-_maps_seen = {"checked_at": float("-inf"), "after_drop": 0}  # `bound_memory_maps`' last look and last drop
+_maps_after_drop = [0]  # the maps `bound_memory_maps`' last drop left (a process's maps are the process's)
 
 
-def bound_memory_maps(share: float = 0.5, every_s: float = 30.0) -> bool:
+def bound_memory_maps(share: float = 0.5) -> bool:
     """Drops every compiled program (`jax.clear_caches`) once this process's memory maps are more than `share`
     of the way from what the last drop left (none at first) to the kernel's limit, so that maps which are not
     programs' cannot make it drop over and over; each program loads again from the compilation cache when next
-    run. Returns whether it dropped them. Looks at most every `every_s` seconds.
+    run. Returns whether it dropped them. It reads /proc/self/maps: a loop calls it through `Upkeep`.
 
     XLA:CPU maps every compiled kernel's code and data apart, and a process keeps every program it ran, so a
     long job meeting new shapes reaches the kernel's limit on maps (vm.max_map_count) and dies with "LLVM
     ERROR: Unable to allocate section memory". Dropping the programs frees their maps, and reloading them from
     the compilation cache is cheaper than compiling them (docs/design.md, "Runtime settings")."""
-    now = time.monotonic()
-    if now - _maps_seen["checked_at"] < every_s:
-        return False
-    _maps_seen["checked_at"] = now
     maps = memory_maps()
-    if maps is None or maps[0] <= _maps_seen["after_drop"] + share * (maps[1] - _maps_seen["after_drop"]):
+    if maps is None or maps[0] <= _maps_after_drop[0] + share * (maps[1] - _maps_after_drop[0]):
         return False
     import jax  # noqa: PLC0415 (jobs call `retain_freed_memory` before JAX is imported)
 
     jax.clear_caches()
-    _maps_seen["after_drop"] = memory_maps()[0]
+    _maps_after_drop[0] = memory_maps()[0]
     logging.info(
         "%d memory maps of the kernel's %d per process: dropped the compiled programs, %d maps left (they "
         "load again from the compilation cache; `sysctl -w vm.max_map_count=1048576` avoids the reloads)",
         *maps,
-        _maps_seen["after_drop"],
+        _maps_after_drop[0],
     )
     return True
 
