@@ -65,9 +65,11 @@ def test_a_killed_evaluation_resumes_and_a_rerun_keeps_its_episodes_or_refuses_o
 
 def test_an_evaluation_hands_its_freed_heap_back_when_it_ends(tmp_path, monkeypatch):
     """Under `retain_freed_memory` nothing goes back to the OS unless asked: a job of many evaluations (each
-    calibration try) would keep the largest one's heap for the rest of the process."""
+    calibration try) would keep the largest one's heap for the rest of the process. (The rollout engine's own
+    upkeep while it plays is left out here: the next test.)"""
     released = []
     monkeypatch.setattr("trace_jax.runtime.release_freed_memory", lambda: released.append(1))
+    monkeypatch.setattr("trace_jax.runtime.Upkeep", lambda every_s: lambda: False)
     config = embedded_retail.get_config()
     config.num_tasks, config.log_every_s = 2, 0.0
     evaluate(config, tmp_path, agent="gold")
