@@ -61,10 +61,9 @@ def test_compiled_programs_persist_in_a_folder_named_after_the_machine(tmp_path,
 
 
 _BUILD_TWICE = """
-import json, sys, jax, jax.numpy as jnp
-from trace_jax.runtime import ProgramLog
-jax.config.update("jax_compilation_cache_dir", sys.argv[1])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+import json, jax, jax.numpy as jnp
+from trace_jax.runtime import ProgramLog, enable_compilation_cache
+enable_compilation_cache()  # in $JAX_COMPILATION_CACHE_DIR
 def square_sum(x):
     return jnp.sum(x * x)
 logs = []
@@ -78,10 +77,10 @@ print(json.dumps(logs))
 
 
 def test_the_program_log_tells_a_compile_from_a_load_of_the_persistent_cache(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    out = subprocess.run(
-        [sys.executable, "-c", _BUILD_TWICE, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
-    )
+    """Also: the jobs' persistent cache keeps a program that compiles in milliseconds (a run's small programs of
+    new shapes would otherwise be compiled again by every run)."""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", _BUILD_TWICE], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, failure_report(out)
     (compiled, loaded, built), (compiled_again, loaded_again, built_again) = json.loads(out.stdout)
     assert compiled.get("jit(square_sum)") == 1 and not loaded and built == sum(compiled.values())

@@ -217,13 +217,15 @@ def compilation_cache_dir(environ: Mapping[str, str] | None = None) -> pathlib.P
 
 
 def enable_compilation_cache() -> pathlib.Path:
-    """Keeps every program that took 0.5 s or more to compile in `compilation_cache_dir()`, so a resumed
-    job, a second evaluation or a rerun benchmark loads its programs instead of compiling them again."""
+    """Keeps every compiled program in `compilation_cache_dir()`, so a resumed job, a second evaluation or a
+    rerun benchmark loads its programs instead of compiling them again. Every one, however fast it compiled: the
+    small programs a run meets as it goes (a cache of a new size, a row move at a new window) would otherwise be
+    compiled again by every run, and a run after a warm-up is to compile nothing."""
     import jax  # noqa: PLC0415 (jobs call `retain_freed_memory` before JAX is imported)
 
     folder = compilation_cache_dir()
     jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return folder
 
 
