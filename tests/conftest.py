@@ -2,7 +2,8 @@
 compilation cache for the session's processes (a fresh folder: a test's timing never depends on
 what earlier sessions left), XLA's cheapest compile except where SmolLM2 runs long, and the split
 between two pytest-xdist workers (`make test` runs `-n 2`): the tests that run jobs on SmolLM2 as
-subprocesses, one after another on one worker, first; every other module as either worker is free.
+subprocesses, one after another on one worker, first; then every other module as either worker is free, the
+slowest first.
 """
 
 import atexit
@@ -37,19 +38,45 @@ from hf_checkpoints import make_chat_checkpoint, make_checkpoint  # noqa: E402
 # Modules whose tests run jobs on SmolLM2 (subprocesses of several GB each; two at once would not fit in
 # 24 GB): they run on one worker, one after another and first. Jobs on the tiny chat model are light.
 JOB_MODULES = ("test_grpo_env_job.py",)
+# The other modules that take longest (1.5-7 minutes each on the faster CPU kind), handed out next, longest first,
+# so that the suite does not end on one of them while the other worker is idle; the rest follow in file order.
+SLOW_MODULES = (
+    "test_trace_pipeline.py",
+    "test_fused_session.py",
+    "test_gemma3.py",
+    "test_packed_learner.py",
+    "test_sft_job.py",
+    "test_grpo_job.py",
+    "test_env_writer.py",
+    "test_token_fidelity.py",
+    "test_bench_scripts.py",
+    "test_hints.py",
+)
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
 
 
 def _is_job_test(nodeid: str) -> bool:
-    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1] in JOB_MODULES
+    return _module(nodeid) in JOB_MODULES
+
+
+def _hand_out_order(nodeid: str) -> int:
+    """0 for the job modules, then the slow modules in their order, then every other module."""
+    if _is_job_test(nodeid):
+        return 0
+    module = _module(nodeid)
+    return 1 + SLOW_MODULES.index(module) if module in SLOW_MODULES else 1 + len(SLOW_MODULES)
 
 
 def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: not _is_job_test(item.nodeid))  # stable: job modules first, in their order
+    items.sort(key=lambda item: _hand_out_order(item.nodeid))  # stable: a module's tests stay in their order
 
 
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False  # hand work out in collection order: the jobs first
+        config.option.loadscopereorder = False  # hand work out in collection order: the jobs first, the slow next
 
 
 def pytest_xdist_make_scheduler(config, log):
