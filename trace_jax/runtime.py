@@ -127,7 +127,7 @@ def memory_maps() -> tuple[int, int] | None:
         return None
 
 
-_maps_after_drop = [0]  # the maps `bound_memory_maps`' last drop left (a process's maps are the process's)
+_maps_after_drop = [0]  # the maps this process held right after `bound_memory_maps`' last drop (0: none yet)
 
 
 def bound_memory_maps(share: float = 0.5) -> bool:
