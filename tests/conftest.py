@@ -38,7 +38,7 @@ from hf_checkpoints import make_chat_checkpoint, make_checkpoint  # noqa: E402
 # Modules whose tests run jobs on SmolLM2 (subprocesses of several GB each; two at once would not fit in
 # 24 GB): they run on one worker, one after another and first. Jobs on the tiny chat model are light.
 JOB_MODULES = ("test_grpo_env_job.py",)
-# The other modules that take longest (1.5-7 minutes each on the faster CPU kind), handed out next, longest first,
+# The other modules that take longest (1-7 minutes each on the faster CPU kind), handed out next, longest first,
 # so that the suite does not end on one of them while the other worker is idle; the rest follow in file order.
 SLOW_MODULES = (
     "test_trace_pipeline.py",
