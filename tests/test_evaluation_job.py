@@ -69,7 +69,7 @@ def test_an_evaluation_hands_its_freed_heap_back_when_it_ends(tmp_path, monkeypa
     upkeep while it plays is left out here: the next test.)"""
     released = []
     monkeypatch.setattr("trace_jax.runtime.release_freed_memory", lambda: released.append(1))
-    monkeypatch.setattr("trace_jax.runtime.Upkeep", lambda every_s: lambda: False)
+    monkeypatch.setattr("trace_jax.runtime.Upkeep", lambda every_s=None: lambda: False)
     config = embedded_retail.get_config()
     config.num_tasks, config.log_every_s = 2, 0.0
     evaluate(config, tmp_path, agent="gold")
@@ -78,10 +78,10 @@ def test_an_evaluation_hands_its_freed_heap_back_when_it_ends(tmp_path, monkeypa
 
 def test_a_long_evaluation_hands_its_freed_heap_back_while_it_plays(tmp_path, monkeypatch):
     """The retained heap fragments over hundreds of episodes; the rollout engine releases it as it goes
-    (`UPKEEP_EVERY_S`, here 0: every pass of its loop) and the evaluation once more at the end."""
+    (`runtime.UPKEEP_EVERY_S`, here 0: every pass of its loop) and the evaluation once more at the end."""
     released = []
     monkeypatch.setattr("trace_jax.runtime.release_freed_memory", lambda: released.append(1))
-    monkeypatch.setattr("trace_jax.agent.rollout.UPKEEP_EVERY_S", 0.0)
+    monkeypatch.setattr("trace_jax.runtime.UPKEEP_EVERY_S", 0.0)
     config = embedded_retail.get_config()
     config.num_tasks, config.log_every_s = 3, 0.0
     evaluate(config, tmp_path, agent="gold")

@@ -396,7 +396,7 @@ def test_the_engines_loop_keeps_its_memory_up_as_it_serves(model, monkeypatch):
     """A server runs for days meeting new shapes: its loop hands the freed heap back and bounds its memory maps
     (`runtime.Upkeep`, here on every pass)."""
     kept = []
-    monkeypatch.setattr("trace_jax.serve.engine.UPKEEP_EVERY_S", 0.0)
+    monkeypatch.setattr("trace_jax.runtime.UPKEEP_EVERY_S", 0.0)
     monkeypatch.setattr(runtime, "release_freed_memory", lambda: kept.append("heap"))
     monkeypatch.setattr(runtime, "bound_memory_maps", lambda: kept.append("maps"))
     tokenizer = model.tokenizer

@@ -65,18 +65,21 @@ def release_freed_memory() -> float | None:
     return resident_memory_gb()
 
 
+UPKEEP_EVERY_S = 30.0  # how often a long loop's `Upkeep` acts (after its first pass)
+
+
 class Upkeep:
     """The memory upkeep of a loop that runs XLA programs for as long as it lasts (the rollout engine's run of
     hundreds of episodes, the server): called on every pass, it acts on the first and then at most once every
-    `every_s` seconds.
+    `every_s` seconds (`UPKEEP_EVERY_S` by default).
 
     It hands the freed heap back (`release_freed_memory`: programs of many shapes free arenas of many sizes, and
     the retained heap fragments until the free fragments outweigh what is in use; docs/design.md, "Runtime
     settings") and bounds the memory maps (`bound_memory_maps`: the process keeps every program it ran). Called
     from the loop's own thread, both fall between program runs."""
 
-    def __init__(self, every_s: float, clock=time.monotonic):
-        self.every_s, self._clock = every_s, clock
+    def __init__(self, every_s: float | None = None, clock=time.monotonic):
+        self.every_s, self._clock = UPKEEP_EVERY_S if every_s is None else every_s, clock
         self._last = float("-inf")
 
     def __call__(self) -> bool:

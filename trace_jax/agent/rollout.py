@@ -44,7 +44,6 @@ from trace_jax.settings import non_negative_int, non_negative_number, none_or, n
 from trace_jax.tool_calls import parse_assistant_output
 
 MODEL = "model"  # the speaker value meaning "sample this speaker with the model"
-UPKEEP_EVERY_S = 30.0  # how often a run hands its freed heap back and bounds its memory maps (runtime.Upkeep)
 
 
 class Scripted(Protocol):
@@ -206,7 +205,7 @@ class RolloutEngine:
         session: Session | None = None
         sampling: dict[int, _Live] = {}  # row -> the episode whose model turn it samples
         start = time.perf_counter()
-        upkeep = runtime.Upkeep(UPKEEP_EVERY_S)  # a long run meets many shapes: memory maps, a fragmented heap
+        upkeep = runtime.Upkeep()  # a long run meets many shapes: memory maps, a fragmented heap
         while queue or live:
             upkeep()
             while queue and len(live) < self.config.batch_size and len(free_rows) >= self._rows_per_episode:

@@ -30,7 +30,6 @@ from absl import logging
 from trace_jax import lora, runtime
 from trace_jax.sampling import Sampler, Session, common_prefix_length
 
-UPKEEP_EVERY_S = 30.0  # how often the engine's loop hands its freed heap back and bounds its maps (runtime.Upkeep)
 MIN_REUSE = 16  # a parked row is continued when it holds at least this many of a prompt's leading tokens
 INT32_MAX = (1 << 31) - 1  # the sampler's per-row settings are int32
 _UNSEEDED = 1 << 30  # random streams of requests without a seed start here; seeded ones stay below
@@ -150,7 +149,7 @@ class ServingEngine:
         self._unseeded = itertools.count()
         self._wake = threading.Condition()
         self._closed = False
-        self._upkeep = runtime.Upkeep(UPKEEP_EVERY_S)
+        self._upkeep = runtime.Upkeep()  # its loop's freed heap and memory maps
         self.stats = collections.Counter()  # requests, choices, prompt/cached/generated tokens
         self._thread = threading.Thread(target=self._loop, name="serving-engine", daemon=True)
         self._thread.start()
