@@ -14,13 +14,14 @@ needed: compiled, or loaded from the persistent compilation cache that an earlie
 
 `efficiency` measures the engine's own overhead rather than its workload: `ideal_s` / the engine's wall time,
 where `ideal_s` is what the sampler's jitted calls take, timed in the same run after a warm-up, to do the same
-token work with no host work and no compiles: the tokens the timed run prefilled (its rows' own and its shared
-system prompts'; not the openings it copied from rows holding them) prefilled in `batch_size` equal rows of
-the run's tokens sharing no prefix, and its generated tokens decoded at the engine's mean busy rows per decode
-step in rows of the run's own conversations (which share their system prompt, as the run's rows do). Each token
-sits at the mean position where the run fed, or generated, such a token: a token attends to every position
-before it (one after the 3.4k-token system prompt costs about twice one near the start), so an ideal of short
-prompts would count the workload's attention as the engine's overhead. Beside it: `programs_compiled_timed`
+token work with no host work and no compiles. Prefill: the tokens the timed run prefilled (its rows' own and its
+shared system prompts'; not the openings it copied from rows holding them) appended in full-batch chunks of
+`prefill_chunk` tokens to `batch_size` rows by the sampler's `prefill` program, in place, each call's chunk at
+the mean position of a token the run prefilled (`rollout_profile`'s `prefill_position`). Decode: its generated
+tokens decoded at the engine's mean busy rows per decode step in rows of the run's own conversations (which share
+their system prompt, as the run's rows do), at the mean position of a generated token. A token attends to every
+position before it (one after the 3.4k-token system prompt costs about twice one near the start), so an ideal of
+short prompts would count the workload's attention as the engine's overhead. Beside it: `programs_compiled_timed`
 (programs XLA compiled during the timed run, each one the engine did not have after its warm-up; by name in
 `profile.compiled_in_timed_run`, and those loaded from the persistent compilation cache apart),
 `programs_total`, `decode_steps_per_call`, `host_s`, the backend and the device.
@@ -35,6 +36,7 @@ import math
 import time
 
 import jax
+import numpy as np
 from absl import app, flags, logging
 
 from launch import agents
@@ -42,6 +44,7 @@ from launch.sampler_flags import SAMPLER_POLICY
 from trace_jax import runtime
 from trace_jax.agent.rollout import EpisodeSpec, RolloutConfig, RolloutEngine, rollout_profile
 from trace_jax.envs.embedded_retail import EmbeddedRetail
+from trace_jax.lora import NO_ADAPTER
 from trace_jax.models.model import load_model
 from trace_jax.sampling import Sampler
 
@@ -67,22 +70,6 @@ def _time_sampler(sampler: Sampler, prompts: list[list[int]], new_tokens: int) -
     return seconds
 
 
-def _tokens_after(sampler: Sampler, prompts: list[list[int]], position: int, new_tokens: int) -> float:
-    """Seconds `generate` spends on `prompts` past their first `position` tokens with `new_tokens` new ones: the
-    time with the prompts' heads minus the time of the heads alone (each timed as `_time_sampler` does)."""
-    seconds = _time_sampler(sampler, prompts, new_tokens)
-    if position:
-        seconds -= _time_sampler(sampler, [p[:position] for p in prompts], 1)
-    return max(seconds, 0.0)
-
-
-def _distinct_rows(conversations: list[list[int]], rows: int, length: int) -> list[list[int]]:
-    """`rows` prompts of `length` tokens that share no prefix: consecutive cuts of the run's tokens, cycled."""
-    stream = [token for ids in conversations for token in ids]
-    stream = stream * math.ceil(rows * length / len(stream))
-    return [stream[i * length : (i + 1) * length] for i in range(rows)]
-
-
 def _conversations(conversations: list[list[int]], rows: int, length: int) -> list[list[int]]:
     """`rows` prompts of `length` tokens: the run's conversations from their start (so that rows share the system
     prompt as the run's episodes do), each continued where it is shorter by the run's other tokens."""
@@ -98,6 +85,30 @@ def _conversations(conversations: list[list[int]], rows: int, length: int) -> li
     return prompts
 
 
+def _prefill_seconds(sampler: Sampler, rows: int, tokens: int, position: float) -> float:
+    """The sampler's own time to prefill `tokens` tokens in full-batch chunks at mean position `position`: calls
+    of its `prefill` program appending `prefill_chunk` tokens to each of `rows` rows, in place, to a cache of
+    exactly the positions the call reaches, the chunk centred on `position`; the median of three calls after a
+    warm-up call, times the calls `tokens` fill. An attention's cost grows linearly with its position, so a call at
+    the mean position costs the mean call. The positions before the chunk hold zeros: values do not change
+    the arithmetic."""
+    chunk = sampler.prefill_chunk
+    head = min(max(0, round(position - chunk / 2)), sampler.max_context - chunk)
+    cache = sampler.new_cache(rows, head + chunk)
+    batch = cache.batch
+    put = lambda values: sampler.put(np.asarray(values, np.int32), "batch")
+    ids, lengths = put(np.ones((batch, chunk))), np.full((batch,), head)
+    num_new, adapter = put(np.full((batch,), chunk)), put(np.full((batch,), NO_ADAPTER))
+    times = []
+    for _ in range(4):
+        cache = cache.replace(lengths=put(lengths))
+        start = time.perf_counter()
+        logits, cache = sampler.programs.prefill(sampler.params, sampler.adapters, cache, ids, num_new, adapter)
+        logits.block_until_ready()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:])) * tokens / (batch * chunk)
+
+
 def _ideal_seconds(
     sampler: Sampler,
     conversations: list[list[int]],
@@ -108,18 +119,12 @@ def _ideal_seconds(
     rows: int,
     busy_rows: float,
 ) -> dict[str, float]:
-    """The sampler's own time for the token work of a run (see the module docstring): `fed` tokens prefilled in
-    `rows` rows of equal length whose mean position is `fed_position` (rows sharing no prefix: `_distinct_rows`),
-    and `generated` tokens decoded at `busy_rows` rows whose mean position is `generated_position` (rows of the
-    run's `conversations`, which share their system prompt: `_conversations`), in rounds where a row would
-    overflow the context."""
+    """The sampler's own time for the token work of a run (see the module docstring): `fed` tokens prefilled at
+    mean position `fed_position` in full-batch chunks of `rows` rows (`_prefill_seconds`), and `generated` tokens
+    decoded at `busy_rows` rows whose mean position is `generated_position` (rows of the run's `conversations`,
+    which share their system prompt: `_conversations`), in rounds where a row would overflow the context."""
+    prefill_s = _prefill_seconds(sampler, rows, fed, fed_position)
     room = sampler.max_context - 2
-    length = max(1, math.ceil(fed / rows))
-    rounds = math.ceil(length / room)
-    length = math.ceil(length / rounds)
-    head = min(max(0, round(fed_position - length / 2)), room - length)
-    prompts = _distinct_rows(conversations, rows, head + length)  # as fed tokens are: each row its own
-    prefill_s = rounds * _tokens_after(sampler, prompts, head, 1)
     busy = max(1, round(busy_rows))
     steps = max(1, round(generated / busy))
     rounds = math.ceil(steps / max(1, room - 1))
@@ -136,14 +141,10 @@ def _ideal_seconds(
     }
 
 
-def _mean_positions(trajectories) -> tuple[float, float]:
-    """The mean position in its conversation of a fed token and of a generated one, over `trajectories`."""
-    sums, counts = [0, 0], [0, 0]
-    for t in trajectories:
-        for position, generated in enumerate(t.loss_mask):
-            sums[generated] += position
-            counts[generated] += 1
-    return sums[0] / max(counts[0], 1), sums[1] / max(counts[1], 1)
+def _mean_generated_position(trajectories) -> float:
+    """The mean position in its conversation of a generated token, over `trajectories`."""
+    positions = [p for t in trajectories for p, generated in enumerate(t.loss_mask) if generated]
+    return sum(positions) / max(len(positions), 1)
 
 
 def _programs(sampler: Sampler) -> dict[str, int]:
@@ -178,14 +179,13 @@ def main(argv: list[str]) -> None:
     sampler_seconds = _time_sampler(sampler, first_prompts, per_row)
     engine_rate, sampler_rate = generated / seconds, len(first_prompts) * per_row / sampler_seconds
     profile = rollout_profile(engine.stats)
-    fed_position, generated_position = _mean_positions(trajectories)
     ideal = _ideal_seconds(
         sampler,
         [t.token_ids for t in trajectories],
         profile["prefill_tokens"] + profile["prefix_tokens"],
-        fed_position,
+        profile["prefill_position"],
         generated,
-        generated_position,
+        _mean_generated_position(trajectories),
         _BATCH.value,
         profile["rows_per_decode_step"],
     )

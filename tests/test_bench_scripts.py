@@ -46,8 +46,9 @@ def test_the_rollout_benchmark_reports_the_engines_overhead_and_its_fused_policy
     )
     ideal = out["ideal"]
     assert ideal["ideal_s"] == pytest.approx(ideal["prefill_s"] + ideal["decode_s"], abs=0.011)
-    # priced where the run did the work: fed tokens are mostly the system prompt, generated ones all come after it
-    assert 0 < ideal["prefill_position"] < ideal["decode_position"]
+    # priced where the run did the work: at the mean position of a prefilled token (the first episodes' system
+    # prompts, the rest of each episode after the heads it copied) and of a generated one
+    assert 0 < ideal["prefill_position"] == round(out["profile"]["prefill_position"]) < ideal["decode_position"]
     assert out["efficiency"] > 0 and out["ratio"] > 0 and out["episodes_per_min"] > 0
     assert out["decode_steps_per_call"] >= 1 and out["host_s"] >= 0
     assert out["profile"]["copied_rows"] >= 1  # a row starting a later episode copied the shared head

@@ -107,6 +107,8 @@ def test_a_started_row_copies_the_head_it_shares_with_a_held_conversation_and_sa
         session.release([0])  # its positions stay until the copies run, before the next call
         copied = run(session, [1, 2], held)
         assert (session.stats["copied_rows"], session.stats["copied_tokens"]) == (2, 60)
+        # prefilled: row 0's whole prompt, then what rows 1 and 2 did not copy, each after its copied head
+        assert session.stats["prefill_positions"] == sum(range(43)) + sum(range(40, 42)) + sum(range(20, 23))
         # A released row's head stays a source until the row is fed again: here for the row itself, restarted.
         assert session.start(0, prompts[0]) == len(prompts[0]) - 1
         again = run(session, [0], {0: len(prompts[0]) - 1})

@@ -76,11 +76,14 @@ def test_the_profile_splits_a_run_into_prefill_decode_and_host():
         decode_tokens=50,
         prefix_prefills=1,
         prefix_tokens=1200,
+        prefill_tokens=300,
+        prefill_positions=sum(range(1200)) + sum(range(1500, 1800)),
     )
     profile = rollout_profile(stats)
     assert (profile["prefill_s"], profile["decode_s"], profile["host_s"]) == (4.0, 5.0, 1.0)
     assert profile["rows_per_decode_step"] == 2.5 and profile["s_per_decode_step"] == 0.25
     assert (profile["prefix_prefills"], profile["prefix_tokens"], profile["prefill_calls"]) == (1, 1200, 0)
+    assert profile["prefill_position"] == (sum(range(1200)) + sum(range(1500, 1800))) / 1500  # per prefilled token
 
 
 def test_a_run_whose_episodes_all_start_at_once_takes_only_the_rows_they_use():

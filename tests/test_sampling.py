@@ -186,6 +186,27 @@ def test_a_session_feeds_rows_while_others_sample(model):
     assert row == 0 and out.token_ids == alone[0].token_ids
 
 
+def test_a_session_sums_the_positions_of_the_tokens_it_prefills(model):
+    """`stats["prefill_positions"]` is the sum of the positions in their conversations of the tokens a session
+    prefilled: a stored prefix once, then each row's own tokens after the prefix it continues and the tokens it
+    generated; an opening copied from a row holding it is not prefilled. (The rollout benchmark prices its ideal
+    prefill at their mean.)"""
+    cfg, params, _ = model
+    sampler = Sampler(cfg, params, min_shared_prefix=8, prefill_chunk=16)
+    session = sampler.session(4)
+    head = list(range(1, 21))
+    assert [session.start(r, head + [30 + r]) for r in (0, 1)] == [20, 20]  # one prefix: head, 20 tokens
+    session.feed([0, 1], [[30], [31, 32, 33]], max_new_tokens=3)
+    while session.running:
+        session.step(jax.random.key(0))
+    session.feed([0], [[40] * 18], max_new_tokens=1)  # after 20 + 1 + 3 positions, in two chunks
+    expected = sum(range(20)) + 20 + sum(range(20, 23)) + sum(range(24, 42))
+    assert session.stats["prefill_positions"] == expected
+    assert session.stats["prefix_tokens"] + session.stats["prefill_tokens"] == 20 + 1 + 3 + 18
+    assert session.start(2, head + [30]) == 20 and session.feed([2], [[30]], max_new_tokens=1) is None
+    assert session.stats["copied_rows"] == 1 and session.stats["prefill_positions"] == expected  # row 0's copied
+
+
 def test_rows_that_open_alike_are_prefilled_once_and_copied(model):
     """A GRPO group's episodes open with the same tokens: one row is prefilled, the others copy it, and
     each then samples on its own (greedy: as if prefilled alone; logprobs rescore on a full forward)."""

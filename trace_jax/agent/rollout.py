@@ -432,8 +432,8 @@ def session_rows(used: int, batch_size: int, all_rows: bool) -> int:
 def rollout_profile(stats: collections.Counter) -> dict:
     """Where a run went (`RolloutEngine.stats`): decoding, prefilling (shared system prompts, tool results, user
     turns, new episodes; openings copied from rows holding them) and the host (tools, the evaluator, encoding
-    turns), with the rows busy per decode step and, under the fused policy, the decode steps that fed rows in lanes
-    and in full (`kernels.fused`)."""
+    turns), with the rows busy per decode step, the mean position of a prefilled token in its conversation, and,
+    under the fused policy, the decode steps that fed rows in lanes and in full (`kernels.fused`)."""
     host = stats["run_s"] - stats["decode_s"] - stats["prefill_s"]
     return {
         "decode_s": round(stats["decode_s"], 1),
@@ -449,6 +449,9 @@ def rollout_profile(stats: collections.Counter) -> dict:
         "prefill_rows": stats["prefill_rows"],
         "prefill_tokens": stats["prefill_tokens"],
         "prefill_padded_tokens": stats["prefill_padded_tokens"],
+        "prefill_position": round(
+            stats["prefill_positions"] / max(stats["prefill_tokens"] + stats["prefix_tokens"], 1), 1
+        ),
         "copied_rows": stats["copied_rows"],
         "copied_tokens": stats["copied_tokens"],
         "cache_resizes": stats["resizes"],

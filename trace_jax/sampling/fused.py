@@ -40,7 +40,7 @@ from trace_jax.sampling.kernels import (
     STOP_FORMS,
     FeedRows,
 )
-from trace_jax.sampling.session import Completion, Session
+from trace_jax.sampling.session import Completion, Session, position_sum
 from trace_jax.sampling.shapes import common_prefix_length
 
 
@@ -201,7 +201,11 @@ class FusedSession(Session):
                 del self._pending[r]
         turns = {r: self._turns[r] for r in np.flatnonzero(self._rows.running).tolist()}
         self._call = _Call((tokens, logp, count, code, steps, fed_steps), turns, fed)
-        self.stats.update(decode_s=time.perf_counter() - start, prefill_tokens=int(fed.sum()))
+        self.stats.update(
+            decode_s=time.perf_counter() - start,
+            prefill_tokens=int(fed.sum()),
+            prefill_positions=position_sum(self._lengths, fed),
+        )
 
     def _copy_heads(self) -> None:
         """The started rows take the heads they share from the rows holding them (`start`), in one copy over all

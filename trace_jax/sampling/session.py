@@ -48,6 +48,13 @@ def per_row(value, n: int, dtype) -> np.ndarray:
     return arr
 
 
+def position_sum(starts, counts) -> int:
+    """The sum of the positions of `counts[i]` tokens appended after position `starts[i] - 1`, over i: what a
+    prefill adds to `Session.stats["prefill_positions"]`."""
+    starts, counts = np.asarray(starts, np.int64), np.asarray(counts, np.int64)
+    return int(np.sum(starts * counts + counts * (counts - 1) // 2))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Opening:
     """A first prompt that rows hold at the start of their own buffers (`length` positions), and the
@@ -130,8 +137,9 @@ class Session:
         self._prefixes: dict[tuple, tuple[list[int], int]] = {}  # (adapter, group) -> (tokens, slot)
         self._openings: dict[tuple, _Opening] = {}  # (prefix slot, its length, adapter, tokens) -> held opening
         self._opening_of: dict[int, tuple] = {}  # row -> the key of the opening it holds
-        # Where the time goes (for benchmarks): prefill calls, rows and tokens (and the stored prefixes'); decode
-        # calls, steps and tokens.
+        # Where the time goes (for benchmarks): prefill calls, rows and tokens (and the stored prefixes'), and the
+        # sum of the prefilled tokens' positions in their conversations (an attention's cost grows with its
+        # position); decode calls, steps and tokens.
         self.stats = collections.Counter()
 
     @property
@@ -154,7 +162,12 @@ class Session:
             start = time.perf_counter()
             self.cache, slot = sampler.add_prefix(self.cache, tokens, adapter_idx)
             jax.block_until_ready(self.cache.k)
-            self.stats.update(prefill_s=time.perf_counter() - start, prefix_prefills=1, prefix_tokens=len(tokens))
+            self.stats.update(
+                prefill_s=time.perf_counter() - start,
+                prefix_prefills=1,
+                prefix_tokens=len(tokens),
+                prefill_positions=position_sum(0, len(tokens)),
+            )
             self._prefixes[adapter_idx, group] = (tokens, slot)
         tokens, slot = self._prefixes[adapter_idx, group]
         shared = min(common_prefix_length([tokens, prompt]), len(prompt) - 1)
@@ -404,7 +417,8 @@ class Session:
         row_adapter = np.full((width,), lora_lib.NO_ADAPTER, np.int32)
         row_adapter[:n] = adapter_idx
         put, start, cache = sampler.put, time.perf_counter(), self.cache
-        reach = int(np.max(np.asarray(cache.lengths)[rows] + num_new[:n]))  # own positions filled after the feed
+        own = np.asarray(cache.lengths)[rows]
+        reach = int(np.max(own + num_new[:n]))  # own positions filled after the feed
         window = min(sampler.shapes.capacity(reach), cache.max_len)
         row_ids = put(row_ids, "batch")
         k, v, row_lengths, prefix_slot, prefix_len = sampler.programs.take_rows(
@@ -430,6 +444,7 @@ class Session:
             prefill_rows=n,
             prefill_tokens=int(num_new.sum()),
             prefill_padded_tokens=tokens.size,
+            prefill_positions=position_sum(np.asarray(cache.prefix_len)[rows] + own, num_new[:n]),
         )
 
     def step(self, key: jax.Array, *, return_early: bool = False) -> dict[int, Completion]:
