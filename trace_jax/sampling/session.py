@@ -49,8 +49,8 @@ def per_row(value, n: int, dtype) -> np.ndarray:
 
 
 def position_sum(starts, counts) -> int:
-    """The sum of the positions of `counts[i]` tokens appended after position `starts[i] - 1`, over i: what a
-    prefill adds to `Session.stats["prefill_positions"]`."""
+    """The sum over i of positions starts[i] .. starts[i] + counts[i] - 1 (the tokens a prefill appends to row i,
+    whose next position is starts[i]): what a prefill adds to `Session.stats["prefill_positions"]`."""
     starts, counts = np.asarray(starts, np.int64), np.asarray(counts, np.int64)
     return int(np.sum(starts * counts + counts * (counts - 1) // 2))
 
