@@ -417,7 +417,7 @@ class Session:
         row_adapter = np.full((width,), lora_lib.NO_ADAPTER, np.int32)
         row_adapter[:n] = adapter_idx
         put, start, cache = sampler.put, time.perf_counter(), self.cache
-        own = np.asarray(cache.lengths)[rows]
+        own = self._own_lengths()[rows]
         reach = int(np.max(own + num_new[:n]))  # own positions filled after the feed
         window = min(sampler.shapes.capacity(reach), cache.max_len)
         row_ids = put(row_ids, "batch")
@@ -444,7 +444,7 @@ class Session:
             prefill_rows=n,
             prefill_tokens=int(num_new.sum()),
             prefill_padded_tokens=tokens.size,
-            prefill_positions=position_sum(np.asarray(cache.prefix_len)[rows] + own, num_new[:n]),
+            prefill_positions=position_sum(self._prefix_lengths()[rows] + own, num_new[:n]),
         )
 
     def step(self, key: jax.Array, *, return_early: bool = False) -> dict[int, Completion]:
